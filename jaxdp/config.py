@@ -1,0 +1,321 @@
+"""ModelConfig: the DeepSeek-V3 architecture's numbers, read from a Hugging Face config.json or a preset.
+
+Every field that changes the math is read here; a field whose value jaxdp does not implement is
+refused by name (`UnsupportedConfigError`), so a checkpoint never runs with silently different math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class UnsupportedConfigError(ValueError):
+    """A config.json asks for something jaxdp does not implement; the message says what."""
+
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm_moe_dsa")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str = "deepseek_v3"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128  # dense (first_k_dense_replace) layers
+    moe_intermediate_size: int = 32
+    num_layers: int = 3
+    num_heads: int = 4
+    q_lora_rank: int | None = 32  # None: a plain q_proj
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # rope scaling, normalised: None or {"rope_type": "yarn", "factor":..., ...}
+    rope_scaling: dict[str, Any] | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    # DeepSeek sparse attention (GLM-5): the indexer picks index_topk keys per query. jaxdp runs the
+    # dense-MLA part; a context longer than index_topk would need the indexer and is refused.
+    index_topk: int | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    # FP8 block quantization of the checkpoint (dequantized on load): block size (rows, cols) or None
+    fp8_block: tuple[int, int] | None = None
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached token per layer: the normalised latent plus the roped shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return min(self.first_k_dense_replace, self.num_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim**-0.5, times mscale**2 under YaRN with mscale_all_dim (DeepSeek's convention)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs and rs.get("rope_type") == "yarn":
+            mscale_all_dim = rs.get("mscale_all_dim", 0) or 0
+            if mscale_all_dim:
+                m = yarn_get_mscale(rs["factor"], mscale_all_dim)
+                scale *= m * m
+        return scale
+
+    def with_(self, **kw: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    def check_context(self, num_tokens: int) -> None:
+        """Refuse a context that would need GLM-5's sparse indexer, in one sentence."""
+        if self.index_topk is not None and num_tokens > self.index_topk:
+            raise UnsupportedConfigError(
+                f"a context of {num_tokens} tokens needs the DeepSeek sparse-attention indexer "
+                f"(index_topk={self.index_topk}), which jaxdp does not support yet; keep prompts plus "
+                f"outputs at or below {self.index_topk} tokens (e.g. --context-length {self.index_topk})"
+            )
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+# ---- reading config.json ---------------------------------------------------------------------
+
+_ROPE_TYPES = ("default", "yarn", "linear")
+
+
+def _normalise_rope(raw: dict[str, Any], rope_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """Accept `rope_scaling` (published checkpoints) or `rope_parameters` (transformers 5)."""
+    rs = raw.get("rope_scaling") or None
+    rp = raw.get("rope_parameters") or None
+    if rp and "rope_theta" in rp:
+        rope_theta = float(rp["rope_theta"])
+    scaling = rs or rp
+    if not scaling:
+        return rope_theta, None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    if rope_type not in _ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"rope type {rope_type!r} is not supported; jaxdp implements {', '.join(_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    scaling["rope_type"] = rope_type
+    return rope_theta, scaling
+
+
+def _refuse(raw: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any) -> None:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise UnsupportedConfigError(
+            f"config.json sets {key}={value!r}, which jaxdp does not implement "
+            f"(supported: {', '.join(repr(a) for a in allowed)})"
+        )
+
+
+def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type", "deepseek_v3")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"model_type {model_type!r} is not supported; jaxdp serves {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if model_type == "kimi_k2" and "text_config" in raw:  # multimodal wrappers keep the LM inside
+        raw = {**raw["text_config"], "model_type": "kimi_k2"}
+    _refuse(raw, "hidden_act", ("silu",), "silu")
+    _refuse(raw, "scoring_func", ("sigmoid",), "sigmoid")
+    _refuse(raw, "topk_method", ("noaux_tc",), "noaux_tc")
+    _refuse(raw, "attention_bias", (False,), False)
+    _refuse(raw, "moe_layer_freq", (1,), 1)
+    num_kv = raw.get("num_key_value_heads", raw.get("num_attention_heads"))
+    if num_kv != raw.get("num_attention_heads"):
+        # MLA checkpoints set num_key_value_heads == num_attention_heads; anything else is not MLA as we know it
+        raise UnsupportedConfigError(
+            f"config.json sets num_key_value_heads={num_kv} != num_attention_heads="
+            f"{raw.get('num_attention_heads')}; jaxdp's MLA expects them equal"
+        )
+    fp8_block = None
+    qc = raw.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method")
+        if method == "fp8" and qc.get("weight_block_size"):
+            fp8_block = tuple(int(b) for b in qc["weight_block_size"])
+        else:
+            raise UnsupportedConfigError(
+                f"quantization_config.quant_method={method!r} is not supported; jaxdp loads bf16/fp32 "
+                "checkpoints and DeepSeek's block-FP8 ones"
+            )
+    rope_theta, rope_scaling = _normalise_rope(raw, float(raw.get("rope_theta", 10000.0)))
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = tuple(eos)
+    index_topk = raw.get("index_topk") if model_type == "glm_moe_dsa" else None
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"],
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=raw["kv_lora_rank"],
+        qk_nope_head_dim=raw["qk_nope_head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"],
+        n_routed_experts=raw["n_routed_experts"],
+        n_shared_experts=raw.get("n_shared_experts") or 0,
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos,
+        index_topk=index_topk,
+        index_n_heads=raw.get("index_n_heads", 0) if index_topk else 0,
+        index_head_dim=raw.get("index_head_dim", 0) if index_topk else 0,
+        fp8_block=fp8_block,
+    )
+
+
+def load_hf_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
+    return config_from_hf_dict(json.loads(path.read_text()))
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+_YARN_DEEPSEEK = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+PRESETS: dict[str, ModelConfig] = {
+    # The embedded default: compiles in seconds on a CPU, yet exercises every mechanism (8 routed
+    # experts top-2, a shared expert, a dense first layer, q and kv LoRA).
+    "tiny": ModelConfig(),
+    "deepseek-v3": ModelConfig(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_layers=61,
+        num_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=3,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=_YARN_DEEPSEEK,
+        max_position_embeddings=163840,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+    # GLM-5 (and the article's GLM-5.3): dense-MLA dimensions; the DSA indexer's weights are counted by
+    # the planner but the indexer itself is not run.
+    "glm-5": ModelConfig(
+        model_type="glm_moe_dsa",
+        vocab_size=154880,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_layers=78,
+        num_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=3,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        max_position_embeddings=202752,
+        index_topk=2048,
+        index_n_heads=32,
+        index_head_dim=128,
+    ),
+}
+
+
+def get_config(name_or_path: str) -> ModelConfig:
+    """A preset name (tiny, deepseek-v3, glm-5) or a checkpoint directory."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if Path(name_or_path).is_dir():
+        return load_hf_config(name_or_path)
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
+    )
