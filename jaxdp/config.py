@@ -28,7 +28,7 @@ class ModelConfig:
     intermediate_size: int = 128  # dense (first_k_dense_replace) layers
     moe_intermediate_size: int = 32
     num_layers: int = 3
-    num_heads: int = 4
+    num_heads: int = 8
     q_lora_rank: int | None = 32  # None: a plain q_proj
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16

@@ -1,0 +1,118 @@
+"""The DeepSeek-V3 decoder: embedding, a stack of dense layers and a stack of MoE layers, each run
+with `lax.scan`, the final norm and the LM head.
+
+The model knows nothing of requests and nothing of devices. Where its rows meet the rest of the mesh
+it calls the `comm` object it is given (see `jaxdp.parallel.places`): after attention
+(`attention_out`), around the feed-forward (`moe`, `dense_ffn`: the gather and the return) and for the
+LM head (`lm_head`). On one device those are plain calls.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp.config import ModelConfig
+from jaxdp.model.layers import MLP, init_normal, rms_norm
+from jaxdp.model.mla import MLA, AttnBatch
+from jaxdp.model.moe import MoE
+
+
+class Comm(Protocol):
+    """The four places, as the model sees them (the agreement happens on the host, before the step)."""
+
+    def attention_out(self, y_TD: jax.Array) -> jax.Array: ...
+    def moe(self, h_TD: jax.Array, valid_T: jax.Array, moe: MoE) -> tuple[jax.Array, jax.Array]: ...
+    def dense_ffn(self, h_TD: jax.Array, valid_T: jax.Array, mlp: MLP) -> jax.Array: ...
+    def lm_head(self, h_BD: jax.Array, w_DV: jax.Array) -> jax.Array: ...
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, is_moe: bool):
+        self.attn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.attn = MLA(cfg, rngs, dtype)
+        self.ffn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.ffn = MoE(cfg, rngs, dtype) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, rngs, dtype)
+
+
+def _layer_stack(cfg: ModelConfig, n: int, rngs: nnx.Rngs, dtype, is_moe: bool) -> DecoderLayer | None:
+    if n == 0:
+        return None
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(r: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, r, dtype, is_moe)
+
+    return create(rngs)
+
+
+class DeepseekV3(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, D), jnp.float32).astype(dtype))
+        self.dense_layers = _layer_stack(cfg, cfg.num_dense_layers, rngs, dtype, is_moe=False)
+        self.moe_layers = _layer_stack(cfg, cfg.num_moe_layers, rngs, dtype, is_moe=True)
+        self.final_norm = nnx.Param(jnp.ones((D,), dtype))
+        self.lm_head_DV = None if cfg.tie_word_embeddings else nnx.Param(init_normal(rngs, (D, V), dtype, D))
+
+    def lm_head_weight(self) -> jax.Array:
+        return self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
+
+    def __call__(self, tokens_T, valid_T, batch: AttnBatch, kv_cache: dict, logits_idx_B, comm: Comm, *,
+                 absorbed: bool, decode_kernel=None):
+        """One step over the rows of this device.
+
+        kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}. Returns
+        (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache,
+        rows received per expert summed over MoE layers [E_local]).
+        """
+        x_TD = self.embed_VD[...][tokens_T]
+        new_cache = dict(kv_cache)
+        expert_rows = jnp.zeros((0,), jnp.int32)
+        for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+            if stack is None:
+                continue
+            x_TD, new_cache[name], rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv_cache[name], comm,
+                                                        absorbed, decode_kernel, is_moe=name == "moe")
+            if name == "moe":
+                expert_rows = rows_LE.sum(0)
+        h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
+        logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
+        return logits_BV, new_cache, expert_rows
+
+
+def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, absorbed, decode_kernel,
+               is_moe: bool):
+    graphdef, state = nnx.split(stack)
+    eps = stack.attn.cfg.rms_norm_eps
+
+    def body(x_TD, xs):
+        layer_state, kv_PSK = xs
+        layer = nnx.merge(graphdef, layer_state)
+        h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
+        a_TD, kv_PSK = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel)
+        x_TD = x_TD + comm.attention_out(a_TD).astype(x_TD.dtype)
+        h_TD = rms_norm(x_TD, layer.ffn_norm[...], eps)
+        if is_moe:
+            y_TD, rows_E = comm.moe(h_TD, valid_T, layer.ffn)
+        else:
+            y_TD, rows_E = comm.dense_ffn(h_TD, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
+        return x_TD + y_TD.astype(x_TD.dtype), (kv_PSK, rows_E)
+
+    x_TD, (kv_LPSK, rows_LE) = jax.lax.scan(body, x_TD, (state, kv_LPSK))
+    return x_TD, kv_LPSK, rows_LE
+
+
+def empty_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> dict:
+    """A zeroed paged latent cache for every layer (one extra page past the end is never needed:
+    padding tokens write out of range and are dropped)."""
+    shape = (num_pages, page_size, cfg.kv_cache_dim)
+    return {
+        "dense": jnp.zeros((cfg.num_dense_layers, *shape), dtype),
+        "moe": jnp.zeros((cfg.num_moe_layers, *shape), dtype),
+    }

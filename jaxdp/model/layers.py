@@ -1,0 +1,123 @@
+"""Small building blocks: RMSNorm, DeepSeek rope (with YaRN), the SwiGLU MLP.
+
+Weights are stored as the einsums read them (`w_DF` maps D -> F); the loader transposes torch's
+[out, in] Linear weights once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdp.config import ModelConfig
+
+
+def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+# ---- rope --------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies of the rope dimensions and the cos/sin scale (YaRN's attention factor)."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_freq = 1.0 / pos_freqs
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32), 1.0
+    factor = float(rs["factor"])
+    if rs["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32), 1.0
+    # YaRN, as DeepSeek and transformers compute it
+    orig = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(num_rot: float) -> float:
+        return (dim * math.log(orig / (num_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def apply_rope(x_TNR: jax.Array, positions_T: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotate the rope part of queries [T, H, R] or the shared key [T, 1, R] (DeepSeek's layout).
+
+    With rope_interleave the checkpoint stores rotation pairs interleaved (x0, x1), (x2, x3), ...;
+    the output is de-interleaved (all first elements, then all second ones), as transformers does.
+    Queries and keys get the same permutation, so their dot products are unchanged.
+    """
+    inv_freq, attn_factor = rope_inv_freq(cfg)
+    freqs_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = (jnp.cos(freqs_TF) * attn_factor)[:, None, :]
+    sin = (jnp.sin(freqs_TF) * attn_factor)[:, None, :]
+    x = x_TNR.astype(jnp.float32)
+    if cfg.rope_interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_TNR.dtype)
+
+
+# ---- MLP ---------------------------------------------------------------------------------------
+
+
+def swiglu(x_TD: jax.Array, w_gate_up_D2F: jax.Array, w_down_FD: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)); gate and up stored together as [D, 2, F]."""
+    h_T2F = jnp.einsum("td,dkf->tkf", x_TD, w_gate_up_D2F)
+    h_TF = jax.nn.silu(h_T2F[:, 0].astype(jnp.float32)) * h_T2F[:, 1].astype(jnp.float32)
+    return jnp.einsum("tf,fd->td", h_TF.astype(x_TD.dtype), w_down_FD)
+
+
+class MLP(nnx.Module):
+    """The SwiGLU feed-forward of the dense layers and of the shared expert."""
+
+    def __init__(self, hidden: int, inter: int, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.w_gate_up_D2F = nnx.Param(init_normal(rngs, (hidden, 2, inter), dtype, hidden))
+        self.w_down_FD = nnx.Param(init_normal(rngs, (inter, hidden), dtype, inter))
+
+    def __call__(self, x_TD: jax.Array) -> jax.Array:
+        return swiglu(x_TD, self.w_gate_up_D2F[...], self.w_down_FD[...])

@@ -1,0 +1,286 @@
+"""Hugging Face checkpoints <-> the stacked parameters of `DeepseekV3`.
+
+Reads safetensors (one file or a sharded index), maps the per-layer names onto the dense and MoE
+stacks, transposes torch's [out, in] Linear weights once, dequantizes DeepSeek's block-FP8 weights
+(`weight_scale_inv`, one scale per 128x128 block) and casts to the requested dtype. Experts are read
+in either spelling: one tensor per expert (`experts.{j}.gate_proj.weight`, as published checkpoints
+and transformers' save_pretrained write them) or fused (`experts.gate_up_proj`, transformers' in-memory
+layout). Multi-token-prediction layers past num_hidden_layers are skipped. `save_hf_checkpoint` writes
+the inverse, so a model trained here is served from the same format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from jaxdp.config import ModelConfig, load_hf_config
+from jaxdp.model.decoder import DeepseekV3
+
+log = logging.getLogger("jaxdp.loader")
+
+Getter = Callable[[str], np.ndarray]
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint directory, by name, as float32 numpy arrays."""
+
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig):
+        self.dir = Path(model_dir)
+        self.cfg = cfg
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{model_dir} holds no .safetensors files")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "np") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _raw(self, name: str) -> np.ndarray:
+        if name not in self.weight_map:
+            raise KeyError(f"the checkpoint in {self.dir} has no tensor {name!r}")
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(self.dir / fname, "np")
+        return self._handles[fname].get_tensor(name)
+
+    def get(self, name: str) -> np.ndarray:
+        w = self._raw(name)
+        scale_name = name.replace(".weight", ".weight_scale_inv")
+        if name.endswith(".weight") and scale_name in self.weight_map:
+            w = dequantize_fp8_blocks(w, self._raw(scale_name), self.cfg.fp8_block or (128, 128))
+        return np.asarray(w, dtype=np.float32)
+
+
+def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """DeepSeek's block FP8: w_fp8 * scale_inv[i // bm, j // bn]."""
+    bm, bn = block
+    w32 = np.asarray(w.astype(np.float32) if w.dtype != np.uint8 else w.view(jnp.float8_e4m3fn), np.float32)
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bm, axis=0), bn, axis=1)
+    return w32 * s[: w32.shape[0], : w32.shape[1]]
+
+
+# ---- the name map ------------------------------------------------------------------------------
+
+
+def _attn_params(cfg: ModelConfig) -> dict[str, Callable[[Getter, str], np.ndarray]]:
+    H, K = cfg.num_heads, cfg.qk_head_dim
+    p: dict[str, Callable[[Getter, str], np.ndarray]] = {
+        "attn_norm": lambda g, pre: g(f"{pre}.input_layernorm.weight"),
+        "ffn_norm": lambda g, pre: g(f"{pre}.post_attention_layernorm.weight"),
+        "attn.w_kv_a_DK": lambda g, pre: g(f"{pre}.self_attn.kv_a_proj_with_mqa.weight").T,
+        "attn.kv_a_norm": lambda g, pre: g(f"{pre}.self_attn.kv_a_layernorm.weight"),
+        "attn.w_kv_b_LHX": lambda g, pre: g(f"{pre}.self_attn.kv_b_proj.weight").T.reshape(
+            cfg.kv_lora_rank, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        "attn.w_o_HVD": lambda g, pre: g(f"{pre}.self_attn.o_proj.weight").T.reshape(
+            H, cfg.v_head_dim, cfg.hidden_size),
+    }
+    if cfg.q_lora_rank is not None:
+        p["attn.w_q_a_DQ"] = lambda g, pre: g(f"{pre}.self_attn.q_a_proj.weight").T
+        p["attn.q_a_norm"] = lambda g, pre: g(f"{pre}.self_attn.q_a_layernorm.weight")
+        p["attn.w_q_b_QHK"] = lambda g, pre: g(f"{pre}.self_attn.q_b_proj.weight").T.reshape(
+            cfg.q_lora_rank, H, K)
+    else:
+        p["attn.w_q_DHK"] = lambda g, pre: g(f"{pre}.self_attn.q_proj.weight").T.reshape(
+            cfg.hidden_size, H, K)
+    return p
+
+
+def _mlp(g: Getter, pre: str) -> tuple[np.ndarray, np.ndarray]:
+    gate_up = np.stack([g(f"{pre}.gate_proj.weight").T, g(f"{pre}.up_proj.weight").T], axis=1)
+    return gate_up, g(f"{pre}.down_proj.weight").T
+
+
+def _experts(reader: CheckpointReader, g: Getter, pre: str, cfg: ModelConfig):
+    fused = f"{pre}.mlp.experts.gate_up_proj"
+    if fused in reader:  # [E, 2I, D] and [E, D, I]
+        gu = g(fused)
+        I = cfg.moe_intermediate_size
+        gate_up = np.stack([gu[:, :I].transpose(0, 2, 1), gu[:, I:].transpose(0, 2, 1)], axis=2)
+        return gate_up, g(f"{pre}.mlp.experts.down_proj").transpose(0, 2, 1)
+    pairs = [_mlp(g, f"{pre}.mlp.experts.{j}") for j in range(cfg.n_routed_experts)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None):
+    """(ModelConfig, DeepseekV3 with the checkpoint's weights in `dtype`)."""
+    cfg = cfg or load_hf_config(model_dir)
+    reader = CheckpointReader(model_dir, cfg)
+    g = reader.get
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, nnx.Rngs(0), dtype))
+    values: dict[str, np.ndarray] = {"embed_VD": g("model.embed_tokens.weight"),
+                                     "final_norm": g("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        values["lm_head_DV"] = g("lm_head.weight").T
+    stacks = (("dense_layers", range(cfg.num_dense_layers)),
+              ("moe_layers", range(cfg.num_dense_layers, cfg.num_layers)))
+    attn = _attn_params(cfg)
+    with tqdm(total=cfg.num_layers, desc="Loading layers", unit="layer", disable=cfg.num_layers < 8) as bar:
+        for stack, layer_ids in stacks:
+            per_layer: dict[str, list[np.ndarray]] = {}
+            for i in layer_ids:
+                pre = f"model.layers.{i}"
+                for key, fn in attn.items():
+                    per_layer.setdefault(key, []).append(fn(g, pre))
+                if stack == "dense_layers":
+                    gu, d = _mlp(g, f"{pre}.mlp")
+                    items = {"ffn.w_gate_up_D2F": gu, "ffn.w_down_FD": d}
+                else:
+                    gu, d = _experts(reader, g, pre, cfg)
+                    items = {"ffn.router_DE": g(f"{pre}.mlp.gate.weight").T,
+                             "ffn.router_bias_E": g(f"{pre}.mlp.gate.e_score_correction_bias"),
+                             "ffn.w_gate_up_ED2I": gu, "ffn.w_down_EID": d}
+                    if cfg.n_shared_experts:
+                        sgu, sd = _mlp(g, f"{pre}.mlp.shared_experts")
+                        items |= {"ffn.shared.w_gate_up_D2F": sgu, "ffn.shared.w_down_FD": sd}
+                for key, arr in items.items():
+                    per_layer.setdefault(key, []).append(arr)
+                bar.update()
+            for key, arrs in per_layer.items():
+                values[f"{stack}.{key}"] = np.stack(arrs)
+    _assign(model, values, dtype)
+    return cfg, model
+
+
+def _assign(model: DeepseekV3, values: dict[str, np.ndarray], dtype) -> None:
+    for path, arr in values.items():
+        *parents, leaf = path.split(".")
+        obj = model
+        for p in parents:
+            obj = getattr(obj, p)
+        param = getattr(obj, leaf)
+        keep_f32 = leaf.startswith("router")  # the router runs in float32, as DeepSeek's does
+        want = param.value.shape
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(f"checkpoint tensor for {path} has shape {arr.shape}, expected {want}")
+        param.value = jnp.asarray(arr, jnp.float32 if keep_f32 else dtype)
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+
+def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face DeepSeek-V3 names, torch layout, float32."""
+    cfg = model.cfg
+
+    def a(x) -> np.ndarray:
+        return np.asarray(jax.device_get(x[...]), np.float32)
+
+    out = {"model.embed_tokens.weight": a(model.embed_VD), "model.norm.weight": a(model.final_norm)}
+    if model.lm_head_DV is not None:
+        out["lm_head.weight"] = a(model.lm_head_DV).T
+    for stack, first in ((model.dense_layers, 0), (model.moe_layers, cfg.num_dense_layers)):
+        if stack is None:
+            continue
+        n = stack.attn_norm.value.shape[0]
+        for j in range(n):
+            pre = f"model.layers.{first + j}"
+            at = stack.attn
+            out[f"{pre}.input_layernorm.weight"] = a(stack.attn_norm)[j]
+            out[f"{pre}.post_attention_layernorm.weight"] = a(stack.ffn_norm)[j]
+            out[f"{pre}.self_attn.kv_a_proj_with_mqa.weight"] = a(at.w_kv_a_DK)[j].T
+            out[f"{pre}.self_attn.kv_a_layernorm.weight"] = a(at.kv_a_norm)[j]
+            kvb = a(at.w_kv_b_LHX)[j]
+            out[f"{pre}.self_attn.kv_b_proj.weight"] = kvb.reshape(kvb.shape[0], -1).T
+            o = a(at.w_o_HVD)[j]
+            out[f"{pre}.self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+            if cfg.q_lora_rank is not None:
+                out[f"{pre}.self_attn.q_a_proj.weight"] = a(at.w_q_a_DQ)[j].T
+                out[f"{pre}.self_attn.q_a_layernorm.weight"] = a(at.q_a_norm)[j]
+                qb = a(at.w_q_b_QHK)[j]
+                out[f"{pre}.self_attn.q_b_proj.weight"] = qb.reshape(qb.shape[0], -1).T
+            else:
+                q = a(at.w_q_DHK)[j]
+                out[f"{pre}.self_attn.q_proj.weight"] = q.reshape(q.shape[0], -1).T
+            ffn = stack.ffn
+            if first == 0:
+                _put_mlp(out, f"{pre}.mlp", a(ffn.w_gate_up_D2F)[j], a(ffn.w_down_FD)[j])
+                continue
+            out[f"{pre}.mlp.gate.weight"] = a(ffn.router_DE)[j].T
+            out[f"{pre}.mlp.gate.e_score_correction_bias"] = a(ffn.router_bias_E)[j]
+            gu, dn = a(ffn.w_gate_up_ED2I)[j], a(ffn.w_down_EID)[j]
+            for e in range(gu.shape[0]):
+                _put_mlp(out, f"{pre}.mlp.experts.{e}", gu[e], dn[e])
+            if ffn.shared is not None:
+                _put_mlp(out, f"{pre}.mlp.shared_experts", a(ffn.shared.w_gate_up_D2F)[j],
+                         a(ffn.shared.w_down_FD)[j])
+    return out
+
+
+def _put_mlp(out: dict, pre: str, gate_up_D2F: np.ndarray, down_FD: np.ndarray) -> None:
+    out[f"{pre}.gate_proj.weight"] = np.ascontiguousarray(gate_up_D2F[:, 0].T)
+    out[f"{pre}.up_proj.weight"] = np.ascontiguousarray(gate_up_D2F[:, 1].T)
+    out[f"{pre}.down_proj.weight"] = np.ascontiguousarray(down_FD.T)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    d = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob, "first_k_dense_replace": cfg.first_k_dense_replace,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_interleave": cfg.rope_interleave, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = dict(cfg.rope_scaling)
+    return d
+
+
+def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in hf_state_dict(model).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model.cfg), indent=2) + "\n")
+    log.info("saved %d tensors to %s", len(tensors), out)
+
+
+def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | None = None,
+               tiny_width: bool = False):
+    """A checkpoint directory, or a preset name with random weights (seeded).
+
+    `num_layers` overrides a preset's depth; `tiny_width` keeps a preset's depth and dense/MoE split
+    but the tiny model's widths (to measure how compile time grows with depth).
+    """
+    from jaxdp.config import PRESETS, get_config
+
+    dt = jnp.dtype(dtype)
+    if path not in PRESETS:
+        return load_checkpoint(path, dt)
+    cfg = get_config(path)
+    if tiny_width:
+        tiny = PRESETS["tiny"]
+        cfg = tiny.with_(num_layers=cfg.num_layers, first_k_dense_replace=cfg.first_k_dense_replace)
+    if num_layers is not None:
+        cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
+    return cfg, DeepseekV3(cfg, nnx.Rngs(seed), dt)

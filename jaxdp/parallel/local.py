@@ -1,0 +1,26 @@
+"""The four places on a single device: no rows travel, every call is local.
+
+It is the reference every layout is compared with, and what the model runs under when it is used
+without a mesh (the oracle test, training).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+class LocalComm:
+    def attention_out(self, y_TD: jax.Array) -> jax.Array:
+        return y_TD
+
+    def moe(self, h_TD, valid_T, moe):
+        idx_TK, w_TK = moe.route(h_TD, valid_T)
+        y_TD, rows_E = moe.experts(h_TD, idx_TK, w_TK)
+        return y_TD + moe.shared_expert(h_TD).astype(jnp.float32), rows_E
+
+    def dense_ffn(self, h_TD, valid_T, mlp):
+        return mlp(h_TD)
+
+    def lm_head(self, h_BD, w_DV):
+        return jnp.einsum("bd,dv->bv", h_BD, w_DV, preferred_element_type=jnp.float32)

@@ -1,0 +1,150 @@
+"""One compiled step: a single `shard_map` over the whole mesh, with the collectives written out.
+
+Per rank, the step reads as the article's Figure 3: attention on the rank's own rows (heads split
+over the group's tp, an all-reduce inside the group), the gather, the MoE on all gathered rows (or
+dispatch/combine under EP), the return, and after the last layer the LM head. A compiled step is
+keyed by its `StepShape` (kind, bucket, gather mode): every rank runs the same shape.
+
+The model state and the paged latent cache live on the mesh: the cache has a leading `dp` axis (one
+cache per attention group, replicated on the group's tp devices); per-rank step inputs are stacked
+on the same leading axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp.layout import Layout
+from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
+from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
+
+BATCH_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
+                "logits_idx_B")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    absorbed: bool  # decode (absorbed MLA) or extend (expanded MLA)
+    num_rows: int  # T per rank
+    num_seqs: int  # B per rank
+    pages_per_seq: int  # N
+    gather_mode: str = "max_len"  # "max_len" | "sum_len"
+    sum_rows: int = 0  # SUM_LEN buffer rows
+    all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_rows if self.all_logits else self.num_seqs
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.absorbed else "extend"
+
+
+class StepRunner:
+    """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
+
+    def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
+                 cache_dtype=None, decode_kernel=None):
+        self.cfg = model.cfg
+        self.layout = layout
+        self.mesh = mesh
+        self.num_pages, self.page_size = num_pages, page_size
+        self.decode_kernel = decode_kernel
+        self._check_divisible()
+        self.graphdef, state = nnx.split(model)
+        self.state_specs = state_specs(state, layout)
+        self.state = shard_state(state, layout, mesh)
+        dtype = cache_dtype or model.embed_VD.value.dtype
+        self.cache = self._empty_cache(dtype)
+        self._compiled: dict[StepShape, object] = {}
+        self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
+        self.compile_seconds = 0.0
+
+    def _check_divisible(self) -> None:
+        cfg, lay = self.cfg, self.layout
+        problems = []
+        if cfg.num_heads % lay.tp:
+            problems.append(f"{cfg.num_heads} attention heads over tp={lay.tp}")
+        if lay.moe == "ep" and cfg.n_routed_experts % lay.world:
+            problems.append(f"{cfg.n_routed_experts} experts over {lay.world} devices (EP)")
+        if lay.moe == "tp" and cfg.moe_intermediate_size % lay.world:
+            problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} devices")
+        if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
+            problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
+        if problems:
+            raise ValueError(f"this model does not split under {lay}: " + "; ".join(problems))
+
+    def _empty_cache(self, dtype) -> dict:
+        cfg, dp = self.cfg, self.layout.dp
+        shape = (self.num_pages, self.page_size, cfg.kv_cache_dim)
+        sharding = NamedSharding(self.mesh, P("dp"))
+        make = jax.jit(lambda n: jnp.zeros((dp, n, *shape), dtype), static_argnums=0, out_shardings=sharding)
+        return {"dense": make(cfg.num_dense_layers), "moe": make(cfg.num_moe_layers)}
+
+    # ---- compiling -----------------------------------------------------------------------------
+    def _build(self, shape: StepShape):
+        lay, cfg = self.layout, self.cfg
+        gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
+        lm_mode = lm_head_mode(lay)
+        graphdef, decode_kernel = self.graphdef, self.decode_kernel
+        tied = cfg.tie_word_embeddings
+
+        def per_device(state, cache, batch, rows_R):
+            b = {k: v[0] for k, v in batch.items()}
+            cache = {k: v[0] for k, v in cache.items()}
+            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied)
+            model = nnx.merge(graphdef, state)
+            attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
+            logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"], comm,
+                                             absorbed=shape.absorbed, decode_kernel=decode_kernel)
+            cache = {k: v[None] for k, v in cache.items()}
+            return logits_BV[None], cache, rows_E[None]
+
+        batch_specs = {k: P("dp") for k in BATCH_FIELDS}
+        cache_specs = {"dense": P("dp"), "moe": P("dp")}
+        fn = jax.shard_map(per_device, mesh=self.mesh,
+                           in_specs=(self.state_specs, cache_specs, batch_specs, P()),
+                           out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
+        return jax.jit(fn, donate_argnums=(1,))
+
+    def compile(self, shape: StepShape) -> None:
+        if shape in self._compiled:
+            return
+        t0 = time.perf_counter()
+        jitted = self._build(shape)
+        args = self._abstract_args(shape)
+        self._compiled[shape] = jitted.lower(*args).compile()
+        self.compiles += 1
+        self.compile_seconds += time.perf_counter() - t0
+
+    def _abstract_args(self, shape: StepShape):
+        dp, T, B, N = self.layout.dp, shape.num_rows, shape.num_seqs, shape.pages_per_seq
+        sh = NamedSharding(self.mesh, P("dp"))
+        i32 = jnp.int32
+        dims = {"tokens_T": ((dp, T), i32), "valid_T": ((dp, T), jnp.bool_), "positions_T": ((dp, T), i32),
+                "seq_T": ((dp, T), i32), "slots_T": ((dp, T), i32), "page_table_BN": ((dp, B, N), i32),
+                "seq_lens_B": ((dp, B), i32), "logits_idx_B": ((dp, shape.num_logits), i32)}
+        batch = {k: jax.ShapeDtypeStruct(s, d, sharding=sh) for k, (s, d) in dims.items()}
+        rows = jax.ShapeDtypeStruct((dp,), i32, sharding=NamedSharding(self.mesh, P()))
+        return self.state, self.cache, batch, rows
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self, shape: StepShape, stacked: dict[str, np.ndarray]):
+        """Run one step; returns (logits [dp, B, V] device array, rows per expert [world, E_local])."""
+        self.compile(shape)
+        sh = NamedSharding(self.mesh, P("dp"))
+        batch = {k: jax.device_put(stacked[k], sh) for k in BATCH_FIELDS}
+        rows = jax.device_put(stacked["rows_R"], NamedSharding(self.mesh, P()))
+        logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows)
+        return logits, rows_E

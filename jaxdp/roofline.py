@@ -1,0 +1,147 @@
+"""A roofline estimate of one decode step, for the busiest device of a layout.
+
+Each term is max(bytes read from HBM / HBM bandwidth, FLOPs / peak bf16 FLOP/s); the collectives cost
+(bytes one device sends / link bandwidth + a fixed latency) per call; terms add up (no overlap). It is a
+floor, not a prediction: kernels run below peak, and launch and host overheads are not in it. Its use is
+to say where the time goes and how two layouts differ.
+
+Assumptions (printed by the planner): a decode row is one request with `context` tokens of cache; DSA
+main attention reads min(context, index_topk) latents, its indexer reads all `context` index keys; the
+routed experts a step reads are those its rows pick, expected under uniform independent routing
+(E * (1 - (1 - k/E)^rows)); SGLang routes padding rows like real rows, jaxdp masks them; under TP every
+device reads the latent cache of every request (MLA has one KV head), under attention DP only its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from jaxdp.parallel.accounting import account_step
+from jaxdp.weights import indexer_params, kv_bytes, weights_per_device
+
+if TYPE_CHECKING:
+    from jaxdp.config import ModelConfig
+    from jaxdp.gpus import GPU
+    from jaxdp.layout import Layout
+
+# The article's measurements (GLM-5.3 NVFP4, 4 x B300, no speculative decoding), ms per output token.
+ARTICLE_MS = {
+    ("tp", "single"): 6.6,
+    ("dp", "single"): 12.2,
+    ("dp", "balanced"): 24.9,  # 16 requests per GPU, 1,024 tokens of context
+    ("dp", "skewed"): 29.0,
+}
+ARTICLE_NON_EXPERT_GEMM_EXTRA_MS = 3.3  # DP minus TP, kernel trace of one request (section 7)
+ARTICLE_EXPERT_GEMM_EXTRA_MS = 1.2  # 1.3 -> 2.5 ms: the padding rows of the gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    name: str
+    hbm_bytes: float
+    flops: float
+    seconds: float
+
+    @property
+    def ms(self) -> float:
+        return self.seconds * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    layout: str
+    rows: tuple[int, ...]
+    context: int
+    terms: tuple[Term, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.terms)
+
+    @property
+    def ms(self) -> float:
+        return self.seconds * 1e3
+
+    def term(self, name: str) -> Term:
+        return next((t for t in self.terms if t.name == name), Term(name, 0.0, 0.0, 0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "rows": list(self.rows), "context": self.context, "ms": self.ms,
+                "terms": [{**dataclasses.asdict(t), "ms": t.ms} for t in self.terms]}
+
+
+def expected_experts(rows: int, n_experts: int, top_k: int) -> float:
+    """Distinct experts `rows` rows pick under uniform independent routing."""
+    if rows <= 0:
+        return 0.0
+    return n_experts * (1 - (1 - top_k / n_experts) ** rows)
+
+
+def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int, ...], *,
+                    context: int = 1024, expert_dtype: str = "bf16", kv_dtype: str = "bf16",
+                    absorbed_copy: bool = True, latency_us: float = 10.0,
+                    padding: str = "sglang") -> Roofline:
+    """One decode step on the busiest device; `padding` is "sglang" (padding rows reach the experts)
+    or "jaxdp" (the router masks them)."""
+    acct = account_step(layout, cfg, rows, is_extend=False)
+    comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy)}
+    bw, peak, link = gpu.hbm_bytes_per_s, gpu.flops_per_s, gpu.link_bytes_per_s
+    n, tp = layout.world, layout.tp
+    L, Lm, h, k = cfg.num_layers, cfg.num_moe_layers, cfg.hidden_size, cfg.num_experts_per_tok
+    att_rows = acct.bucket or max(rows)  # rows this device's attention runs (padded to the bucket)
+    requests = sum(rows) if layout.dp == 1 else max(rows)  # caches this device reads
+    moe_rows = acct.experts_sglang.computed if padding == "sglang" else acct.exact_rows
+    if layout.moe == "ep":
+        moe_rows = acct.exact_rows
+    terms: list[Term] = []
+
+    def add(name: str, nbytes: float, flops: float) -> None:
+        terms.append(Term(name, nbytes, flops, max(nbytes / bw, flops / peak)))
+
+    def weights(name: str, rows_: int) -> None:
+        c = comps.get(name)
+        if c is not None:
+            add(name, c.bytes_per_device, 2 * c.params * (c.bytes_per_device / c.bytes_total) * rows_)
+
+    weights("attention projections", att_rows)
+    weights("DSA indexer", att_rows)
+    kvb = kv_bytes(cfg, kv_dtype)
+    attended = min(context, cfg.index_topk) if cfg.index_topk else context
+    kv_read = requests * L * (kvb.latent * attended + kvb.indexer * context)
+    heads = cfg.num_heads / tp
+    kv_flops = requests * L * 2 * (heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * attended
+                                   + cfg.index_n_heads * cfg.index_head_dim * context)
+    add("KV cache", kv_read, kv_flops)
+    weights("router", moe_rows)
+    experts = comps["routed experts"]
+    touched = expected_experts(moe_rows, cfg.n_routed_experts, k) / cfg.n_routed_experts
+    add("routed experts", experts.bytes_total * touched / n,
+        2 * 3 * h * cfg.moe_intermediate_size * Lm * moe_rows * k / n)
+    weights("shared expert", moe_rows)
+    weights("dense layers", acct.gathered_rows)
+    lm_rows = max(rows) if layout.dp_lm_head else sum(rows)
+    weights("LM head", lm_rows)
+    weights("norms", att_rows)
+    coll_bytes = sum(c.wire_bytes * c.calls for c in acct.collectives if c.op != "cpu_all_gather")
+    calls = sum(c.calls for c in acct.collectives if c.op != "cpu_all_gather")
+    terms.append(Term("collectives", 0.0, 0.0, coll_bytes / link + calls * latency_us * 1e-6))
+    label = f"dp={layout.dp},tp={layout.tp},moe={layout.moe}"
+    return Roofline(label, tuple(rows), context, tuple(terms))
+
+
+def attention_read_ms(cfg: ModelConfig, layout: Layout, gpu: GPU) -> float:
+    """Time for one device to read its attention projections (and DSA indexer) once."""
+    comps = {c.name: c for c in weights_per_device(cfg, layout)}
+    nbytes = comps["attention projections"].bytes_per_device
+    nbytes += comps["DSA indexer"].bytes_per_device if "DSA indexer" in comps else 0.0
+    return nbytes / gpu.hbm_bytes_per_s * 1e3
+
+
+def indexer_fraction(cfg: ModelConfig) -> float:
+    """The indexer's share of one layer's attention-side parameters (for the printed assumptions)."""
+    from jaxdp.weights import _attention_params
+
+    rep, split, _ = _attention_params(cfg)
+    idx = indexer_params(cfg)
+    return idx / (rep + split + idx) if idx else 0.0

@@ -1,0 +1,165 @@
+"""Weights per device by component, and KV bytes per token, for a ModelConfig under a Layout.
+
+Pure Python (no JAX). The placement rules are SGLang's for the DeepSeek-V2/V3 family (jaxdp's Layout
+mirrors them); docs/plan.md lists each rule with its source. In short, for a world of N = dp*tp devices:
+- attention: q_a_proj and kv_a_proj_with_mqa whole on every device (ReplicatedLinear); q_b_proj,
+  kv_b_proj and o_proj split over the attention group's tp (whole under dp=N, 1/N under tp=N);
+- absorbed copies: SGLang keeps kv_b_proj for prompts and builds contiguous copies w_kc, w_vc of its two
+  halves for decoding, so kv_b_proj's bytes are held twice (`absorbed_copy=False` for a runtime that
+  reads kv_b_proj directly);
+- DSA indexer (wq_b, wk, weights_proj, k_norm), router, norms: whole on every device;
+- routed experts: moe=tp, 1/N of every expert per device; moe=ep, N-th of the experts whole per device;
+- shared expert: split over N like the experts under moe=tp, whole on every device under moe=ep;
+- dense FFN layers: split over N (tp over the group when dp=1), whole with dense_replicated;
+- embedding: vocab-split over the devices under plain TP (dp=1), whole on every device under attention DP
+  (VocabParallelEmbedding(enable_tp=not dp_attention));
+- LM head: vocab-split over N; with dp_lm_head split over the group's tp only (whole when tp=1).
+Dtypes: routed experts in `expert_dtype` (nvfp4 = 4 bits + one E4M3 scale per 16 values + two fp32
+scalars per matrix, i.e. 4.5 bits per weight; fp8 = 1 byte + one fp32 scale per 128x128 block); every
+other weight in bf16 (the router's correction bias in fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxdp.config import ModelConfig
+    from jaxdp.layout import Layout
+
+EXPERT_DTYPES = ("bf16", "fp8", "nvfp4")
+KV_DTYPES = ("bf16", "fp8")
+BF16 = 2
+INDEX_QUANT_BLOCK = 128  # the DSA indexer key cache: fp8 keys, one fp32 scale per 128 values
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    params: int  # in the whole model
+    bytes_total: float  # stored once, whole model
+    bytes_per_device: float
+    placement: str
+    read_per_step: bool = True  # whether a decode step reads all of it (experts: only routed ones)
+
+
+def matrix_bytes(rows: int, cols: int, dtype: str) -> float:
+    """Bytes of one (rows x cols) weight matrix in a checkpoint dtype, scales included."""
+    n = rows * cols
+    if dtype == "bf16":
+        return 2.0 * n
+    if dtype == "fp8":
+        return n + math.ceil(rows / 128) * math.ceil(cols / 128) * 4.0
+    if dtype == "nvfp4":
+        return n / 2 + n / 16 + 2 * 4.0
+    raise ValueError(f"unknown weight dtype {dtype!r}; use one of {', '.join(EXPERT_DTYPES)}")
+
+
+def _attention_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(replicated, split, kv_b) parameters of one layer's attention projections."""
+    h, nh = cfg.hidden_size, cfg.num_heads
+    kv_a = h * cfg.kv_cache_dim
+    kv_b = cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    o = nh * cfg.v_head_dim * h
+    if cfg.q_lora_rank:
+        replicated = h * cfg.q_lora_rank + kv_a
+        q = cfg.q_lora_rank * nh * cfg.qk_head_dim
+    else:
+        replicated, q = kv_a, h * nh * cfg.qk_head_dim
+    return replicated, q + kv_b + o, kv_b
+
+
+def indexer_params(cfg: ModelConfig) -> int:
+    """One layer's DSA indexer: wq_b (q_lora -> heads*dim), wk (hidden -> dim), weights_proj, k_norm."""
+    if not cfg.index_n_heads:
+        return 0
+    q_in = cfg.q_lora_rank or cfg.hidden_size
+    d, nh = cfg.index_head_dim, cfg.index_n_heads
+    return q_in * nh * d + cfg.hidden_size * d + cfg.hidden_size * nh + 2 * d
+
+
+def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf16",
+                       absorbed_copy: bool = True) -> list[Component]:
+    """The weights one device of one model copy holds, component by component."""
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert dtype {expert_dtype!r} is unknown; use one of {', '.join(EXPERT_DTYPES)}")
+    n, tp, dp = layout.world, layout.tp, layout.dp
+    L, Lm, Ld, h = cfg.num_layers, cfg.num_moe_layers, cfg.num_dense_layers, cfg.hidden_size
+    out: list[Component] = []
+
+    def add(name: str, params: int, nbytes: float, share: float, placement: str, read: bool = True) -> None:
+        if params:
+            out.append(Component(name, params, nbytes, nbytes * share, placement, read))
+
+    rep, split, kv_b = _attention_params(cfg)
+    group = "whole on every device" if tp == 1 else f"split over the group's tp={tp}"
+    attn_share = (rep + split / tp) / (rep + split)
+    add("attention projections", (rep + split) * L, BF16 * (rep + split) * L, attn_share,
+        "all whole on every device" if tp == 1 else f"q_a, kv_a whole on every device; q_b, kv_b, o {group}")
+    if absorbed_copy:
+        add("absorbed copies (w_kc, w_vc)", kv_b * L, BF16 * kv_b * L, 1 / tp,
+            f"second copy of kv_b for decoding, {group}", read=False)
+    add("DSA indexer", indexer_params(cfg) * L, BF16 * indexer_params(cfg) * L, 1.0, "whole on every device")
+
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    expert_bytes = 3 * matrix_bytes(inter, h, expert_dtype)
+    if layout.moe == "ep":
+        add("routed experts", 3 * h * inter * e * Lm, expert_bytes * e * Lm, math.ceil(e / n) / e,
+            f"{math.ceil(e / n)} whole experts of {e} per device ({expert_dtype})", read=False)
+    else:
+        add("routed experts", 3 * h * inter * e * Lm, expert_bytes * e * Lm, 1 / n,
+            f"1/{n} of every expert per device ({expert_dtype})", read=False)
+    shared = 3 * h * inter * cfg.n_shared_experts * Lm
+    add("shared expert", shared, BF16 * shared, 1.0 if layout.moe == "ep" else 1 / n,
+        "whole on every device" if layout.moe == "ep" else f"split over {n} devices")
+    add("router", e * h * Lm, (BF16 * h + 4) * e * Lm, 1.0, "whole on every device")
+    dense = 3 * h * cfg.intermediate_size * Ld
+    dense_n = 1 if layout.dense_replicated else (n if dp > 1 else tp)
+    add("dense layers", dense, BF16 * dense, 1 / dense_n,
+        "whole on every device" if dense_n == 1 else f"split over {dense_n} devices")
+    vocab = cfg.vocab_size * h
+    emb_n = 1 if dp > 1 else tp
+    add("embedding", vocab, BF16 * vocab, 1 / emb_n,
+        "whole on every device (attention DP)" if emb_n == 1 else f"vocab-split over {emb_n} devices")
+    if not cfg.tie_word_embeddings:
+        head_n = tp if layout.dp_lm_head else n
+        add("LM head", vocab, BF16 * vocab, 1 / head_n,
+            "whole on every device" if head_n == 1 else f"vocab-split over {head_n} devices")
+    norms = L * (2 * h + (cfg.q_lora_rank or 0) + cfg.kv_lora_rank) + h
+    add("norms", norms, BF16 * norms, 1.0, "whole on every device")
+    return out
+
+
+def total_bytes(components: list[Component], per_device: bool = True) -> float:
+    return sum(c.bytes_per_device if per_device else c.bytes_total for c in components)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBytes:
+    latent: int  # per token per layer: (kv_lora_rank + qk_rope_head_dim) x kv dtype
+    indexer: int  # per token per layer: DSA index key (fp8) + its fp32 scale
+    layers: int
+
+    @property
+    def per_token(self) -> int:
+        return (self.latent + self.indexer) * self.layers
+
+
+def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16") -> KVBytes:
+    """Bytes one token occupies in one rank's cache (MLA: one latent for all heads; with tp > 1 every
+    device of the group holds the whole entry)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv dtype {kv_dtype!r} is unknown; use one of {', '.join(KV_DTYPES)}")
+    latent = cfg.kv_cache_dim * (2 if kv_dtype == "bf16" else 1)
+    indexer = 0
+    if cfg.index_n_heads:
+        indexer = cfg.index_head_dim + cfg.index_head_dim // INDEX_QUANT_BLOCK * 4
+    return KVBytes(latent, indexer, cfg.num_layers)
+
+
+def kv_tokens(budget_bytes: float, weight_bytes: float, per_token: int) -> int:
+    """Tokens of KV cache one device holds when `budget_bytes` (mem_fraction_static x memory) must hold
+    the weights and the cache; negative when the weights alone do not fit."""
+    return math.floor((budget_bytes - weight_bytes) / per_token)

@@ -1,0 +1,211 @@
+"""Absorbed-MLA decode attention over a paged latent cache (Pallas, Triton backend), and its jnp reference.
+
+A cached token is one row of C + R values: the latent c (C = kv_lora_rank, 512) and the roped key (R = 64).
+With the up-projections absorbed into the query and the output, attention for a head is
+    out = softmax(scale * (q_latent . c + q_rope . k_rope)) @ c        (the value is the latent itself).
+
+The kernel keeps the 576-wide row as two power-of-two parts (512 + 64, as Triton wants), runs one program
+per (row, block of `block_h` heads, context split) and an online softmax over blocks of `block_t` tokens
+gathered through the page table. Each split writes its unnormalised partial result and log-sum-exp; a jnp
+step combines the splits. Rows with length 0, and rows at or past `num_valid_rows`, do no work and return
+zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def default_interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _masked_lengths(lengths_B: jax.Array, num_valid_rows) -> jax.Array:
+    lengths_B = lengths_B.astype(jnp.int32)
+    if num_valid_rows is None:
+        return lengths_B
+    rows_B = jnp.arange(lengths_B.shape[0], dtype=jnp.int32)
+    return jnp.where(rows_B < jnp.asarray(num_valid_rows, jnp.int32), lengths_B, 0)
+
+
+def mla_decode_reference(
+    q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, *, softmax_scale, kv_lora_rank,
+    num_valid_rows=None,
+) -> jax.Array:
+    """Plain jnp: gather every row's pages, mask past its length, softmax, weight the latents."""
+    c = kv_lora_rank
+    b = q_latent_BHC.shape[0]
+    kv_BTK = kv_cache_PSK[page_table_BN].reshape(b, -1, kv_cache_PSK.shape[-1])
+    f32 = dict(precision="highest", preferred_element_type=jnp.float32)
+    scores_BHT = jnp.einsum("bhc,btc->bht", q_latent_BHC, kv_BTK[..., :c], **f32)
+    scores_BHT += jnp.einsum("bhr,btr->bht", q_rope_BHR, kv_BTK[..., c:], **f32)
+    lengths_B = _masked_lengths(lengths_B, num_valid_rows)
+    valid_BT = jnp.arange(kv_BTK.shape[1])[None, :] < lengths_B[:, None]
+    scores_BHT = jnp.where(valid_BT[:, None, :], scores_BHT * softmax_scale, -jnp.inf)
+    probs_BHT = jax.nn.softmax(scores_BHT, axis=-1, where=valid_BT[:, None, :])
+    probs_BHT = jnp.where(valid_BT[:, None, :], probs_BHT, 0.0)  # a row of length 0 gives zeros
+    out_BHC = jnp.einsum("bht,btc->bhc", probs_BHT, kv_BTK[..., :c].astype(jnp.float32), **f32)
+    return out_BHC.astype(q_latent_BHC.dtype)
+
+
+def _split_kernel(
+    lengths_ref, page_table_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
+    softmax_scale, page_size, block_t, blocks_per_split, latent_dim, rope_dim,
+):
+    row, split = pl.program_id(0), pl.program_id(2)
+    length = lengths_ref[row]
+    q_latent_HC = q_latent_ref[...]
+    q_rope_HR = q_rope_ref[...]
+    block_h = q_latent_HC.shape[0]
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
+    t_T = jnp.arange(block_t, dtype=jnp.int32)
+    c_C = jnp.arange(latent_dim, dtype=jnp.int32)
+    r_R = latent_dim + jnp.arange(rope_dim, dtype=jnp.int32)
+
+    def body(blk, carry):
+        max_H, sum_H, acc_HC = carry
+        tok_T = blk * block_t + t_T
+        page_T = page_table_ref[row, tok_T // page_size]
+        cache_row_T = page_T * page_size + tok_T % page_size  # row of the [pages * page_size, C + R] view
+        latent_TC = kv_ref[cache_row_T[:, None], c_C[None, :]]
+        rope_TR = kv_ref[cache_row_T[:, None], r_R[None, :]]
+        dims = (((1,), (1,)), ((), ()))
+        scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, dims, preferred_element_type=jnp.float32)
+        scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, dims, preferred_element_type=jnp.float32)
+        scores_HT = jnp.where((tok_T < length)[None, :], scores_HT * softmax_scale, -jnp.inf)
+        new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a valid token
+        rescale_H = jnp.exp(max_H - new_max_H)
+        probs_HT = jnp.exp(scores_HT - new_max_H[:, None])
+        sum_H = sum_H * rescale_H + jnp.sum(probs_HT, axis=1)
+        acc_HC = acc_HC * rescale_H[:, None] + jax.lax.dot_general(
+            probs_HT.astype(latent_TC.dtype), latent_TC, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return new_max_H, sum_H, acc_HC
+
+    init = (
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, latent_dim), jnp.float32),
+    )
+    max_H, sum_H, acc_HC = jax.lax.fori_loop(first, last, body, init)
+    has_tokens_H = sum_H > 0
+    out_ref[...] = acc_HC / jnp.where(has_tokens_H, sum_H, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has_tokens_H, max_H + jnp.log(jnp.where(has_tokens_H, sum_H, 1.0)), -jnp.inf)
+
+
+def combine_splits(out_BSHC: jax.Array, lse_BSH: jax.Array) -> jax.Array:
+    """Merges per-split normalised outputs by their log-sum-exp; all-empty rows give zeros."""
+    max_BH = jnp.max(lse_BSH, axis=1)
+    safe_max_BH = jnp.where(jnp.isfinite(max_BH), max_BH, 0.0)
+    weight_BSH = jnp.exp(lse_BSH - safe_max_BH[:, None, :])  # exp(-inf) = 0 for empty splits
+    total_BH = jnp.sum(weight_BSH, axis=1)
+    out_BHC = jnp.einsum("bsh,bshc->bhc", weight_BSH, out_BSHC)
+    return out_BHC / jnp.where(total_BH > 0, total_BH, 1.0)[..., None]
+
+
+def default_num_splits(batch: int, head_blocks: int, context_blocks: int, num_sms: int = 132) -> int:
+    """Enough (row, head block, split) programs to fill the GPU about twice, at most one split a block."""
+    wanted = pl.cdiv(2 * num_sms, batch * head_blocks)
+    return int(max(1, min(wanted, context_blocks, 32)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("softmax_scale", "kv_lora_rank", "num_splits", "block_h", "block_t", "interpret",
+                     "num_warps", "num_stages"),
+)
+def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, *, softmax_scale,
+              kv_lora_rank, num_splits, block_h, block_t, interpret, num_warps, num_stages):
+    b, h, c = q_latent_BHC.shape
+    r = q_rope_BHR.shape[-1]
+    num_pages, page_size, _ = kv_cache_PSK.shape
+    pages_per_block = block_t // page_size
+    context_blocks = pl.cdiv(page_table_BN.shape[1], pages_per_block)
+    blocks_per_split = pl.cdiv(context_blocks, num_splits)
+    # Pad the table to whole splits of whole blocks; pages past a row's length read page 0 (masked).
+    padded_pages = num_splits * blocks_per_split * pages_per_block
+    table_BN = jnp.pad(page_table_BN.astype(jnp.int32), ((0, 0), (0, padded_pages - page_table_BN.shape[1])))
+    pages_used_B = (lengths_B + page_size - 1) // page_size
+    table_BN = jnp.where(jnp.arange(padded_pages)[None, :] < pages_used_B[:, None], table_BN, 0)
+    h_pad = pl.cdiv(h, block_h) * block_h  # the dot wants >= 16 rows: pad heads with zero queries
+    q_latent_BHC = jnp.pad(q_latent_BHC, ((0, 0), (0, h_pad - h), (0, 0)))
+    q_rope_BHR = jnp.pad(q_rope_BHR, ((0, 0), (0, h_pad - h), (0, 0)))
+    kv_TK = kv_cache_PSK.reshape(num_pages * page_size, c + r)
+
+    kernel = functools.partial(
+        _split_kernel, softmax_scale=softmax_scale, page_size=page_size, block_t=block_t,
+        blocks_per_split=blocks_per_split, latent_dim=c, rope_dim=r,
+    )
+    out_BSHC, lse_BSH = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, num_splits, h_pad, c), jnp.float32),
+                   jax.ShapeDtypeStruct((b, num_splits, h_pad), jnp.float32)),
+        grid=(b, h_pad // block_h, num_splits),
+        in_specs=[
+            pl.no_block_spec,
+            pl.no_block_spec,
+            pl.BlockSpec((None, block_h, c), lambda i, j, s: (i, j, 0)),
+            pl.BlockSpec((None, block_h, r), lambda i, j, s: (i, j, 0)),
+            pl.no_block_spec,
+        ],
+        out_specs=(
+            pl.BlockSpec((None, None, block_h, c), lambda i, j, s: (i, s, j, 0)),
+            pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j)),
+        ),
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="mla_decode_split",
+    )(lengths_B, table_BN, q_latent_BHC, q_rope_BHR, kv_TK)
+    return combine_splits(out_BSHC, lse_BSH)[:, :h]
+
+
+def mla_decode(
+    q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, *, softmax_scale, kv_lora_rank,
+    num_valid_rows=None, num_splits=None, interpret=None, block_h: int = 16, block_t: int | None = None,
+    num_warps: int = 4, num_stages: int = 2,
+) -> jax.Array:
+    """Absorbed-MLA decode over a paged latent cache -> out [B, H, C] in q_latent's dtype.
+
+    q_latent_BHC [B, H, C]; q_rope_BHR [B, H, R]; kv_cache_PSK [num_pages, page_size, C + R] (one
+    layer; latent first, roped key last); page_table_BN int32 [B, max_pages]; lengths_B int32 [B]
+    (0 allowed). num_valid_rows (int or traced int32 scalar): rows at or past it return zeros.
+    num_splits: context splits (None: enough programs to fill an H200). C, R and page_size must be
+    powers of two; block_t (tokens per inner step, default max(page_size, 32)) a multiple of page_size.
+    """
+    b, h, c = q_latent_BHC.shape
+    r = q_rope_BHR.shape[-1]
+    num_pages, page_size, width = kv_cache_PSK.shape
+    if c != kv_lora_rank or width != c + r:
+        raise ValueError(
+            f"kv_lora_rank={kv_lora_rank}, q_latent width {c}, q_rope width {r} and cache width {width} "
+            "disagree: the cache row must be kv_lora_rank latent values followed by the rope key."
+        )
+    block_t = max(page_size, 32) if block_t is None else block_t
+    for name, size in (("kv_lora_rank", c), ("rope dim", r), ("page_size", page_size), ("block_h", block_h),
+                       ("block_t", block_t)):
+        if not _is_pow2(size):
+            raise ValueError(f"{name}={size} must be a power of two for the Pallas MLA kernel.")
+    if block_t % page_size:
+        raise ValueError(f"block_t={block_t} must be a multiple of page_size={page_size}.")
+    interpret = default_interpret() if interpret is None else interpret
+    context_blocks = pl.cdiv(page_table_BN.shape[1] * page_size, block_t)
+    if num_splits is None:
+        num_splits = default_num_splits(b, pl.cdiv(h, block_h), context_blocks)
+    lengths_B = _masked_lengths(lengths_B, num_valid_rows)
+    out_BHC = _mla_call(
+        q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, softmax_scale=float(softmax_scale),
+        kv_lora_rank=kv_lora_rank, num_splits=int(num_splits), block_h=block_h, block_t=block_t,
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out_BHC.astype(q_latent_BHC.dtype)
