@@ -168,7 +168,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     _refuse(raw, "moe_layer_freq", (1,), 1)
     num_kv = raw.get("num_key_value_heads", raw.get("num_attention_heads"))
     if num_kv != raw.get("num_attention_heads"):
-        # MLA checkpoints set num_key_value_heads == num_attention_heads; anything else is not MLA as we know it
+        # MLA checkpoints set num_key_value_heads == num_attention_heads; anything else is not MLA
         raise UnsupportedConfigError(
             f"config.json sets num_key_value_heads={num_kv} != num_attention_heads="
             f"{raw.get('num_attention_heads')}; jaxdp's MLA expects them equal"

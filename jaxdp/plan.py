@@ -23,15 +23,23 @@ from jaxdp.gpus import GPUError, get_gpu, parse_memory, with_overrides
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
 from jaxdp.plan_report import ASSUMPTIONS, format_report, plot_situations
 from jaxdp.roofline import decode_roofline
-from jaxdp.weights import EXPERT_DTYPES, KV_DTYPES, kv_bytes, kv_tokens, total_bytes, weights_per_device
+from jaxdp.weights import (
+    EXPERT_DTYPES,
+    KV_DTYPES,
+    PLACEMENTS,
+    kv_bytes,
+    kv_tokens,
+    total_bytes,
+    weights_per_device,
+)
 
 try:  # the layout module's parser (presets, SGLang flags); a tiny fallback keeps the planner usable
-    from jaxdp.layout import Layout, LayoutError, parse_mesh_spec
+    from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
 except ImportError:  # pragma: no cover - only before jaxdp.layout grew its parser
     from jaxdp.layout import Layout
 
     LayoutError = ValueError  # type: ignore[misc,assignment]
-    parse_mesh_spec = None  # type: ignore[assignment]
+    add_layout_args = layout_from_args = None  # type: ignore[assignment]
 
 GiB = 2**30
 
@@ -40,10 +48,13 @@ class PlanError(ValueError):
     """A user error; the message is one sentence."""
 
 
-def _parse_mesh(text: str, gpus: int) -> Layout:
-    if parse_mesh_spec is not None:
-        return parse_mesh_spec(text, num_devices=gpus)
-    items = dict(part.split("=", 1) for part in text.split(",") if "=" in part)  # pragma: no cover
+def _layout(args: argparse.Namespace) -> Layout:
+    if args.mesh is None and getattr(args, "tp_size", None) is None:
+        raise PlanError("give the layout with --mesh dp=A,tp=B (or a preset) or with --tp-size N "
+                        "[--attn-dp-size A].")
+    if layout_from_args is not None:
+        return layout_from_args(args, num_devices=args.gpus)
+    items = dict(part.split("=", 1) for part in args.mesh.split(",") if "=" in part)  # pragma: no cover
     return Layout(dp=int(items.get("dp", 1)), tp=int(items.get("tp", 1)), moe=items.get("moe", "tp"))
 
 
@@ -79,14 +90,14 @@ def _merge(s: Situation, dp: int) -> Situation:
 
 def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, budget: float,
                 situations: dict[str, Situation], batch: tuple[int, ...]) -> dict[str, Any]:
-    comps = weights_per_device(cfg, layout, args.expert_dtype, not args.no_absorbed_copy)
+    comps = weights_per_device(cfg, layout, args.expert_dtype, **_placement(args))
     wbytes = total_bytes(comps)
     per_token = kv_bytes(cfg, args.kv_dtype).per_token
     tokens = kv_tokens(budget, wbytes, per_token)
     accts = {name: account_step(layout, cfg, s.rows, is_extend=s.kind == EXTEND, lm_rows=s.lm_rows)
              for name, s in situations.items()}
     roof_kw = dict(context=args.context, expert_dtype=args.expert_dtype, kv_dtype=args.kv_dtype,
-                   absorbed_copy=not args.no_absorbed_copy, latency_us=args.latency_us)
+                   latency_us=args.latency_us, **_placement(args))
     single = (1,) + (0,) * (layout.dp - 1)
     return {
         "layout": dataclasses.asdict(layout), "describe": _describe(layout),
@@ -103,6 +114,10 @@ def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, bu
     }
 
 
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    return {"placement": args.placement, "absorbed_copy": False if args.no_absorbed_copy else None}
+
+
 def _describe(layout: Layout) -> str:
     describe = getattr(layout, "describe", None)
     return describe() if callable(describe) else f"dp={layout.dp},tp={layout.tp},moe={layout.moe}"
@@ -116,14 +131,14 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     gpu = get_gpu(args.gpu)
     gpu = with_overrides(gpu, parse_memory(args.gpu_memory) if args.gpu_memory else None,
                          args.hbm_tbs, args.tflops, args.link_gbs)
-    layout = _parse_mesh(args.mesh, args.gpus)
+    layout = _layout(args)
     if layout.total_devices != args.gpus:
-        raise PlanError(f"--mesh {args.mesh} uses {layout.total_devices} GPUs but --gpus is {args.gpus}; "
-                        "make them equal.")
+        raise PlanError(f"the layout uses {layout.total_devices} GPUs but --gpus is {args.gpus}; make them "
+                        "equal.")
     layout.validate(num_devices=args.gpus, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
-    tp_layout = Layout(dp=1, tp=layout.world)
+    tp_layout = Layout(dp=1, tp=layout.total_devices)
     per_token = kv_bytes(cfg, args.kv_dtype).per_token
-    tp_weights = total_bytes(weights_per_device(cfg, tp_layout, args.expert_dtype, not args.no_absorbed_copy))
+    tp_weights = total_bytes(weights_per_device(cfg, tp_layout, args.expert_dtype, **_placement(args)))
     if args.match_tp_tokens:
         budget = tp_weights + _parse_count(args.match_tp_tokens) * per_token
         fraction = budget / gpu.memory_bytes
@@ -139,7 +154,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.rows:
         rows = _parse_rows(args.rows, layout.dp)
         kind = EXTEND if args.extend else "decode"
-        situations = {"rows": Situation("rows", rows, kind, (1,) * layout.dp if args.extend else None)}
+        lm_rows = tuple(1 if r else 0 for r in rows) if args.extend else None  # one sequence per rank
+        situations = {"rows": Situation("rows", rows, kind, lm_rows)}
         batch = rows
     else:
         base = five_situations(layout.dp if layout.dp > 1 else layout.world)
@@ -147,9 +163,10 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         batch = situations["balanced"].rows
     main_plan = plan_layout(cfg, layout, gpu, args, budget, situations, batch)
     if not main_plan["fits"]:
-        raise PlanError(f"the weights take {main_plan['weights_per_device_gib']:.1f} GiB per GPU, more than "
-                        f"the {budget / GiB:.1f} GiB budget ({fraction:.2f} x {gpu.memory_gib:g} GiB); use more "
-                        "GPUs, a larger --mem-fraction-static or --expert-dtype nvfp4.")
+        need = main_plan["weights_per_device_gib"]
+        raise PlanError(f"the weights ({need:.1f} GiB per GPU) do not fit in the {budget / GiB:.1f} GiB "
+                        f"budget ({fraction:.2f} x {gpu.memory_gib:g} GiB); use more GPUs, a larger "
+                        "--mem-fraction-static or --expert-dtype nvfp4.")
     compare = None
     if layout.dp > 1:
         tp_situations = {k: _merge(s, 1) for k, s in situations.items()}
@@ -158,7 +175,9 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "gpus": args.gpus, "gpu": dataclasses.asdict(gpu),
         "mem_fraction_static": fraction, "budget_gib": budget / GiB,
         "expert_dtype": args.expert_dtype, "kv_dtype": args.kv_dtype,
-        "absorbed_copy": not args.no_absorbed_copy, "context": args.context, "latency_us": args.latency_us,
+        "placement": args.placement,
+        "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
+        "context": args.context, "latency_us": args.latency_us,
         "row_bytes": cfg.hidden_size * 2, "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype)),
         "kv_bytes_per_token": per_token, "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
                                                     "vocab": cfg.vocab_size, "model_type": cfg.model_type},
@@ -176,7 +195,10 @@ def make_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="glm-5", help="preset (glm-5, deepseek-v3, tiny) or checkpoint dir")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the deployment")
-    p.add_argument("--mesh", required=True, help="dp=A,tp=B[,moe=tp|ep][,dense=..][,lm_head=..] or preset")
+    if add_layout_args is not None:
+        add_layout_args(p)
+    else:  # pragma: no cover
+        p.add_argument("--mesh", help="dp=A,tp=B[,moe=tp|ep]")
     p.add_argument("--gpu", default="B300",
                    help=f"{', '.join(GPU_PRESETS)} or name:mem_gib:hbm_tbs:bf16_tflops[:link_gbs]")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 269GiB (overrides the preset)")
@@ -189,6 +211,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="instead: the budget at which TP holds this many tokens per GPU, e.g. 2.68M")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="bf16")
+    p.add_argument("--placement", choices=PLACEMENTS, default="sglang",
+                   help="whose placement rules: SGLang's (explains the article) or jaxdp's sharding table")
     p.add_argument("--no-absorbed-copy", action="store_true",
                    help="do not count SGLang's w_kc/w_vc copies of kv_b_proj")
     p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")

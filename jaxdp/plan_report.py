@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxdp.roofline import ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
+from jaxdp.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
 
 GiB = 2**30
 
@@ -43,7 +43,7 @@ def is_article_setting(plan: dict[str, Any]) -> bool:
     lay = plan["plan"]["layout"]
     return (c["num_layers"] == 78 and c["hidden"] == 6144 and c["vocab"] == 154880 and plan["gpus"] == 4
             and plan["gpu"]["name"] == "B300" and plan["expert_dtype"] == "nvfp4" and lay["dp"] == 4
-            and lay["moe"] == "tp")
+            and lay["moe"] == "tp" and plan["placement"] == "sglang")
 
 
 def _lbl(layout: dict[str, Any]) -> str:
@@ -58,8 +58,9 @@ def format_report(plan: dict[str, Any]) -> str:
            f"vocab {c['vocab']:,}) on {plan['gpus']} x {g['name']} ({g['memory_gib']:g} GiB, "
            f"{g['hbm_tbs']:g} TB/s, {g['bf16_tflops']:g} TFLOP/s bf16, link {g['link_gbs']:g} GB/s)",
            f"layout: {main['describe']}" + ("   beside: tensor parallelism over the same GPUs" if tp else ""),
-           f"experts {plan['expert_dtype']}, KV {plan['kv_dtype']}; budget {plan['budget_gib']:.1f} GiB per "
-           f"GPU (mem-fraction-static {plan['mem_fraction_static']:.3f})", ""]
+           f"{plan['placement']} placement, experts {plan['expert_dtype']}, KV {plan['kv_dtype']}; budget "
+           f"{plan['budget_gib']:.1f} GiB per GPU (mem-fraction-static {plan['mem_fraction_static']:.3f})",
+           ""]
     a, b = _lbl(main["layout"]), _lbl(tp["layout"]) if tp else ""
     out.append(f"Weights per GPU, GiB     {a:>10} {b:>10}   placement under {a}")
     tpw = {w["name"]: w for w in tp["weights"]} if tp else {}
@@ -81,11 +82,13 @@ def format_report(plan: dict[str, Any]) -> str:
             f"  tokens per attention group {per_rank:>12,}" +
             (f"   TP: {tp['kv_tokens_per_rank']:,} on every GPU" if tp else ""),
             f"  tokens in total            {total:>12,}" +
-            (f"   TP: {tp['kv_tokens_total']:,} ({total / max(tp['kv_tokens_total'], 1):.1f}x)" if tp else "")]
+            (f"   TP: {tp['kv_tokens_total']:,} ({total / max(tp['kv_tokens_total'], 1):.1f}x)"
+             if tp else "")]
     if article and tp:
         at = ARTICLE_TOKENS
-        out.append(f"  article: {at['dp'] / 1e6:.2f} M per GPU, {at['dp_total'] / 1e6:.1f} M in total, TP "
-                   f"{at['tp'] / 1e6:.2f} M; error {_err(per_rank, at['dp'])} / {_err(total, at['dp_total'])}")
+        out.append(f"  article: {at['dp'] / 1e6:.2f} M per GPU, {at['dp_total'] / 1e6:.1f} M in total, "
+                   f"TP {at['tp'] / 1e6:.2f} M; error {_err(per_rank, at['dp'])} / "
+                   f"{_err(total, at['dp_total'])}")
     width = max(20, *(len(",".join(map(str, s["rows"]))) + 2 for s in main["situations"].values()))
     out += ["", f"Situations under {a} (a row is {plan['row_bytes']:,} B; bytes = the buffer on one device; "
             "ratios = rows computed / rows needed, SGLang / jaxdp)",
@@ -136,6 +139,11 @@ def _roofline_lines(plan: dict[str, Any], article: bool) -> list[str]:
                    f"non-expert GEMMs take {ARTICLE_NON_EXPERT_GEMM_EXTRA_MS} ms more; "
                    f"{_err(attn_dp, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS)}); extra over TP "
                    f"{diffs['attention projections']:.2f} ms ({_err(diffs['attention projections'], 3.3)})")
+        pad = diffs["routed experts"]
+        out.append(f"    padding rows in the experts (SGLang): {pad:+.2f} ms (the article: the expert "
+                   f"GEMMs take {ARTICLE_EXPERT_GEMM_EXTRA_MS} ms more; "
+                   f"{_err(pad, ARTICLE_EXPERT_GEMM_EXTRA_MS)}); jaxdp masks them: "
+                   f"{cols[2][1]['ms']:.2f} ms in total")
     if article and tp:
         bal = main["roofline"]["batch"]
         if bal["sglang"]["rows"] == [16, 16, 16, 16]:

@@ -18,7 +18,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from jaxdp.parallel.accounting import account_step
-from jaxdp.weights import indexer_params, kv_bytes, weights_per_device
+from jaxdp.weights import kv_bytes, weights_per_device
 
 if TYPE_CHECKING:
     from jaxdp.config import ModelConfig
@@ -33,7 +33,7 @@ ARTICLE_MS = {
     ("dp", "skewed"): 29.0,
 }
 ARTICLE_NON_EXPERT_GEMM_EXTRA_MS = 3.3  # DP minus TP, kernel trace of one request (section 7)
-ARTICLE_EXPERT_GEMM_EXTRA_MS = 1.2  # 1.3 -> 2.5 ms: the padding rows of the gather
+ARTICLE_EXPERT_GEMM_EXTRA_MS = 1.1  # "about 1.1 ms" (1.3 -> 2.5 ms): the padding rows of the gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +80,12 @@ def expected_experts(rows: int, n_experts: int, top_k: int) -> float:
 
 def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int, ...], *,
                     context: int = 1024, expert_dtype: str = "bf16", kv_dtype: str = "bf16",
-                    absorbed_copy: bool = True, latency_us: float = 10.0,
+                    absorbed_copy: bool | None = None, placement: str = "sglang", latency_us: float = 10.0,
                     padding: str = "sglang") -> Roofline:
     """One decode step on the busiest device; `padding` is "sglang" (padding rows reach the experts)
     or "jaxdp" (the router masks them)."""
     acct = account_step(layout, cfg, rows, is_extend=False)
-    comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy)}
+    comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement)}
     bw, peak, link = gpu.hbm_bytes_per_s, gpu.flops_per_s, gpu.link_bytes_per_s
     n, tp = layout.world, layout.tp
     L, Lm, h, k = cfg.num_layers, cfg.num_moe_layers, cfg.hidden_size, cfg.num_experts_per_tok
@@ -129,19 +129,3 @@ def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int,
     label = f"dp={layout.dp},tp={layout.tp},moe={layout.moe}"
     return Roofline(label, tuple(rows), context, tuple(terms))
 
-
-def attention_read_ms(cfg: ModelConfig, layout: Layout, gpu: GPU) -> float:
-    """Time for one device to read its attention projections (and DSA indexer) once."""
-    comps = {c.name: c for c in weights_per_device(cfg, layout)}
-    nbytes = comps["attention projections"].bytes_per_device
-    nbytes += comps["DSA indexer"].bytes_per_device if "DSA indexer" in comps else 0.0
-    return nbytes / gpu.hbm_bytes_per_s * 1e3
-
-
-def indexer_fraction(cfg: ModelConfig) -> float:
-    """The indexer's share of one layer's attention-side parameters (for the printed assumptions)."""
-    from jaxdp.weights import _attention_params
-
-    rep, split, _ = _attention_params(cfg)
-    idx = indexer_params(cfg)
-    return idx / (rep + split + idx) if idx else 0.0

@@ -14,6 +14,9 @@ mirrors them); docs/plan.md lists each rule with its source. In short, for a wor
 - embedding: vocab-split over the devices under plain TP (dp=1), whole on every device under attention DP
   (VocabParallelEmbedding(enable_tp=not dp_attention));
 - LM head: vocab-split over N; with dp_lm_head split over the group's tp only (whole when tp=1).
+`placement="jaxdp"` follows jaxdp's own table (jaxdp/parallel/sharding.py) where it differs: no
+absorbed copies (decoding reads slices of kv_b), the embedding whole on every device in every layout, and
+the LM head whole on every device with dp_lm_head whatever the group's tp.
 Dtypes: routed experts in `expert_dtype` (nvfp4 = 4 bits + one E4M3 scale per 16 values + two fp32
 scalars per matrix, i.e. 4.5 bits per weight; fp8 = 1 byte + one fp32 scale per 128x128 block); every
 other weight in bf16 (the router's correction bias in fp32).
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from jaxdp.layout import Layout
 
 EXPERT_DTYPES = ("bf16", "fp8", "nvfp4")
+PLACEMENTS = ("sglang", "jaxdp")
 KV_DTYPES = ("bf16", "fp8")
 BF16 = 2
 INDEX_QUANT_BLOCK = 128  # the DSA indexer key cache: fp8 keys, one fp32 scale per 128 values
@@ -81,10 +85,14 @@ def indexer_params(cfg: ModelConfig) -> int:
 
 
 def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf16",
-                       absorbed_copy: bool = True) -> list[Component]:
+                       absorbed_copy: bool | None = None, placement: str = "sglang") -> list[Component]:
     """The weights one device of one model copy holds, component by component."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert dtype {expert_dtype!r} is unknown; use one of {', '.join(EXPERT_DTYPES)}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r} is unknown; use one of {', '.join(PLACEMENTS)}")
+    sglang = placement == "sglang"
+    absorbed_copy = sglang if absorbed_copy is None else absorbed_copy
     n, tp, dp = layout.world, layout.tp, layout.dp
     L, Lm, Ld, h = cfg.num_layers, cfg.num_moe_layers, cfg.num_dense_layers, cfg.hidden_size
     out: list[Component] = []
@@ -120,11 +128,12 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
     add("dense layers", dense, BF16 * dense, 1 / dense_n,
         "whole on every device" if dense_n == 1 else f"split over {dense_n} devices")
     vocab = cfg.vocab_size * h
-    emb_n = 1 if dp > 1 else tp
+    emb_n = 1 if (dp > 1 or not sglang) else tp
     add("embedding", vocab, BF16 * vocab, 1 / emb_n,
-        "whole on every device (attention DP)" if emb_n == 1 else f"vocab-split over {emb_n} devices")
+        f"vocab-split over {emb_n} devices" if emb_n > 1 else
+        "whole on every device" + (" (attention DP)" if sglang else ""))
     if not cfg.tie_word_embeddings:
-        head_n = tp if layout.dp_lm_head else n
+        head_n = (tp if sglang else 1) if layout.dp_lm_head else n
         add("LM head", vocab, BF16 * vocab, 1 / head_n,
             "whole on every device" if head_n == 1 else f"vocab-split over {head_n} devices")
     norms = L * (2 * h + (cfg.q_lora_rank or 0) + cfg.kv_lora_rank) + h

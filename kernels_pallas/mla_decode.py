@@ -37,6 +37,7 @@ def _masked_lengths(lengths_B: jax.Array, num_valid_rows) -> jax.Array:
     return jnp.where(rows_B < jnp.asarray(num_valid_rows, jnp.int32), lengths_B, 0)
 
 
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "kv_lora_rank"))
 def mla_decode_reference(
     q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, *, softmax_scale, kv_lora_rank,
     num_valid_rows=None,
@@ -125,9 +126,10 @@ def default_num_splits(batch: int, head_blocks: int, context_blocks: int, num_sm
     static_argnames=("softmax_scale", "kv_lora_rank", "num_splits", "block_h", "block_t", "interpret",
                      "num_warps", "num_stages"),
 )
-def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, *, softmax_scale,
-              kv_lora_rank, num_splits, block_h, block_t, interpret, num_warps, num_stages):
+def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows, *,
+              softmax_scale, kv_lora_rank, num_splits, block_h, block_t, interpret, num_warps, num_stages):
     b, h, c = q_latent_BHC.shape
+    lengths_B = _masked_lengths(lengths_B, num_valid_rows)
     r = q_rope_BHR.shape[-1]
     num_pages, page_size, _ = kv_cache_PSK.shape
     pages_per_block = block_t // page_size
@@ -164,7 +166,8 @@ def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, 
             pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j)),
         ),
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                                    num_stages=num_stages),
         name="mla_decode_split",
     )(lengths_B, table_BN, q_latent_BHC, q_rope_BHR, kv_TK)
     return combine_splits(out_BSHC, lse_BSH)[:, :h]
@@ -202,9 +205,9 @@ def mla_decode(
     context_blocks = pl.cdiv(page_table_BN.shape[1] * page_size, block_t)
     if num_splits is None:
         num_splits = default_num_splits(b, pl.cdiv(h, block_h), context_blocks)
-    lengths_B = _masked_lengths(lengths_B, num_valid_rows)
     out_BHC = _mla_call(
-        q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, softmax_scale=float(softmax_scale),
+        q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows,
+        softmax_scale=float(softmax_scale),
         kv_lora_rank=kv_lora_rank, num_splits=int(num_splits), block_h=block_h, block_t=block_t,
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )

@@ -20,6 +20,8 @@ dequantizes to zeros (error = its own tiny amax), as in ModelOpt.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -60,6 +62,7 @@ def e2m1_decode_arith(codes: jax.Array) -> jax.Array:
     return jnp.where((codes & 8) != 0, -mag, mag)
 
 
+@jax.jit
 def pack_e2m1(values_NK: jax.Array) -> jax.Array:
     """Float values on the E2M1 grid (others are rounded) [..., K] -> uint8 [..., K//2], even col low."""
     if values_NK.shape[-1] % 2:
@@ -74,6 +77,7 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+@jax.jit
 def unpack_e2m1(packed: jax.Array) -> jax.Array:
     """uint8 [..., K//2] -> float32 [..., K]."""
     return e2m1_decode(unpack_codes(packed))
@@ -86,6 +90,7 @@ def nvfp4_global_scale(*weights: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, scale, 1.0).astype(jnp.float32)
 
 
+@jax.jit
 def quantize_nvfp4(
     w_NK: jax.Array, global_scale: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -109,6 +114,7 @@ def quantize_nvfp4(
     return pack_e2m1(scaled_NK), block_scale_NB, scale_2
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize_nvfp4(
     packed_NK2: jax.Array, block_scale_NK16: jax.Array, weight_scale_2: jax.Array, dtype=jnp.float32
 ) -> jax.Array:
@@ -124,6 +130,7 @@ def dequantize_nvfp4(
     return (values * scales * scale_2).astype(dtype)
 
 
+@jax.jit
 def quantize_nvfp4_gate_up(
     w_gate_NK: jax.Array, w_up_NK: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
@@ -133,6 +140,7 @@ def quantize_nvfp4_gate_up(
     return quantize_nvfp4(w_gate_NK, shared), quantize_nvfp4(w_up_NK, shared)
 
 
+@jax.jit
 def quantize_nvfp4_experts_gate_up(
     w_gate_EIH: jax.Array, w_up_EIH: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,6 +155,7 @@ def quantize_nvfp4_experts_gate_up(
     return jax.vmap(one)(w_gate_EIH, w_up_EIH)
 
 
+@jax.jit
 def quantize_nvfp4_experts(w_ENK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Experts' weights [E, N, K] (e.g. down [E, H, I]) -> ([E, N, K//2], [E, N, K//16], [E])."""
     return jax.vmap(quantize_nvfp4)(w_ENK)

@@ -44,9 +44,12 @@ def effective_group_sizes(group_sizes_E: jax.Array, num_valid_rows) -> jax.Array
 
 def _row_limit(num_rows: int, num_valid_rows):
     """Rows at or past this index belong to no group (never past the array itself)."""
-    return num_rows if num_valid_rows is None else jnp.minimum(jnp.asarray(num_valid_rows, jnp.int32), num_rows)
+    if num_valid_rows is None:
+        return num_rows
+    return jnp.minimum(jnp.asarray(num_valid_rows, jnp.int32), num_rows)
 
 
+@functools.partial(jax.jit, static_argnames="compute_dtype")
 def nvfp4_grouped_matmul_reference(
     x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, *, num_valid_rows=None,
     compute_dtype=jnp.float32,
@@ -130,9 +133,10 @@ def _grouped_kernel(
 @functools.partial(
     jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret", "num_warps", "num_stages")
 )
-def _grouped_call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, sizes_E, *, block_m, block_n, block_k,
-                  interpret, num_warps, num_stages):
+def _grouped_call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows, *, block_m,
+                  block_n, block_k, interpret, num_warps, num_stages):
     t, k = x_TK.shape
+    sizes_E = effective_group_sizes(group_sizes_E, _row_limit(t, num_valid_rows))
     n = packed_ENK2.shape[1]
     expert_X, start_X, end_X, count = tile_schedule(sizes_E, t, block_m)
     kernel = functools.partial(
@@ -147,7 +151,8 @@ def _grouped_call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, sizes_E, *, b
         out_specs=whole,
         input_output_aliases={8: 0},  # the zeros buffer: rows in no tile stay zero
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                                    num_stages=num_stages),
         name="nvfp4_grouped_matmul",
     )(expert_X, start_X, end_X, count, x_TK, packed_ENK2, scales_ENK16,
       global_scale_E.astype(jnp.float32), jnp.zeros((t, n), x_TK.dtype))
@@ -178,8 +183,7 @@ def nvfp4_grouped_matmul(
     if block_k < BLOCK_K:
         raise ValueError(f"block_k={block_k} must be at least {BLOCK_K}, one scale block.")
     interpret = default_interpret() if interpret is None else interpret
-    sizes_E = effective_group_sizes(group_sizes_E, _row_limit(t, num_valid_rows))
     return _grouped_call(
-        x_TK, packed_ENK2, scales_ENK16, global_scale_E, sizes_E, block_m=block_m, block_n=block_n,
-        block_k=block_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows, block_m=block_m,
+        block_n=block_n, block_k=block_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )

@@ -35,7 +35,8 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         self.attn = MLA(cfg, rngs, dtype)
         self.ffn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
-        self.ffn = MoE(cfg, rngs, dtype) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, rngs, dtype)
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.ffn = MoE(cfg, rngs, dtype) if is_moe else MLP(D, F, rngs, dtype)
 
 
 def _layer_stack(cfg: ModelConfig, n: int, rngs: nnx.Rngs, dtype, is_moe: bool) -> DecoderLayer | None:

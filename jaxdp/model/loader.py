@@ -169,10 +169,10 @@ def _assign(model: DeepseekV3, values: dict[str, np.ndarray], dtype) -> None:
             obj = getattr(obj, p)
         param = getattr(obj, leaf)
         keep_f32 = leaf.startswith("router")  # the router runs in float32, as DeepSeek's does
-        want = param.value.shape
+        want = param.get_value().shape
         if tuple(arr.shape) != tuple(want):
             raise ValueError(f"checkpoint tensor for {path} has shape {arr.shape}, expected {want}")
-        param.value = jnp.asarray(arr, jnp.float32 if keep_f32 else dtype)
+        param.set_value(jnp.asarray(arr, jnp.float32 if keep_f32 else dtype))
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
     for stack, first in ((model.dense_layers, 0), (model.moe_layers, cfg.num_dense_layers)):
         if stack is None:
             continue
-        n = stack.attn_norm.value.shape[0]
+        n = stack.attn_norm.get_value().shape[0]
         for j in range(n):
             pre = f"model.layers.{first + j}"
             at = stack.attn
@@ -282,5 +282,6 @@ def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | 
         tiny = PRESETS["tiny"]
         cfg = tiny.with_(num_layers=cfg.num_layers, first_k_dense_replace=cfg.first_k_dense_replace)
     if num_layers is not None:
-        cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
+        dense = min(cfg.first_k_dense_replace, num_layers)
+        cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=dense)
     return cfg, DeepseekV3(cfg, nnx.Rngs(seed), dt)

@@ -65,7 +65,7 @@ class StepRunner:
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
         self.state = shard_state(state, layout, mesh)
-        dtype = cache_dtype or model.embed_VD.value.dtype
+        dtype = cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(dtype)
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
@@ -83,7 +83,8 @@ class StepRunner:
         if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
             problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
         if problems:
-            raise ValueError(f"this model does not split under {lay}: " + "; ".join(problems))
+            raise ValueError(f"this model does not split under --mesh {lay.spec()}: " + "; ".join(problems)
+                             + "; choose a layout whose sizes divide these")
 
     def _empty_cache(self, dtype) -> dict:
         cfg, dp = self.cfg, self.layout.dp
