@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--ranks names {len(ranks)} ranks for {len(prompts)} prompts; "
                              "give one per prompt")
         S = args.page_size
-        per_rank = [sum(-(-(len(p) + args.output_len) // S) for p, r in zip(prompts, ranks) if r == k)
+        per_rank = [sum(-(-(len(p) + args.output_len) // S) for p, r in zip(prompts, ranks, strict=True) if r == k)
                     for k in range(layout.dp)]
         mesh = layout.make_mesh(jax.devices()[: layout.world])
         runner = StepRunner(model, layout, mesh, num_pages=max(per_rank) + 1, page_size=S)

@@ -20,6 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+# f32 operands get IEEE dots (Triton would use TF32 for DEFAULT); bf16 operands are unaffected.
+_EXACT = jax.lax.Precision.HIGHEST
+
 
 def default_interpret() -> bool:
     return jax.default_backend() == "cpu"
@@ -80,17 +83,18 @@ def _split_kernel(
         cache_row_T = page_T * page_size + tok_T % page_size  # row of the [pages * page_size, C + R] view
         latent_TC = kv_ref[cache_row_T[:, None], c_C[None, :]]
         rope_TR = kv_ref[cache_row_T[:, None], r_R[None, :]]
-        dims = (((1,), (1,)), ((), ()))
-        scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, dims, preferred_element_type=jnp.float32)
-        scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, dims, preferred_element_type=jnp.float32)
-        scores_HT = jnp.where((tok_T < length)[None, :], scores_HT * softmax_scale, -jnp.inf)
+        dot_kw = dict(dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                      precision=_EXACT)
+        scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, **dot_kw)
+        scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, **dot_kw)
+        scores_HT = jnp.where((tok_T < length + 1)[None, :], scores_HT * softmax_scale, -jnp.inf)
         new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a valid token
         rescale_H = jnp.exp(max_H - new_max_H)
         probs_HT = jnp.exp(scores_HT - new_max_H[:, None])
         sum_H = sum_H * rescale_H + jnp.sum(probs_HT, axis=1)
         acc_HC = acc_HC * rescale_H[:, None] + jax.lax.dot_general(
             probs_HT.astype(latent_TC.dtype), latent_TC, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=jnp.float32, precision=_EXACT,
         )
         return new_max_H, sum_H, acc_HC
 

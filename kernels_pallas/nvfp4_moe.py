@@ -24,6 +24,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, e2m1_decode_arith
 
+# f32 operands get IEEE dots (Triton would use TF32 for DEFAULT); bf16 operands are unaffected.
+_EXACT = jax.lax.Precision.HIGHEST
+
 
 def default_interpret() -> bool:
     return jax.default_backend() == "cpu"
@@ -31,6 +34,13 @@ def default_interpret() -> bool:
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _fit_block(block: int, dim: int) -> int:
+    """The largest power of two <= block that divides dim."""
+    while block > 1 and dim % block:
+        block //= 2
+    return block
 
 
 def effective_group_sizes(group_sizes_E: jax.Array, num_valid_rows) -> jax.Array:
@@ -90,7 +100,7 @@ def _dequant_tile(packed_NK2, scale_NKB, dtype):
     bn, half_k = packed_NK2.shape
     codes = packed_NK2.astype(jnp.int32)
     low, high = e2m1_decode_arith(codes & 0xF), e2m1_decode_arith(codes >> 4)
-    values_NK = jnp.stack([low, high], axis=-1).reshape(bn, 2 * half_k)  # even column = low nibble
+    values_NK = jnp.stack([high, low], axis=-1).reshape(bn, 2 * half_k)  # even column = low nibble
     scale_NK = jnp.broadcast_to(
         scale_NKB.astype(jnp.float32)[:, :, None], (bn, scale_NKB.shape[1], BLOCK_K)
     ).reshape(bn, 2 * half_k)
@@ -122,7 +132,7 @@ def _grouped_kernel(
             scale_NKB = scales_ref[expert, cols_N[:, None], (kb * (block_k // BLOCK_K) + k_KB)[None, :]]
             w_NK = _dequant_tile(packed_NK2, scale_NKB, x_MK.dtype)
             return acc_MN + jax.lax.dot_general(
-                x_MK, w_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                x_MK, w_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_EXACT
             )
 
         acc_MN = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -176,12 +186,12 @@ def nvfp4_grouped_matmul(
             f"NVFP4 operands do not match x [T={t}, K={k}]: packed {packed_ENK2.shape} should be "
             f"[E, N, {k // 2}] and scales {scales_ENK16.shape} should be [E, N, {k // BLOCK_K}]."
         )
-    block_n, block_k = min(block_n, n), min(block_k, k)
-    for name, size, dim in (("block_m", block_m, None), ("block_n", block_n, n), ("block_k", block_k, k)):
-        if not _is_pow2(size) or (dim is not None and dim % size):
-            raise ValueError(f"{name}={size} must be a power of two dividing the dimension ({dim}).")
-    if block_k < BLOCK_K:
-        raise ValueError(f"block_k={block_k} must be at least {BLOCK_K}, one scale block.")
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if not _is_pow2(size):
+            raise ValueError(f"{name}={size} must be a power of two.")
+    block_n, block_k = _fit_block(block_n, n), _fit_block(block_k, k)
+    if block_k < BLOCK_K or block_n < 1:
+        raise ValueError(f"K={k} needs a power-of-two divisor of at least {BLOCK_K} (one scale block).")
     interpret = default_interpret() if interpret is None else interpret
     return _grouped_call(
         x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows, block_m=block_m,

@@ -102,6 +102,22 @@ def test_mla_decode_rejects_bad_shapes():
         mla_decode(q_latent[..., :24], q_rope, kv[..., 8:], table, lens, softmax_scale=1.0, kv_lora_rank=24)
 
 
+def test_mla_decode_lowers_to_triton_at_real_shapes():
+    """Lowers (not compiles) for CUDA on any host: catches Triton-lowering errors without a GPU."""
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    b, h, c, r, page_size, pages = 5, 128, 512, 64, 64, 40  # DeepSeek-V3 heads, an odd batch
+    fn = jax.jit(lambda *a: mla_decode(*a[:5], num_valid_rows=a[5], softmax_scale=0.1, kv_lora_rank=c,
+                                       interpret=False))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        spec((b, h, c), jnp.bfloat16), spec((b, h, r), jnp.bfloat16),
+        spec((b * pages, page_size, c + r), jnp.bfloat16), spec((b, pages), jnp.int32),
+        spec((b,), jnp.int32), spec((), jnp.int32))
+    assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
 @needs_kernel_backend
 def test_bench_tiny_preset_runs_and_writes_json(tmp_path, capsys):
     from kernels_pallas import bench

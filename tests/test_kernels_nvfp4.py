@@ -194,3 +194,17 @@ def test_grouped_matmul_rejects_mismatched_operands(experts):
         nvfp4_grouped_matmul(jnp.ones((4, 2 * K)), *experts, jnp.array([4, 0, 0, 0], jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
         nvfp4_grouped_matmul(jnp.ones((4, K)), *experts, jnp.array([4, 0, 0, 0], jnp.int32), block_m=12)
+
+
+def test_grouped_matmul_lowers_to_triton_at_real_shapes():
+    """Lowers (not compiles) for CUDA on any host: catches Triton-lowering errors without a GPU."""
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    e, n, k, t = 8, 4096, 6144, 64  # GLM-5 gate/up [2I, H] for a few experts
+    fn = jax.jit(lambda *a: nvfp4_grouped_matmul(*a[:5], num_valid_rows=a[5], interpret=False))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        spec((t, k), jnp.bfloat16), spec((e, n, k // 2), jnp.uint8), spec((e, n, k // 16), jnp.float8_e4m3fn),
+        spec((e,), jnp.float32), spec((e,), jnp.int32), spec((), jnp.int32))
+    assert exported.mlir_module().count("xla.gpu.triton") == 1

@@ -65,8 +65,8 @@ class StepRunner:
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
         self.state = shard_state(state, layout, mesh)
-        dtype = cache_dtype or model.embed_VD.get_value().dtype
-        self.cache = self._empty_cache(dtype)
+        self.cache_dtype = cache_dtype or model.embed_VD.get_value().dtype
+        self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
@@ -93,6 +93,10 @@ class StepRunner:
         make = jax.jit(lambda n: jnp.zeros((dp, n, *shape), dtype), static_argnums=0, out_shardings=sharding)
         return {"dense": make(cfg.num_dense_layers), "moe": make(cfg.num_moe_layers)}
 
+    def reset_cache(self) -> None:
+        """Zero every page (a fresh pool; the engine never needs this, experiments do)."""
+        self.cache = self._empty_cache(self.cache_dtype)
+
     # ---- compiling -----------------------------------------------------------------------------
     def _build(self, shape: StepShape):
         lay, cfg = self.layout, self.cfg
@@ -107,8 +111,8 @@ class StepRunner:
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
-            logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"], comm,
-                                             absorbed=shape.absorbed, decode_kernel=decode_kernel)
+            logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"],
+                                             comm, absorbed=shape.absorbed, decode_kernel=decode_kernel)
             cache = {k: v[None] for k, v in cache.items()}
             return logits_BV[None], cache, rows_E[None]
 
