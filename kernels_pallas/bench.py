@@ -150,7 +150,7 @@ def run(preset_name: str, peak_gbs: float, peak_tflops: float, iters: int | None
 
 
 HEADER = ("kernel", "model", "batch", "ctx/rows", "path", "time_us", "GB/s", "TFLOP/s", "%BW", "%FLOP",
-          "max|diff|")
+          "max_abs_diff")
 
 
 def _cells(r):

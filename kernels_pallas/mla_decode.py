@@ -5,7 +5,7 @@ With the up-projections absorbed into the query and the output, attention for a 
     out = softmax(scale * (q_latent . c + q_rope . k_rope)) @ c        (the value is the latent itself).
 
 The kernel keeps the 576-wide row as two power-of-two parts (512 + 64, as Triton wants), runs one program
-per (row, block of `block_h` heads, context split) and an online softmax over blocks of `block_t` tokens
+per (block of `block_h` heads, context split, row) and an online softmax over blocks of `block_t` tokens
 gathered through the page table. Each split writes its unnormalised partial result and log-sum-exp; a jnp
 step combines the splits. Rows with length 0, and rows at or past `num_valid_rows`, do no work and return
 zeros.
@@ -65,7 +65,7 @@ def _split_kernel(
     lengths_ref, page_table_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
     softmax_scale, page_size, block_t, blocks_per_split, latent_dim, rope_dim,
 ):
-    row, split = pl.program_id(0), pl.program_id(2)
+    split, row = pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
     q_latent_HC = q_latent_ref[...]
     q_rope_HR = q_rope_ref[...]
@@ -87,7 +87,7 @@ def _split_kernel(
                       precision=_EXACT)
         scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, **dot_kw)
         scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, **dot_kw)
-        scores_HT = jnp.where((tok_T < length + 1)[None, :], scores_HT * softmax_scale, -jnp.inf)
+        scores_HT = jnp.where((tok_T < length)[None, :], scores_HT * softmax_scale, -jnp.inf)
         new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a valid token
         rescale_H = jnp.exp(max_H - new_max_H)
         probs_HT = jnp.exp(scores_HT - new_max_H[:, None])
@@ -133,9 +133,10 @@ def default_num_splits(batch: int, head_blocks: int, context_blocks: int, num_sm
 def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows, *,
               softmax_scale, kv_lora_rank, num_splits, block_h, block_t, interpret, num_warps, num_stages):
     b, h, c = q_latent_BHC.shape
-    lengths_B = _masked_lengths(lengths_B, num_valid_rows)
     r = q_rope_BHR.shape[-1]
     num_pages, page_size, _ = kv_cache_PSK.shape
+    capacity = page_table_BN.shape[1] * page_size  # a longer length reads only what the table holds
+    lengths_B = jnp.minimum(_masked_lengths(lengths_B, num_valid_rows), capacity)
     pages_per_block = block_t // page_size
     context_blocks = pl.cdiv(page_table_BN.shape[1], pages_per_block)
     blocks_per_split = pl.cdiv(context_blocks, num_splits)
@@ -157,17 +158,18 @@ def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, 
         kernel,
         out_shape=(jax.ShapeDtypeStruct((b, num_splits, h_pad, c), jnp.float32),
                    jax.ShapeDtypeStruct((b, num_splits, h_pad), jnp.float32)),
-        grid=(b, h_pad // block_h, num_splits),
+        # Head blocks vary fastest, so the programs that read the same cache blocks run together (L2).
+        grid=(h_pad // block_h, num_splits, b),
         in_specs=[
             pl.no_block_spec,
             pl.no_block_spec,
-            pl.BlockSpec((None, block_h, c), lambda i, j, s: (i, j, 0)),
-            pl.BlockSpec((None, block_h, r), lambda i, j, s: (i, j, 0)),
+            pl.BlockSpec((None, block_h, c), lambda j, s, i: (i, j, 0)),
+            pl.BlockSpec((None, block_h, r), lambda j, s, i: (i, j, 0)),
             pl.no_block_spec,
         ],
         out_specs=(
-            pl.BlockSpec((None, None, block_h, c), lambda i, j, s: (i, s, j, 0)),
-            pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j)),
+            pl.BlockSpec((None, None, block_h, c), lambda j, s, i: (i, s, j, 0)),
+            pl.BlockSpec((None, None, block_h), lambda j, s, i: (i, s, j)),
         ),
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,

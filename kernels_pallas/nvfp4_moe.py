@@ -100,7 +100,7 @@ def _dequant_tile(packed_NK2, scale_NKB, dtype):
     bn, half_k = packed_NK2.shape
     codes = packed_NK2.astype(jnp.int32)
     low, high = e2m1_decode_arith(codes & 0xF), e2m1_decode_arith(codes >> 4)
-    values_NK = jnp.stack([high, low], axis=-1).reshape(bn, 2 * half_k)  # even column = low nibble
+    values_NK = jnp.stack([low, high], axis=-1).reshape(bn, 2 * half_k)  # even column = low nibble
     scale_NK = jnp.broadcast_to(
         scale_NKB.astype(jnp.float32)[:, :, None], (bn, scale_NKB.shape[1], BLOCK_K)
     ).reshape(bn, 2 * half_k)
@@ -190,7 +190,7 @@ def nvfp4_grouped_matmul(
         if not _is_pow2(size):
             raise ValueError(f"{name}={size} must be a power of two.")
     block_n, block_k = _fit_block(block_n, n), _fit_block(block_k, k)
-    if block_k < BLOCK_K or block_n < 1:
+    if block_k < BLOCK_K:
         raise ValueError(f"K={k} needs a power-of-two divisor of at least {BLOCK_K} (one scale block).")
     interpret = default_interpret() if interpret is None else interpret
     return _grouped_call(

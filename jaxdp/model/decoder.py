@@ -2,9 +2,9 @@
 with `lax.scan`, the final norm and the LM head.
 
 The model knows nothing of requests and nothing of devices. Where its rows meet the rest of the mesh
-it calls the `comm` object it is given (see `jaxdp.parallel.places`): after attention
-(`attention_out`), around the feed-forward (`moe`, `dense_ffn`: the gather and the return) and for the
-LM head (`lm_head`). On one device those are plain calls.
+it calls the `comm` object it is given (see `jaxdp.parallel.places`): between attention and the
+feed-forward (`attn_to_ffn`, `ffn_to_attn`), around the feed-forward (`moe`, `dense_ffn`: the gather
+and the return) and for the LM head (`lm_head`). On one device those are plain calls.
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ from jaxdp.model.moe import MoE
 
 
 class Comm(Protocol):
-    """The four places, as the model sees them (the agreement happens on the host, before the step)."""
+    """The four places, as the model sees them (the agreement happens on the host, before the step).
 
-    def attention_out(self, y_TD: jax.Array) -> jax.Array: ...
+    `attn_to_ffn` adds attention's (possibly partial) output to the residual and applies the FFN norm,
+    returning the rows this device carries into the FFN; `ffn_to_attn` adds the FFN output and brings
+    back the rows attention needs. Between them the residual may live in a different row layout.
+    """
+
+    def attn_to_ffn(self, a_TD, x_TD, norm_w, eps) -> tuple[jax.Array, jax.Array]: ...
+    def ffn_to_attn(self, y, x) -> jax.Array: ...
     def moe(self, h_TD: jax.Array, valid_T: jax.Array, moe: MoE) -> tuple[jax.Array, jax.Array]: ...
     def dense_ffn(self, h_TD: jax.Array, valid_T: jax.Array, mlp: MLP) -> jax.Array: ...
     def lm_head(self, h_BD: jax.Array, w_DV: jax.Array) -> jax.Array: ...
@@ -97,13 +103,12 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
         layer = nnx.merge(graphdef, layer_state)
         h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
         a_TD, kv_PSK = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel)
-        x_TD = x_TD + comm.attention_out(a_TD).astype(x_TD.dtype)
-        h_TD = rms_norm(x_TD, layer.ffn_norm[...], eps)
+        x_rows, h_rows = comm.attn_to_ffn(a_TD, x_TD, layer.ffn_norm[...], eps)
         if is_moe:
-            y_TD, rows_E = comm.moe(h_TD, valid_T, layer.ffn)
+            y_rows, rows_E = comm.moe(h_rows, valid_T, layer.ffn)
         else:
-            y_TD, rows_E = comm.dense_ffn(h_TD, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
-        return x_TD + y_TD.astype(x_TD.dtype), (kv_PSK, rows_E)
+            y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
+        return comm.ffn_to_attn(y_rows, x_rows), (kv_PSK, rows_E)
 
     x_TD, (kv_LPSK, rows_LE) = jax.lax.scan(body, x_TD, (state, kv_LPSK))
     return x_TD, kv_LPSK, rows_LE

@@ -6,13 +6,18 @@ without a mesh (the oracle test, training).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from jaxdp.model.layers import rms_norm
 
 
 class LocalComm:
-    def attention_out(self, y_TD: jax.Array) -> jax.Array:
-        return y_TD
+    def attn_to_ffn(self, a_TD, x_TD, norm_w, eps):
+        x_TD = x_TD + a_TD.astype(x_TD.dtype)
+        return x_TD, rms_norm(x_TD, norm_w, eps)
+
+    def ffn_to_attn(self, y_TD, x_TD):
+        return x_TD + y_TD.astype(x_TD.dtype)
 
     def moe(self, h_TD, valid_T, moe):
         idx_TK, w_TK = moe.route(h_TD, valid_T)

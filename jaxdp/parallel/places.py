@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.model.layers import rms_norm
+
 ALL = ("dp", "tp")
 
 
@@ -33,39 +35,43 @@ class GatherSpec:
     sum_rows: int = 0  # SUM_LEN buffer rows (static); >= the sum of all ranks' rows
 
 
+
 # ---- 1. the gather -----------------------------------------------------------------------------
+#
+# With tp > 1 inside a group, the group's attention all-reduce is folded into the gather (the article's
+# Figure 12): a reduce-scatter inside the group leaves each device a 1/tp chunk of the group's finished
+# rows (`MeshComm.attn_to_ffn`), and one gather over all devices assembles the MoE buffer. So the
+# gather and the return always run over every device of the world, on chunks of n = ceil(T / tp) rows.
 
 
-def gather_for_moe(h_TD, valid_T, rows_R, g: GatherSpec):
+def gather_for_moe(h_nD, valid_n, rows_R, g: GatherSpec):
     """Every rank's rows on every device: returns (h_RD, valid_R)."""
     if g.mode == "max_len":
-        h_RD = jax.lax.all_gather(h_TD, "dp", axis=0, tiled=True)
-        return h_RD, jax.lax.all_gather(valid_T, "dp", axis=0, tiled=True)
-    T, D = h_TD.shape
-    offset = _rank_offset(rows_R)
-    buf = jnp.zeros((g.sum_rows + T, D), h_TD.dtype)
-    buf = jax.lax.dynamic_update_slice(buf, jnp.where(valid_T[:, None], h_TD, 0), (offset, 0))
-    h_RD = jax.lax.psum(buf[: g.sum_rows], "dp")
+        h_RD = jax.lax.all_gather(h_nD, ALL, axis=0, tiled=True)
+        return h_RD, jax.lax.all_gather(valid_n, ALL, axis=0, tiled=True)
+    n, D = h_nD.shape
+    buf = jnp.zeros((g.sum_rows + n, D), h_nD.dtype)
+    buf = jax.lax.dynamic_update_slice(buf, jnp.where(valid_n[:, None], h_nD, 0), (_chunk_offset(rows_R, n), 0))
+    h_RD = jax.lax.psum(buf[: g.sum_rows], ALL)
     return h_RD, jnp.arange(g.sum_rows) < rows_R.sum()
 
 
 # ---- 2. the return -----------------------------------------------------------------------------
 
 
-def return_from_moe(y_RD, rows_R, num_rows: int, g: GatherSpec):
-    """The sum of every device's partial results, for this rank's rows only: [T, D]."""
+def return_from_moe(y_RD, rows_R, n: int, g: GatherSpec):
+    """The sum of every device's partial results, for this device's chunk of its rank's rows: [n, D]."""
     if g.mode == "max_len":
-        y_TD = jax.lax.psum_scatter(y_RD, "dp", scatter_dimension=0, tiled=True)
-    else:
-        y = jax.lax.psum(y_RD, "dp")
-        y = jnp.concatenate([y, jnp.zeros((num_rows, y.shape[1]), y.dtype)])
-        y_TD = jax.lax.dynamic_slice_in_dim(y, _rank_offset(rows_R), num_rows, axis=0)
-    return jax.lax.psum(y_TD, "tp") if g.tp > 1 else y_TD
+        return jax.lax.psum_scatter(y_RD, ALL, scatter_dimension=0, tiled=True)
+    y = jax.lax.psum(y_RD, ALL)
+    y = jnp.concatenate([y, jnp.zeros((n, y.shape[1]), y.dtype)])
+    return jax.lax.dynamic_slice_in_dim(y, _chunk_offset(rows_R, n), n, axis=0)
 
 
-def _rank_offset(rows_R):
+def _chunk_offset(rows_R, n: int):
+    """Where this device's chunk starts in the exact buffer: its rank's offset plus tp index * n."""
     r = jax.lax.axis_index("dp")
-    return jnp.cumsum(rows_R)[r] - rows_R[r]
+    return jnp.cumsum(rows_R)[r] - rows_R[r] + jax.lax.axis_index("tp") * n
 
 
 # ---- 3. the agreement --------------------------------------------------------------------------
@@ -171,38 +177,50 @@ class MeshComm:
     def world(self) -> int:
         return self.gather.dp * self.gather.tp
 
-    def attention_out(self, y_TD):
-        return jax.lax.psum(y_TD, "tp") if self.gather.tp > 1 else y_TD
+    @property
+    def chunk(self) -> int:
+        """Rows each device carries through the FFN: the rank's T rows split over its tp devices."""
+        return -(-self.num_rows // self.gather.tp)
 
-    def moe(self, h_TD, valid_T, moe):
-        if self.moe_mode == "ep":
-            return self._ep_moe(h_TD, valid_T, moe)
-        h_RD, valid_R = gather_for_moe(h_TD, valid_T, self.rows_R, self.gather)
+    def _my_chunk(self, a):
+        n, tp = self.chunk, self.gather.tp
+        a = jnp.pad(a, [(0, n * tp - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+        return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("tp") * n, n)
+
+    def attn_to_ffn(self, a_TD, x_TD, norm_w, eps):
+        """Residual add and FFN norm; with tp > 1 the group's all-reduce becomes a reduce-scatter."""
+        if self.gather.tp == 1:
+            x_TD = x_TD + a_TD.astype(x_TD.dtype)
+            return x_TD, rms_norm(x_TD, norm_w, eps)
+        n, tp = self.chunk, self.gather.tp
+        a_TD = jnp.pad(a_TD, ((0, n * tp - a_TD.shape[0]), (0, 0)))
+        x_nD = self._my_chunk(x_TD) + jax.lax.psum_scatter(a_TD, "tp", scatter_dimension=0, tiled=True)
+        return x_nD, rms_norm(x_nD, norm_w, eps)
+
+    def ffn_to_attn(self, y_nD, x_nD):
+        x_nD = x_nD + y_nD.astype(x_nD.dtype)
+        if self.gather.tp == 1:
+            return x_nD
+        return jax.lax.all_gather(x_nD, "tp", axis=0, tiled=True)[: self.num_rows]
+
+    def moe(self, h_nD, valid_T, moe):
+        valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
+        if self.moe_mode == "ep":  # no gather, no return: rows travel inside dispatch and combine
+            idx_nK, w_nK = moe.route(h_nD, valid_n)
+            y_nD, rows_E = dispatch_combine_moe(h_nD, idx_nK, w_nK, moe, self.world)
+            return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), rows_E
+        h_RD, valid_R = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
         idx_RK, w_RK = moe.route(h_RD, valid_R)
         y_RD, rows_E = moe.experts(h_RD, idx_RK, w_RK)
         y_RD = y_RD + moe.shared_expert(h_RD).astype(jnp.float32)
-        return return_from_moe(y_RD, self.rows_R, self.num_rows, self.gather), rows_E
+        return return_from_moe(y_RD, self.rows_R, self.chunk, self.gather), rows_E
 
-    def _ep_moe(self, h_TD, valid_T, moe):
-        tp, T = self.gather.tp, self.num_rows
-        if tp > 1:  # the rows of a group are on each of its tp devices: each dispatches a 1/tp share
-            n = -(-T // tp)
-            h_TD = jnp.pad(h_TD, ((0, n * tp - T), (0, 0)))
-            valid_T = jnp.pad(valid_T, (0, n * tp - T))
-            i = jax.lax.axis_index("tp") * n
-            h_TD, valid_T = (jax.lax.dynamic_slice_in_dim(a, i, n) for a in (h_TD, valid_T))
-        idx_TK, w_TK = moe.route(h_TD, valid_T)
-        y_TD, rows_E = dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, self.world)
-        y_TD = y_TD + moe.shared_expert(h_TD).astype(jnp.float32)
-        if tp > 1:
-            y_TD = jax.lax.all_gather(y_TD, "tp", axis=0, tiled=True)[:T]
-        return y_TD, rows_E
-
-    def dense_ffn(self, h_TD, valid_T, mlp):
+    def dense_ffn(self, h_nD, valid_T, mlp):
         if self.dense_replicated:
-            return mlp(h_TD)
-        h_RD, _ = gather_for_moe(h_TD, valid_T, self.rows_R, self.gather)
-        return return_from_moe(mlp(h_RD).astype(jnp.float32), self.rows_R, self.num_rows, self.gather)
+            return mlp(h_nD)
+        valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
+        h_RD, _ = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
+        return return_from_moe(mlp(h_RD).astype(jnp.float32), self.rows_R, self.chunk, self.gather)
 
     def lm_head(self, h_BD, w_DV):
         if self.lm_mode != "replicated" and self.tied_head:

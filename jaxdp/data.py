@@ -1,0 +1,149 @@
+"""The default model's training data: small skills whose answers can be checked, generated here.
+
+Skills (prompt -> answer): `add` "37+48=" -> "85", `sub` "91-17=" -> "74" (never negative), `mul`
+"23*4=" -> "92" (a number below 100 times a digit, either order), `count` "count a abcab=" -> "2",
+`sort` "sort 3142=" -> "1234", `reverse` "reverse cat=" -> "tac". A prompt is shown plain ("37+48=")
+or wrapped in the chat template (`<bos><|user|>37+48=<|assistant|>`); the answer follows, then `<eos>`.
+
+Everything is deterministic: training example i of seed s is drawn from its own generator
+(`np.random.default_rng([s, i])`), so the stream does not depend on the order it is read in. The split is
+a hash of the prompt: about 10% of all prompts of a skill are held out and never trained on, so an
+evaluation measures the skill, not memory. `train_dataset` is a grain `MapDataset` of padded token
+batches with a loss mask on the answer tokens (and the eos).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+
+import grain
+import numpy as np
+
+from jaxdp.tokenizer import Tokenizer
+
+SKILLS = ("add", "sub", "mul", "count", "sort", "reverse")
+ARITHMETIC = ("add", "sub", "mul")
+SKILL_WEIGHTS = {"add": 0.25, "sub": 0.2, "mul": 0.25, "count": 0.1, "sort": 0.1, "reverse": 0.1}
+HELD_OUT_PERMILLE = 100  # 10% of each skill's prompts are held out
+HELD_OUT_SEED = 1234  # the held-out sample an evaluation uses (the split itself does not depend on it)
+SEQ_LEN = 24  # token rows per training sequence (the longest example, chat-wrapped, is 23 tokens)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    skill: str
+    prompt: str  # "37+48="
+    answer: str  # "85"
+
+
+def _add(rng: np.random.Generator) -> tuple[str, str]:
+    a, b = rng.integers(0, 100, 2)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _sub(rng: np.random.Generator) -> tuple[str, str]:
+    a, b = sorted(rng.integers(0, 100, 2).tolist(), reverse=True)
+    return f"{a}-{b}=", str(a - b)
+
+
+def _mul(rng: np.random.Generator) -> tuple[str, str]:
+    a, d = int(rng.integers(0, 100)), int(rng.integers(0, 10))
+    return (f"{a}*{d}=" if rng.random() < 0.5 else f"{d}*{a}="), str(a * d)
+
+
+def _count(rng: np.random.Generator) -> tuple[str, str]:
+    alphabet = LETTERS[:4]
+    word = "".join(rng.choice(list(alphabet), int(rng.integers(3, 8))))
+    c = alphabet[int(rng.integers(0, len(alphabet)))]
+    return f"count {c} {word}=", str(word.count(c))
+
+
+def _sort(rng: np.random.Generator) -> tuple[str, str]:
+    digits = "".join(str(d) for d in rng.integers(0, 10, int(rng.integers(3, 6))))
+    return f"sort {digits}=", "".join(sorted(digits))
+
+
+def _reverse(rng: np.random.Generator) -> tuple[str, str]:
+    word = "".join(rng.choice(list(LETTERS), int(rng.integers(3, 6))))
+    return f"reverse {word}=", word[::-1]
+
+
+GENERATORS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
+    "add": _add, "sub": _sub, "mul": _mul, "count": _count, "sort": _sort, "reverse": _reverse,
+}
+
+
+def is_held_out(skill: str, prompt: str) -> bool:
+    """The split: a stable hash of the prompt (never Python's salted `hash`)."""
+    h = hashlib.blake2b(f"{skill}|{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % 1000 < HELD_OUT_PERMILLE
+
+
+def sample_problem(rng: np.random.Generator, skill: str, held_out: bool) -> Problem:
+    """A problem of `skill` from the training split (held_out=False) or the held-out split."""
+    while True:
+        prompt, answer = GENERATORS[skill](rng)
+        if is_held_out(skill, prompt) == held_out:
+            return Problem(skill, prompt, answer)
+
+
+def training_example(seed: int, index: int) -> tuple[Problem, bool]:
+    """Example `index` of the training stream of `seed`: (problem, whether it is chat-wrapped)."""
+    rng = np.random.default_rng([seed, index])
+    skill = SKILLS[int(rng.choice(len(SKILLS), p=[SKILL_WEIGHTS[s] for s in SKILLS]))]
+    chat = bool(rng.random() < 0.5)
+    return sample_problem(rng, skill, held_out=False), chat
+
+
+def held_out_problems(n_per_skill: int, skills: tuple[str, ...] = SKILLS, seed: int = HELD_OUT_SEED
+                      ) -> list[Problem]:
+    """Distinct held-out problems, `n_per_skill` of each skill (fewer if the split has fewer)."""
+    out: list[Problem] = []
+    for k, skill in enumerate(skills):
+        rng = np.random.default_rng([seed, k])
+        seen: set[str] = set()
+        for _ in range(50 * n_per_skill):
+            if len(seen) == n_per_skill:
+                break
+            p = sample_problem(rng, skill, held_out=True)
+            if p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+    return out
+
+
+def prompt_text(tok: Tokenizer, problem: Problem, chat: bool) -> str:
+    """The text the model reads before answering: chat-wrapped, or plain (the tokenizer adds bos)."""
+    if chat:
+        return tok.apply_chat_template([{"role": "user", "content": problem.prompt}])
+    return problem.prompt
+
+
+def encode_example(tok: Tokenizer, problem: Problem, chat: bool, seq_len: int = SEQ_LEN
+                   ) -> dict[str, np.ndarray]:
+    """tokens [seq_len + 1] (padded) and loss_mask [seq_len + 1]: 1 where the token is a target to learn
+    (the answer and the eos), so position t's logits are scored against tokens[t + 1] where mask[t + 1]."""
+    prompt_ids = tok.encode(prompt_text(tok, problem, chat))
+    answer_ids = tok.encode(problem.answer, add_special_tokens=False) + [tok.eos_token_id]
+    ids = prompt_ids + answer_ids
+    if len(ids) > seq_len + 1:
+        raise ValueError(f"{problem} needs {len(ids)} tokens; the sequence length is {seq_len} + 1")
+    tokens = np.full(seq_len + 1, tok.pad_token_id, np.int32)
+    tokens[: len(ids)] = ids
+    mask = np.zeros(seq_len + 1, np.float32)
+    mask[len(prompt_ids): len(ids)] = 1.0
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def train_dataset(tok: Tokenizer, seed: int, batch_size: int, num_batches: int, seq_len: int = SEQ_LEN
+                  ) -> grain.MapDataset:
+    """`num_batches` batches of {"tokens": [B, seq_len + 1], "loss_mask": [B, seq_len + 1]}."""
+
+    def make(index: int) -> dict[str, np.ndarray]:
+        problem, chat = training_example(seed, index)
+        return encode_example(tok, problem, chat, seq_len)
+
+    return grain.MapDataset.range(num_batches * batch_size).map(make).batch(batch_size, drop_remainder=True)

@@ -1,0 +1,241 @@
+"""`python -m jaxdp.train`: train the embedded default model on the project's own skills data.
+
+The forward pass is the inference code itself: a batch of B sequences of T tokens is cut into groups of
+`--group` sequences, each group run as one flat extend step of the decoder (positions 0..T-1 per
+sequence, one page per sequence in a scratch latent cache, logits for every row, `absorbed=False`,
+`LocalComm`), the groups one after another with `lax.map`. AdamW with warmup and a cosine decay, data
+through grain (`jaxdp.data`), a tqdm bar and a JSON-lines loss log, orbax training checkpoints, and at
+the end an export in the Hugging Face format `--model-path` reads (`save_hf_checkpoint` plus the
+tokenizer files). Deterministic given `--seed` (initial weights and data stream).
+
+    python -m jaxdp.train --steps 2400 --seed 0 --out runs/default-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from jaxdp.config import PRESETS, ModelConfig
+from jaxdp.data import ARITHMETIC, SEQ_LEN, SKILLS, held_out_problems, prompt_text, train_dataset
+from jaxdp.model.decoder import DeepseekV3, empty_kv_cache
+from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel.local import LocalComm
+from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
+
+log = logging.getLogger("jaxdp.train")
+
+
+def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
+    """`hidden_size=128 num_layers=4` -> cfg.with_(...), each value parsed as the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    kw: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--config-overrides {item!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(fields)}")
+        current = getattr(cfg, key)
+        kw[key] = None if value.lower() == "none" else type(current)(value) if current is not None else int(value)
+    return cfg.with_(**kw)
+
+
+def flat_logits(model: DeepseekV3, tokens_GT: jax.Array) -> jax.Array:
+    """Logits [G, T, V] of G sequences of T tokens, run as one flat extend step of the decoder."""
+    G, T = tokens_GT.shape
+    batch = AttnBatch(
+        positions_T=jnp.tile(jnp.arange(T, dtype=jnp.int32), G),
+        seq_T=jnp.repeat(jnp.arange(G, dtype=jnp.int32), T),
+        slots_T=jnp.arange(G * T, dtype=jnp.int32),
+        page_table_BN=jnp.arange(G, dtype=jnp.int32)[:, None],  # page g (of T slots) holds sequence g
+        seq_lens_B=jnp.full((G,), T, jnp.int32),
+    )
+    cache = empty_kv_cache(model.cfg, num_pages=G, page_size=T, dtype=model.embed_VD[...].dtype)
+    logits, _, _ = model(tokens_GT.reshape(-1), jnp.ones((G * T,), bool), batch, cache,
+                         jnp.arange(G * T, dtype=jnp.int32), LocalComm(), absorbed=False)
+    return logits.reshape(G, T, -1)
+
+
+class Trainer:
+    """The model split into (graph, trainable params, the rest) and the jitted steps over them."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, group: int, optimizer: optax.GradientTransformation):
+        model = DeepseekV3(cfg, nnx.Rngs(seed), jnp.float32)
+        self.cfg, self.group = cfg, group
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.params = nnx.to_pure_dict(params)
+        self._template = params
+        self.optimizer = optimizer
+        self.opt_state = optimizer.init(self.params)
+        self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        self.logits = jax.jit(self._logits)
+
+    def model(self, params: dict) -> DeepseekV3:
+        state = jax.tree.map(lambda x: x, self._template)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state, self.rest)
+
+    def _logits(self, params: dict, tokens_BT: jax.Array) -> jax.Array:
+        B, T = tokens_BT.shape
+        model = self.model(params)
+        out = jax.lax.map(lambda t: flat_logits(model, t), tokens_BT.reshape(B // self.group, self.group, T))
+        return out.reshape(B, T, -1)
+
+    def _loss(self, params: dict, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+        logits = self._logits(params, tokens[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return (ce * mask[:, 1:]).sum() / jnp.maximum(mask[:, 1:].sum(), 1.0)
+
+    def _train_step(self, params, opt_state, tokens, mask):
+        loss, grads = jax.value_and_grad(self._loss)(params, tokens, mask)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+    def greedy(self, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
+        """Greedy continuations (recomputing the whole sequence each token; for evaluation in training)."""
+        n = len(prompts)
+        B = -(-n // self.group) * self.group
+        toks = np.full((B, SEQ_LEN), pad_id, np.int32)
+        lens = np.ones(B, np.int64)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+            lens[i] = len(p)
+        out: list[list[int]] = [[] for _ in range(n)]
+        done = np.zeros(B, bool)
+        done[n:] = True
+        for _ in range(max_new):
+            logits = np.asarray(self.logits(self.params, jnp.asarray(toks)))
+            nxt = logits[np.arange(B), lens - 1].argmax(-1)
+            for i in range(n):
+                if done[i] or lens[i] >= SEQ_LEN:
+                    done[i] = True
+                    continue
+                out[i].append(int(nxt[i]))
+                toks[i, lens[i]] = nxt[i]
+                lens[i] += 1
+                done[i] = nxt[i] == eos_id
+            if done.all():
+                break
+        return out
+
+
+def quick_eval(trainer: Trainer, tok: Tokenizer, n_per_skill: int, chat: bool = True) -> dict[str, float]:
+    """Greedy accuracy per skill on the held-out split, through the training forward."""
+    problems = held_out_problems(n_per_skill)
+    prompts = [tok.encode(prompt_text(tok, p, chat)) for p in problems]
+    outs = trainer.greedy(prompts, max_new=7, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    correct: dict[str, list[bool]] = {s: [] for s in SKILLS}
+    for p, o in zip(problems, outs):
+        text = tok.decode([t for t in o if t != tok.eos_token_id])
+        correct[p.skill].append(text.strip() == p.answer and bool(o) and o[-1] == tok.eos_token_id)
+    acc = {s: float(np.mean(v)) for s, v in correct.items() if v}
+    acc["arithmetic"] = float(np.mean([c for s in ARITHMETIC for c in correct[s]]))
+    return acc
+
+
+def save_orbax(ckpt_dir: Path, step: int, trainer: Trainer) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(ckpt_dir.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=1)) as mgr:
+        mgr.save(step, args=ocp.args.StandardSave({"params": trainer.params, "opt_state": trainer.opt_state}))
+        mgr.wait_until_finished()
+
+
+def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
+    from jaxdp.model.loader import save_hf_checkpoint
+
+    save_hf_checkpoint(trainer.model(trainer.params), out_dir, dtype=np.dtype(dtype))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, out_dir / name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/default-model", help="output directory (hf/ holds the export)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--config-overrides", nargs="*", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--group", type=int, default=4, help="sequences per flat step inside a batch")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out check every N steps (0: at the end)")
+    ap.add_argument("--eval-n", type=int, default=100, help="held-out problems per skill for the checks")
+    ap.add_argument("--ckpt-every", type=int, default=1000)
+    ap.add_argument("--export-dtype", choices=["float32", "float16"], default="float32")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    tok_dir, hf_dir = out / "tokenizer", out / "hf"
+    save_default_tokenizer(tok_dir)
+    tok = Tokenizer(tok_dir)
+    try:
+        cfg = parse_overrides(args.config_overrides, PRESETS[args.preset])
+    except (KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = cfg.with_(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if tok.vocab_size > cfg.vocab_size or args.batch_size % args.group:
+        print(f"error: the tokenizer has {tok.vocab_size} tokens (vocab_size {cfg.vocab_size}) and "
+              f"--batch-size must be a multiple of --group", file=sys.stderr)
+        return 2
+    warmup = min(args.warmup, args.steps // 2)
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.05)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
+    trainer = Trainer(cfg, args.seed, args.group, optimizer)
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    log.info("model: %d params; %s", n_params, cfg)
+    data = train_dataset(tok, args.seed, args.batch_size, args.steps).to_iter_dataset()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(out / "train_log.jsonl", "w") as logf, tqdm(total=args.steps, desc="training", unit="step") as bar:
+        for step, batch in enumerate(data, start=1):
+            trainer.params, trainer.opt_state, loss, gnorm = trainer.train_step(
+                trainer.params, trainer.opt_state, jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]))
+            if step % 10 == 0 or step == args.steps:
+                rec = {"step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": float(sched(step)),
+                       "elapsed_s": round(time.perf_counter() - t0, 1)}
+                if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                    rec["held_out"] = quick_eval(trainer, tok, args.eval_n // 2)
+                    log.info("step %d: %s", step, rec["held_out"])
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.4f}")
+            bar.update()
+            if step % args.ckpt_every == 0 or step == args.steps:
+                save_orbax(out / "checkpoints", step, trainer)
+    train_s = time.perf_counter() - t0
+    acc = quick_eval(trainer, tok, args.eval_n)
+    export(trainer, tok_dir, hf_dir, args.export_dtype)
+    summary = {"steps": args.steps, "seed": args.seed, "train_seconds": round(train_s, 1), "params": n_params,
+               "held_out_accuracy": acc, "config_overrides": args.config_overrides}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"trained {args.steps} steps in {train_s:.0f} s; held-out greedy accuracy: "
+          + ", ".join(f"{k} {v:.1%}" for k, v in acc.items()))
+    print(f"exported to {hf_dir} (serve with --model-path {hf_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
