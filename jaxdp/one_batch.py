@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = [sum(-(-(len(p) + args.output_len) // S) for p, r in zip(prompts, ranks, strict=True) if r == k)
                     for k in range(layout.dp)]
         mesh = layout.make_mesh(jax.devices()[: layout.world])
+        layout.check_memory(jax.devices()[: layout.world])  # before the KV pool is sized
         runner = StepRunner(model, layout, mesh, num_pages=max(per_rank) + 1, page_size=S)
     except (LayoutError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -175,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_len:
         print(f"decode: median {t['decode_median_s'] * 1e3:.2f} ms/step, "
               f"{len(prompts) / max(t['decode_median_s'], 1e-9):.1f} tok/s")
+    acc = runner.last_account
+    if acc is not None:
+        print(f"last step ({acc.kind}): rows per rank {list(acc.rows)}, gather {acc.gather_mode}, "
+              f"{acc.gathered_rows} rows gathered for {acc.exact_rows} needed, {acc.bytes_per_step / 2**10:.1f} KiB "
+              f"through collectives; experts compute {acc.experts_jaxdp.ratio:.2f}x the needed rows "
+              f"(SGLang: {acc.experts_sglang.ratio:.2f}x)")
     if args.dump_logits:
         arrays = {}
         for i in range(len(prompts)):

@@ -133,17 +133,21 @@ def run(preset_name: str, peak_gbs: float, peak_tflops: float, iters: int | None
             for case, args, bytes_moved, flops in cases:
                 outputs = {}
                 for path, fn in paths.items():
-                    seconds, outputs[path] = time_call(fn, args, iters)
+                    row = dict(case, model=label, heads=model["heads"], path=path, bytes=bytes_moved,
+                               flops=flops, error=None)
+                    try:  # one failing case (a compile error, out of memory) must not end a GPU run
+                        seconds, outputs[path] = time_call(fn, args, iters)
+                    except Exception as e:
+                        seconds, row["error"] = math.nan, f"{type(e).__name__}: {str(e)[:300]}"
                     gbs, tflops = bytes_moved / seconds / 1e9, flops / seconds / 1e12
-                    results.append(dict(
-                        case, model=label, heads=model["heads"], path=path, time_us=seconds * 1e6,
-                        bytes=bytes_moved, flops=flops, gbs=gbs, tflops=tflops,
-                        frac_peak_bw=gbs / peak_gbs, frac_peak_flops=tflops / peak_tflops,
-                    ))
-                diff = np.max(np.abs(np.asarray(outputs["pallas"], np.float32)
-                                     - np.asarray(outputs["xla"], np.float32)))
+                    results.append(dict(row, time_us=seconds * 1e6, gbs=gbs, tflops=tflops,
+                                        frac_peak_bw=gbs / peak_gbs, frac_peak_flops=tflops / peak_tflops))
+                diff = math.nan
+                if len(outputs) == 2:
+                    diff = float(np.max(np.abs(np.asarray(outputs["pallas"], np.float32)
+                                               - np.asarray(outputs["xla"], np.float32))))
                 for row in results[-len(paths):]:
-                    row["max_abs_diff"] = float(diff)
+                    row["max_abs_diff"] = diff
                     print_row(row)
                 del args, outputs
     return results
@@ -161,6 +165,8 @@ def _cells(r):
 
 def print_row(r):
     print(" ".join(f"{cell:>14}" for cell in _cells(r)), flush=True)
+    if r["error"]:
+        print(f"    {r['path']} failed: {r['error']}", flush=True)
 
 
 def markdown(report) -> str:
@@ -174,6 +180,11 @@ def markdown(report) -> str:
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["results"]]
+    failures = [r for r in report["results"] if r["error"]]
+    if failures:
+        lines += ["", "Failures:", ""]
+        lines += [f"- {r['kernel']} {r['model']} {r['batch']}/{r['context']} {r['path']}: "
+                  f"`{r['error'].splitlines()[0]}`" for r in failures]
     return "\n".join(lines) + "\n"
 
 

@@ -188,7 +188,8 @@ def mla_decode(
 
     q_latent_BHC [B, H, C]; q_rope_BHR [B, H, R]; kv_cache_PSK [num_pages, page_size, C + R] (one
     layer; latent first, roped key last); page_table_BN int32 [B, max_pages]; lengths_B int32 [B]
-    (0 allowed). num_valid_rows (int or traced int32 scalar): rows at or past it return zeros.
+    (0 allowed; a length past the table's capacity reads only what the table holds). num_valid_rows
+    (int or traced int32 scalar): rows at or past it return zeros. softmax_scale is a Python float.
     num_splits: context splits (None: enough programs to fill an H200). C, R and page_size must be
     powers of two; block_t (tokens per inner step, default max(page_size, 32)) a multiple of page_size.
     """

@@ -10,12 +10,14 @@ An E2M1 code is sign (bit 3) and a 3-bit magnitude index into 0, .5, 1, 1.5, 2, 
 
 Error bound. Let s = float(weight_scale[n, b]) * weight_scale_2 be a block's effective scale and
 x = w / s the scaled value. The block scale is amax_block / 6 / weight_scale_2 rounded to E4M3 (3 mantissa
-bits), so |x| <= 6 * (1 + 2**-4) = 6.375; |x| > 6 saturates to 6 (error <= 0.375). Below 6, rounding to
-nearest on the E2M1 grid errs by at most half a gap: 0.25 on [0, 2], 0.5 on [2, 4], 1 on [4, 6]. Hence
-    |w - dequant(w)| <= s  for every element,   and  <= s / 4  where |w| <= 2 s.
-Since s <= amax_block / 6 * (1 + 2**-4), every error is at most ~0.18 * amax_block. One corner is worse: a
-block whose amax is below ~4.4e-6 of the tensor amax gets an E4M3 scale that underflows to 0 and
-dequantizes to zeros (error = its own tiny amax), as in ModelOpt.
+bits, relative error <= 2**-4 while it is a normal number), so |x| <= 6 / (1 - 2**-4) = 6.4; |x| > 6
+saturates to 6 (error <= 0.4). Below 6, rounding to nearest on the E2M1 grid errs by at most half a gap:
+0.25 on [0, 2], 0.5 on [2, 4], 1 on [4, 6]. Hence
+    |w - dequant(w)| <= s  for every element,   and  <= s / 4  where |w| <= 2 s,
+and s <= amax_block / 6 * (1 + 2**-4), so every error is at most ~0.18 * amax_block. This needs the block
+scale to be a normal E4M3 number, i.e. amax_block >= 2**-6 / 448 * amax (~3.5e-5 * amax). Smaller blocks
+get a subnormal or zero scale (a zero one dequantizes to zeros, as in ModelOpt); their error is at most
+amax_block, itself below ~3.5e-5 * amax.
 """
 
 from __future__ import annotations

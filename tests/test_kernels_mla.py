@@ -127,6 +127,6 @@ def test_bench_tiny_preset_runs_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     kinds = {(r["kernel"], r["path"]) for r in report["results"]}
     assert kinds == {(k, p) for k in ("mla_decode", "nvfp4_gate_up", "nvfp4_down") for p in ("pallas", "xla")}
-    assert all(r["time_us"] > 0 and r["gbs"] > 0 for r in report["results"])
+    assert all(r["error"] is None and r["time_us"] > 0 and r["gbs"] > 0 for r in report["results"])
     assert all(r["max_abs_diff"] < 0.1 for r in report["results"] if r["path"] == "pallas")
     assert "GB/s" in capsys.readouterr().out

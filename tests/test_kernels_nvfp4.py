@@ -76,6 +76,7 @@ def test_quantize_dequantize_within_error_bound():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((16, 128)) * np.exp(rng.standard_normal((16, 1))), jnp.float32)
     w = w.at[3, 16:32].set(0.0)  # an all-zero block
+    w = w.at[5, 32:48].multiply(3e-7)  # a block far below the tensor amax: a subnormal E4M3 scale
     packed, block_scale, scale_2 = quantize_nvfp4(w)
     assert packed.shape == (16, 64) and packed.dtype == jnp.uint8
     assert block_scale.shape == (16, 8) and block_scale.dtype == jnp.float8_e4m3fn
@@ -84,9 +85,12 @@ def test_quantize_dequantize_within_error_bound():
     w_hat = np.asarray(dequantize_nvfp4(packed, block_scale, scale_2, jnp.float32))
     err = np.abs(np.asarray(w) - w_hat)
     s = _effective_scale(block_scale, scale_2)
-    assert np.all(err <= s * (1 + 1e-6))  # half the widest E2M1 gap (4 -> 6), in block units
-    small = np.abs(np.asarray(w)) <= 2 * s
+    normal = np.repeat(np.asarray(block_scale.astype(jnp.float32)) >= 2.0**-6, 16, axis=-1)
+    assert normal.sum() == w.size - 16
+    assert np.all(err[normal] <= s[normal] * (1 + 1e-6))  # half the widest E2M1 gap (4 -> 6), in block units
+    small = normal & (np.abs(np.asarray(w)) <= 2 * s)
     assert np.all(err[small] <= s[small] / 4 * (1 + 1e-6))
+    assert np.all(err[5, 32:48] <= np.abs(np.asarray(w[5, 32:48])).max())  # the subnormal block's bound
     assert np.all(w_hat[3, 16:32] == 0.0) and np.isfinite(w_hat).all()
     rel = np.linalg.norm(err) / np.linalg.norm(np.asarray(w))
     assert rel < 0.12, rel  # typical NVFP4 error on Gaussian weights is ~8-10%

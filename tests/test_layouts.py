@@ -108,3 +108,27 @@ def test_layout_matches_single_device_in_all_situations(spec, model, reference):
                 received = rows_E.sum() if lay.moe == "ep" else rows_E[0].sum()
                 assert received == expected, (spec, mode, name, received, expected)
     assert runner.compiles == 4  # extend and decode, in each gather mode: situations share compiled steps
+
+
+def test_tp_groups_fold_the_attention_all_reduce_into_the_gather(model):
+    """dp=2,tp=4: reduce-scatter in the group + one all-gather, and no all-reduce anywhere (MAX_LEN)."""
+    cfg, m = model
+    lay = parse_mesh_spec("dp=2,tp=4")
+    runner = StepRunner(m, lay, lay.make_mesh(jax.devices()[:8]), num_pages=8, page_size=PAGE)
+    hlo = runner.hlo_text(StepShape(True, 8, 8, 2))
+    assert "reduce-scatter" in hlo and "all-gather" in hlo
+    assert "all-reduce(" not in hlo and "all-reduce-start" not in hlo
+
+
+def test_step_reports_its_accounting_and_the_experts_compute_only_needed_rows(model):
+    cfg, m = model
+    lay = parse_mesh_spec("dp=8")
+    with jax.default_matmul_precision("highest"):
+        runner = StepRunner(m, lay, lay.make_mesh(jax.devices()[:8]), num_pages=NPAGES, page_size=PAGE)
+        _, rows_E, real_rows = run_situation(runner, "skewed", "max_len")
+    acc = runner.last_account
+    assert acc.rows == (5, 1, 1, 1, 1, 1, 1, 1) and acc.gather_mode == "max_len" and acc.kind == "decode"
+    assert acc.gathered_rows == 8 * B  # every rank padded to the shared bucket
+    assert acc.experts_jaxdp.computed == acc.experts_jaxdp.needed == real_rows
+    assert acc.experts_sglang.computed == 8 * B  # SGLang would push the padding through the experts
+    assert rows_E[0].sum() == real_rows * cfg.num_experts_per_tok * cfg.num_moe_layers

@@ -274,6 +274,8 @@ def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | 
     """
     from jaxdp.config import PRESETS, get_config
 
+    if path is None or path == "default":  # the embedded default model (jaxdp/assets/default-model)
+        path = str(default_model_path())
     dt = jnp.dtype(dtype)
     if path not in PRESETS:
         return load_checkpoint(path, dt)
@@ -285,3 +287,8 @@ def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | 
         dense = min(cfg.first_k_dense_replace, num_layers)
         cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=dense)
     return cfg, DeepseekV3(cfg, nnx.Rngs(seed), dt)
+
+
+def default_model_path() -> Path:
+    """The embedded default model shipped with jaxdp (trained by `python -m jaxdp.train`)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "default-model"

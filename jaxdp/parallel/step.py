@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel.accounting import StepAccount, account_step
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
 from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
 
@@ -70,6 +71,7 @@ class StepRunner:
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
+        self.last_account: StepAccount | None = None  # the accounting of the last step that ran
 
     def _check_divisible(self) -> None:
         cfg, lay = self.cfg, self.layout
@@ -152,4 +154,18 @@ class StepRunner:
         batch = {k: jax.device_put(stacked[k], sh) for k in BATCH_FIELDS}
         rows = jax.device_put(stacked["rows_R"], NamedSharding(self.mesh, P()))
         logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows)
+        self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
+
+    def account(self, shape: StepShape, rows_R) -> StepAccount:
+        """The accounting of a step of this shape: what crossed, what was padded, rows computed / needed."""
+        return account_step(self.layout, self.cfg, [int(r) for r in rows_R], gather_mode=shape.gather_mode,
+                            bucket=shape.num_rows, is_extend=not shape.absorbed, act_bytes=self.act_bytes)
+
+    @property
+    def act_bytes(self) -> int:
+        return jnp.dtype(self.cache_dtype).itemsize
+
+    def hlo_text(self, shape: StepShape) -> str:
+        """The optimized HLO of a step (to check which collectives it runs)."""
+        return self._build(shape).lower(*self._abstract_args(shape)).compile().as_text()
