@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Callable
 
 import grain
@@ -122,28 +123,65 @@ def prompt_text(tok: Tokenizer, problem: Problem, chat: bool) -> str:
     return problem.prompt
 
 
-def encode_example(tok: Tokenizer, problem: Problem, chat: bool, seq_len: int = SEQ_LEN
-                   ) -> dict[str, np.ndarray]:
-    """tokens [seq_len + 1] (padded) and loss_mask [seq_len + 1]: 1 where the token is a target to learn
-    (the answer and the eos), so position t's logits are scored against tokens[t + 1] where mask[t + 1]."""
+def example_ids(tok: Tokenizer, problem: Problem, chat: bool) -> tuple[list[int], list[float]]:
+    """Token ids of prompt + answer + eos, and a 0/1 weight per id: 1 on the ids the model must produce."""
     prompt_ids = tok.encode(prompt_text(tok, problem, chat))
     answer_ids = tok.encode(problem.answer, add_special_tokens=False) + [tok.eos_token_id]
-    ids = prompt_ids + answer_ids
-    if len(ids) > seq_len + 1:
-        raise ValueError(f"{problem} needs {len(ids)} tokens; the sequence length is {seq_len} + 1")
-    tokens = np.full(seq_len + 1, tok.pad_token_id, np.int32)
-    tokens[: len(ids)] = ids
-    mask = np.zeros(seq_len + 1, np.float32)
-    mask[len(prompt_ids): len(ids)] = 1.0
-    return {"tokens": tokens, "loss_mask": mask}
+    return prompt_ids + answer_ids, [0.0] * len(prompt_ids) + [1.0] * len(answer_ids)
 
 
-def train_dataset(tok: Tokenizer, seed: int, batch_size: int, num_batches: int, seq_len: int = SEQ_LEN
-                  ) -> grain.MapDataset:
-    """`num_batches` batches of {"tokens": [B, seq_len + 1], "loss_mask": [B, seq_len + 1]}."""
+@dataclasses.dataclass(frozen=True)
+class PackShape:
+    """A packed group: `rows` token rows holding whole sequences back to back (each its own sequence,
+    positions from 0), at most `max_seqs` of them, none longer than `max_len` (the page size)."""
 
-    def make(index: int) -> dict[str, np.ndarray]:
+    rows: int = 96
+    max_seqs: int = 16
+    max_len: int = SEQ_LEN
+
+
+def pack_group(seqs: list[tuple[list[int], list[float]]], shape: PackShape, pad_id: int
+               ) -> dict[str, np.ndarray]:
+    """One flat group: tokens, labels (the next id of the same sequence), loss mask, positions, the
+    sequence of each row (max_seqs for padding) and each sequence's length."""
+    R = shape.rows
+    out = {"tokens": np.full(R, pad_id, np.int32), "labels": np.full(R, pad_id, np.int32),
+           "loss_mask": np.zeros(R, np.float32), "positions": np.zeros(R, np.int32),
+           "seq": np.full(R, shape.max_seqs, np.int32), "seq_lens": np.zeros(shape.max_seqs, np.int32)}
+    row = 0
+    for j, (ids, weights) in enumerate(seqs):
+        n = len(ids)
+        if j >= shape.max_seqs or row + n > R or n > shape.max_len:
+            raise ValueError(f"sequence {j} ({n} tokens) does not fit a group of {shape}")
+        out["tokens"][row:row + n] = ids
+        out["labels"][row:row + n - 1] = ids[1:]
+        out["loss_mask"][row:row + n - 1] = weights[1:]
+        out["positions"][row:row + n] = np.arange(n)
+        out["seq"][row:row + n] = j
+        out["seq_lens"][j] = n
+        row += n
+    return out
+
+
+def train_batches(tok: Tokenizer, seed: int, groups_per_batch: int, shape: PackShape = PackShape()):
+    """An endless, deterministic stream of training batches: each {key: [groups_per_batch, ...]} of packed
+    groups (`pack_group`). Examples come from a grain `MapDataset` (example i of `seed`, see
+    `training_example`) read in order and packed first-fit into consecutive groups."""
+
+    def make(index: int) -> tuple[list[int], list[float]]:
         problem, chat = training_example(seed, index)
-        return encode_example(tok, problem, chat, seq_len)
+        return example_ids(tok, problem, chat)
 
-    return grain.MapDataset.range(num_batches * batch_size).map(make).batch(batch_size, drop_remainder=True)
+    dataset = grain.MapDataset.range(0, 1 << 40).map(make)
+    examples = (dataset[i] for i in itertools.count())  # in order; random access needs no threads
+    pending = next(examples)
+    while True:
+        groups = []
+        for _ in range(groups_per_batch):
+            seqs, used = [], 0
+            while len(seqs) < shape.max_seqs and used + len(pending[0]) <= shape.rows:
+                seqs.append(pending)
+                used += len(pending[0])
+                pending = next(examples)
+            groups.append(pack_group(seqs, shape, tok.pad_token_id))
+        yield {k: np.stack([g[k] for g in groups]) for k in groups[0]}

@@ -36,7 +36,7 @@ def resolve_model_path(model_path: str | Path | None) -> Path:
 def accuracy(problems: list[Problem], answers: list[str]) -> dict[str, float]:
     """Accuracy per skill, and over the arithmetic skills together ("arithmetic")."""
     hits: dict[str, list[bool]] = {}
-    for p, a in zip(problems, answers):
+    for p, a in zip(problems, answers, strict=True):
         hits.setdefault(p.skill, []).append(a.strip() == p.answer)
     out = {s: float(np.mean(hits[s])) for s in SKILLS if s in hits}
     arith = [h for s in ARITHMETIC for h in hits.get(s, [])]
@@ -127,19 +127,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="dp=1", help="layout for the local run")
     ap.add_argument("--n", type=int, default=200, help="held-out problems per skill")
     ap.add_argument("--skills", default=",".join(SKILLS))
-    ap.add_argument("--plain", action="store_true", help="plain prompts ('37+48=') instead of the chat template")
+    ap.add_argument("--plain", action="store_true",
+                    help="plain prompts ('37+48=') instead of the chat template")
     args = ap.parse_args(argv)
     skills = tuple(s for s in args.skills.split(",") if s)
     unknown = [s for s in skills if s not in SKILLS]
     if unknown:
-        print(f"error: unknown skill(s) {', '.join(unknown)}; choose from {', '.join(SKILLS)}", file=sys.stderr)
+        print(f"error: unknown skill(s) {', '.join(unknown)}; choose from {', '.join(SKILLS)}",
+              file=sys.stderr)
         return 2
     problems = held_out_problems(args.n, skills)
     try:
         path = resolve_model_path(args.model_path)
         if args.url:
             tok = Tokenizer(path)
-            answers = answers_server(args.url, problems, tok, chat=not args.plain, model=args.served_model_name)
+            answers = answers_server(args.url, problems, tok, chat=not args.plain,
+                                     model=args.served_model_name)
         else:
             answers = answers_local(path, problems, args.mesh, chat=not args.plain)
     except (FileNotFoundError, ValueError) as e:

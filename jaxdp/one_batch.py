@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", choices=["xla", "pallas"],
+                    help="MLA decode: Pallas kernel or the XLA path (default: pallas on a GPU, xla on a CPU)")
     ap.add_argument("--dump-logits", metavar="FILE.npz")
     add_layout_args(ap)
     return ap
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
+    from jaxdp.backends import decode_kernel
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
     from jaxdp.model.loader import load_model
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     for k in range(layout.dp)]
         mesh = layout.make_mesh(jax.devices()[: layout.world])
         layout.check_memory(jax.devices()[: layout.world])  # before the KV pool is sized
-        runner = StepRunner(model, layout, mesh, num_pages=max(per_rank) + 1, page_size=S)
+        runner = StepRunner(model, layout, mesh, num_pages=max(per_rank) + 1, page_size=S,
+                            decode_kernel=decode_kernel(args.attention_backend))
     except (LayoutError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,15 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxdp.config import PRESETS, ModelConfig
-from jaxdp.data import ARITHMETIC, SEQ_LEN, SKILLS, held_out_problems, prompt_text, train_dataset
+from jaxdp.data import (
+    ARITHMETIC,
+    SKILLS,
+    PackShape,
+    held_out_problems,
+    pack_group,
+    prompt_text,
+    train_batches,
+)
 from jaxdp.model.decoder import DeepseekV3, empty_kv_cache
 from jaxdp.model.mla import AttnBatch
 from jaxdp.parallel.local import LocalComm
@@ -50,32 +58,40 @@ def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
             raise ValueError(f"--config-overrides {item!r}: expected FIELD=VALUE with FIELD one of "
                              f"{', '.join(fields)}")
         current = getattr(cfg, key)
-        kw[key] = None if value.lower() == "none" else type(current)(value) if current is not None else int(value)
+        if value.lower() == "none":
+            kw[key] = None
+        else:
+            kw[key] = type(current)(value) if current is not None else int(value)
     return cfg.with_(**kw)
 
 
-def flat_logits(model: DeepseekV3, tokens_GT: jax.Array) -> jax.Array:
-    """Logits [G, T, V] of G sequences of T tokens, run as one flat extend step of the decoder."""
-    G, T = tokens_GT.shape
+def flat_logits(model: DeepseekV3, group: dict[str, jax.Array], page_size: int) -> jax.Array:
+    """Logits [R, V] of one packed group (`jaxdp.data.pack_group`), run as one flat extend step of the
+    decoder: sequence j lives in page j of a scratch latent cache; padding rows are invalid and write
+    nowhere."""
+    max_seqs = group["seq_lens"].shape[0]
+    R = group["tokens"].shape[0]
     batch = AttnBatch(
-        positions_T=jnp.tile(jnp.arange(T, dtype=jnp.int32), G),
-        seq_T=jnp.repeat(jnp.arange(G, dtype=jnp.int32), T),
-        slots_T=jnp.arange(G * T, dtype=jnp.int32),
-        page_table_BN=jnp.arange(G, dtype=jnp.int32)[:, None],  # page g (of T slots) holds sequence g
-        seq_lens_B=jnp.full((G,), T, jnp.int32),
+        positions_T=group["positions"],
+        seq_T=group["seq"],
+        slots_T=group["seq"] * page_size + group["positions"],  # padding (seq == max_seqs): out of range
+        page_table_BN=jnp.arange(max_seqs, dtype=jnp.int32)[:, None],
+        seq_lens_B=group["seq_lens"],
     )
-    cache = empty_kv_cache(model.cfg, num_pages=G, page_size=T, dtype=model.embed_VD[...].dtype)
-    logits, _, _ = model(tokens_GT.reshape(-1), jnp.ones((G * T,), bool), batch, cache,
-                         jnp.arange(G * T, dtype=jnp.int32), LocalComm(), absorbed=False)
-    return logits.reshape(G, T, -1)
+    cache = empty_kv_cache(model.cfg, num_pages=max_seqs, page_size=page_size,
+                           dtype=model.embed_VD[...].dtype)
+    logits, _, _ = model(group["tokens"], group["seq"] < max_seqs, batch, cache,
+                         jnp.arange(R, dtype=jnp.int32), LocalComm(), absorbed=False)
+    return logits
 
 
 class Trainer:
     """The model split into (graph, trainable params, the rest) and the jitted steps over them."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, group: int, optimizer: optax.GradientTransformation):
+    def __init__(self, cfg: ModelConfig, seed: int, shape: PackShape,
+                 optimizer: optax.GradientTransformation):
         model = DeepseekV3(cfg, nnx.Rngs(seed), jnp.float32)
-        self.cfg, self.group = cfg, group
+        self.cfg, self.shape = cfg, shape
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = nnx.to_pure_dict(params)
         self._template = params
@@ -89,46 +105,48 @@ class Trainer:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state, self.rest)
 
-    def _logits(self, params: dict, tokens_BT: jax.Array) -> jax.Array:
-        B, T = tokens_BT.shape
+    def _logits(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
+        """Logits [G, R, V] of a batch of G packed groups, the groups one after another."""
         model = self.model(params)
-        out = jax.lax.map(lambda t: flat_logits(model, t), tokens_BT.reshape(B // self.group, self.group, T))
-        return out.reshape(B, T, -1)
+        return jax.lax.map(lambda g: flat_logits(model, g, self.shape.max_len), batch)
 
-    def _loss(self, params: dict, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-        logits = self._logits(params, tokens[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-        return (ce * mask[:, 1:]).sum() / jnp.maximum(mask[:, 1:].sum(), 1.0)
+    def _loss(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
+        logits = self._logits(params, batch)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        mask = batch["loss_mask"]
+        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
-    def _train_step(self, params, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(self._loss)(params, tokens, mask)
+    def _train_step(self, params, opt_state, batch):
+        loss, grads = jax.value_and_grad(self._loss)(params, batch)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
 
     def greedy(self, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
-        """Greedy continuations (recomputing the whole sequence each token; for evaluation in training)."""
-        n = len(prompts)
-        B = -(-n // self.group) * self.group
-        toks = np.full((B, SEQ_LEN), pad_id, np.int32)
-        lens = np.ones(B, np.int64)
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = p
-            lens[i] = len(p)
-        out: list[list[int]] = [[] for _ in range(n)]
-        done = np.zeros(B, bool)
-        done[n:] = True
+        """Greedy continuations, recomputing every sequence for each new token (evaluation in training):
+        each group holds rows // max_len sequences, sequence j at rows j * max_len onwards."""
+        L = self.shape.max_len
+        per_group = min(self.shape.rows // L, self.shape.max_seqs)
+        seqs = [list(p) for p in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        active = [True] * len(prompts)
         for _ in range(max_new):
-            logits = np.asarray(self.logits(self.params, jnp.asarray(toks)))
-            nxt = logits[np.arange(B), lens - 1].argmax(-1)
-            for i in range(n):
-                if done[i] or lens[i] >= SEQ_LEN:
-                    done[i] = True
+            groups = []
+            for start in range(0, len(seqs), per_group):
+                g = pack_group([(s, [0.0] * len(s)) for s in seqs[start:start + per_group]],
+                               PackShape(per_group * L, self.shape.max_seqs, L), pad_id)
+                groups.append(g)
+            batch = {k: jnp.asarray(np.stack([g[k] for g in groups])) for k in groups[0]}
+            logits = np.asarray(self.logits(self.params, batch))
+            for i, s in enumerate(seqs):
+                if not active[i]:
                     continue
-                out[i].append(int(nxt[i]))
-                toks[i, lens[i]] = nxt[i]
-                lens[i] += 1
-                done[i] = nxt[i] == eos_id
-            if done.all():
+                g = i // per_group
+                row = sum(len(x) for x in seqs[g * per_group:i]) + len(s) - 1  # rows before it
+                nxt = int(logits[g, row].argmax())
+                out[i].append(nxt)
+                active[i] = nxt != eos_id and len(s) + 1 < L
+                s.append(nxt)
+            if not any(active):
                 break
         return out
 
@@ -139,7 +157,7 @@ def quick_eval(trainer: Trainer, tok: Tokenizer, n_per_skill: int, chat: bool = 
     prompts = [tok.encode(prompt_text(tok, p, chat)) for p in problems]
     outs = trainer.greedy(prompts, max_new=7, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     correct: dict[str, list[bool]] = {s: [] for s in SKILLS}
-    for p, o in zip(problems, outs):
+    for p, o in zip(problems, outs, strict=True):
         text = tok.decode([t for t in o if t != tok.eos_token_id])
         correct[p.skill].append(text.strip() == p.answer and bool(o) and o[-1] == tok.eos_token_id)
     acc = {s: float(np.mean(v)) for s, v in correct.items() if v}
@@ -150,7 +168,8 @@ def quick_eval(trainer: Trainer, tok: Tokenizer, n_per_skill: int, chat: bool = 
 def save_orbax(ckpt_dir: Path, step: int, trainer: Trainer) -> None:
     import orbax.checkpoint as ocp
 
-    with ocp.CheckpointManager(ckpt_dir.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=1)) as mgr:
+    options = ocp.CheckpointManagerOptions(max_to_keep=1)
+    with ocp.CheckpointManager(ckpt_dir.absolute(), options=options) as mgr:
         mgr.save(step, args=ocp.args.StandardSave({"params": trainer.params, "opt_state": trainer.opt_state}))
         mgr.wait_until_finished()
 
@@ -170,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="runs/default-model", help="output directory (hf/ holds the export)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--config-overrides", nargs="*", default=[], metavar="FIELD=VALUE")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--group", type=int, default=4, help="sequences per flat step inside a batch")
+    ap.add_argument("--groups", type=int, default=12, help="packed groups per batch (one flat step each)")
+    ap.add_argument("--rows", type=int, default=96, help="token rows per packed group")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -195,24 +214,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = cfg.with_(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    if tok.vocab_size > cfg.vocab_size or args.batch_size % args.group:
-        print(f"error: the tokenizer has {tok.vocab_size} tokens (vocab_size {cfg.vocab_size}) and "
-              f"--batch-size must be a multiple of --group", file=sys.stderr)
+    if tok.vocab_size > cfg.vocab_size:
+        print(f"error: the tokenizer has {tok.vocab_size} tokens, more than vocab_size {cfg.vocab_size}",
+              file=sys.stderr)
         return 2
     warmup = min(args.warmup, args.steps // 2)
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.05)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
-    trainer = Trainer(cfg, args.seed, args.group, optimizer)
+    shape = PackShape(rows=args.rows)
+    trainer = Trainer(cfg, args.seed, shape, optimizer)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("model: %d params; %s", n_params, cfg)
-    data = train_dataset(tok, args.seed, args.batch_size, args.steps).to_iter_dataset()
+    batches = train_batches(tok, args.seed, args.groups, shape)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(out / "train_log.jsonl", "w") as logf, tqdm(total=args.steps, desc="training", unit="step") as bar:
-        for step, batch in enumerate(data, start=1):
+    bar = tqdm(total=args.steps, desc="training", unit="step")
+    with open(out / "train_log.jsonl", "w") as logf, bar:
+        for step in range(1, args.steps + 1):
+            batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
             trainer.params, trainer.opt_state, loss, gnorm = trainer.train_step(
-                trainer.params, trainer.opt_state, jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]))
+                trainer.params, trainer.opt_state, batch)
             if step % 10 == 0 or step == args.steps:
                 rec = {"step": step, "loss": float(loss), "grad_norm": float(gnorm), "lr": float(sched(step)),
                        "elapsed_s": round(time.perf_counter() - t0, 1)}

@@ -36,6 +36,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+@jax.jit
 def e2m1_encode(x: jax.Array) -> jax.Array:
     """Rounds float values (already scaled into [-6, 6]) to E2M1 codes (uint8, 0..15), ties to even."""
     x = x.astype(jnp.float32)
@@ -49,6 +50,7 @@ def e2m1_encode(x: jax.Array) -> jax.Array:
     return index | (sign << 3)
 
 
+@jax.jit
 def e2m1_decode(codes: jax.Array) -> jax.Array:
     """E2M1 codes (any integer dtype, 0..15) -> float32 by table lookup; the obviously-right version."""
     return jnp.asarray(E2M1_VALUES, jnp.float32)[codes.astype(jnp.int32)]

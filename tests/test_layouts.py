@@ -132,3 +132,19 @@ def test_step_reports_its_accounting_and_the_experts_compute_only_needed_rows(mo
     assert acc.experts_jaxdp.computed == acc.experts_jaxdp.needed == real_rows
     assert acc.experts_sglang.computed == 8 * B  # SGLang would push the padding through the experts
     assert rows_E[0].sum() == real_rows * cfg.num_experts_per_tok * cfg.num_moe_layers
+
+
+def test_pallas_decode_kernel_in_the_model_matches_the_xla_path(model):
+    """--attention-backend pallas (interpret mode on the CPU) inside the sharded step, dp=8."""
+    from jaxdp.backends import decode_kernel
+
+    cfg, m = model
+    lay = parse_mesh_spec("dp=8")
+    outs = []
+    with jax.default_matmul_precision("highest"):
+        for backend in ("xla", "pallas"):
+            runner = StepRunner(m, lay, lay.make_mesh(jax.devices()[:8]), num_pages=NPAGES, page_size=PAGE,
+                                decode_kernel=decode_kernel(backend))
+            outs.append(run_situation(runner, "skewed", "max_len")[0])
+    for rid in outs[0]:
+        np.testing.assert_allclose(outs[1][rid], outs[0][rid], atol=1e-4, rtol=0)

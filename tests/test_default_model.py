@@ -1,0 +1,123 @@
+"""The embedded default model: its tokenizer, its data, and its held-out accuracy through the engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxdp.data import (ARITHMETIC, SKILLS, PackShape, example_ids, held_out_problems, is_held_out,
+                        pack_group, train_batches, training_example)
+from jaxdp.model.loader import default_model_path
+from jaxdp.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(default_model_path())
+
+
+def test_shipped_files_are_small():
+    d = default_model_path()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert (d / name).is_file(), name
+    assert sum(f.stat().st_size for f in d.iterdir()) < 10 * 2**20
+
+
+def test_tokenizer_round_trip(tok):
+    for text in ("37+48=85", "sort 3142=1234", "reverse cat=tac", "héllo, wörld! ∑ 日本", ""):
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id
+        assert tok.decode(ids) == text
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+
+
+def test_chat_template(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "37+48="}])
+    assert text == "<bos><|user|>37+48=<|assistant|>"
+    ids = tok.encode(text)
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    full = tok.apply_chat_template([{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "42"}],
+                                   add_generation_prompt=False)
+    assert full.endswith("<|assistant|>42<eos>")
+    assert tok.eos_token_id == tok.encode("<eos>", add_special_tokens=False)[0]
+
+
+def test_missing_tokenizer(tmp_path):
+    assert Tokenizer.from_dir(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        Tokenizer(tmp_path)
+
+
+def test_data_is_deterministic(tok):
+    assert [training_example(3, i) for i in range(50)] == [training_example(3, i) for i in range(50)]
+    assert [training_example(3, i) for i in range(50)] != [training_example(4, i) for i in range(50)]
+    a, b = train_batches(tok, 7, 2), train_batches(tok, 7, 2)
+    for _ in range(3):
+        x, y = next(a), next(b)
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+    assert held_out_problems(20) == held_out_problems(20)
+
+
+def test_held_out_never_trained_on():
+    held = held_out_problems(100)
+    assert {p.skill for p in held} == set(SKILLS)
+    assert all(is_held_out(p.skill, p.prompt) for p in held)
+    train = {(p.skill, p.prompt) for p, _ in (training_example(0, i) for i in range(5000))}
+    assert not train & {(p.skill, p.prompt) for p in held}
+    assert not any(is_held_out(s, q) for s, q in train)
+
+
+def test_answers_are_correct():
+    for p in held_out_problems(30):
+        expr = p.prompt[:-1]
+        if p.skill in ARITHMETIC:
+            a, op, b = next((expr.partition(o) for o in "+-*" if o in expr))
+            assert int(p.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        elif p.skill == "sort":
+            assert p.answer == "".join(sorted(expr.split()[1]))
+        elif p.skill == "reverse":
+            assert p.answer == expr.split()[1][::-1]
+        else:
+            _, c, word = expr.split()
+            assert p.answer == str(word.count(c))
+
+
+def test_pack_group_targets(tok):
+    p, _ = training_example(0, 0)
+    ids, weights = example_ids(tok, p, chat=True)
+    g = pack_group([(ids, weights), (ids, weights)], PackShape(rows=64, max_seqs=4), tok.pad_token_id)
+    n = len(ids)
+    assert list(g["seq"][: 2 * n]) == [0] * n + [1] * n and (g["seq"][2 * n:] == 4).all()
+    assert list(g["positions"][n: 2 * n]) == list(range(n))
+    assert list(g["labels"][: n - 1]) == ids[1:]
+    answer = tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]
+    assert [int(t) for t, m in zip(g["labels"][:n], g["loss_mask"][:n], strict=True) if m] == answer
+    assert g["loss_mask"].sum() == 2 * len(answer) and list(g["seq_lens"]) == [n, n, 0, 0]
+
+
+def test_default_model_held_out_arithmetic():
+    """Greedy, through the compiled mesh step on one device: 95% or more on held-out arithmetic."""
+    from jaxdp.eval import evaluate_local
+
+    acc = evaluate_local("default", "dp=1", n=40, skills=ARITHMETIC)
+    assert acc["arithmetic"] >= 0.95, acc
+
+
+@pytest.mark.slow
+def test_retrain_reproduces_accuracy(tmp_path):
+    """Retraining with the recorded command and seed gives the shipped accuracy within 1 point."""
+    from jaxdp.eval import evaluate_local
+
+    record = json.loads((default_model_path() / "training.json").read_text())
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "jaxdp.train", *record["args"], "--out", str(out)], check=True,
+                   env={**__import__("os").environ, "XLA_FLAGS": ""})
+    n = 100
+    shipped = evaluate_local("default", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
+    again = evaluate_local(out / "hf", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
+    assert abs(shipped - again) <= 0.01, (shipped, again)
