@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
+from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.parallel.accounting import StepAccount, account_step
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
 from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
@@ -56,13 +57,16 @@ class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None):
+                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None):
         self.cfg = model.cfg
         self.layout = layout
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
         self.decode_kernel = decode_kernel
+        self.expert_quantization = expert_quantization(model)
         self._check_divisible()
+        if moe_backend is not None:  # "xla" | "pallas": how NVFP4 experts multiply (see jaxdp.model.moe)
+            model = with_moe_runner_backend(model, moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
         self.state = shard_state(state, layout, mesh)
@@ -82,6 +86,10 @@ class StepRunner:
             problems.append(f"{cfg.n_routed_experts} experts over {lay.world} devices (EP)")
         if lay.moe == "tp" and cfg.moe_intermediate_size % lay.world:
             problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} devices")
+        elif lay.moe == "tp" and self.expert_quantization == "nvfp4" and (cfg.moe_intermediate_size // lay.world) % 16:
+            problems.append(f"NVFP4 experts' moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} "
+                            f"devices ({cfg.moe_intermediate_size // lay.world} each, not a multiple of the "
+                            "16-value scale block; moe=ep splits whole experts instead)")
         if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
             problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
         if problems:
@@ -94,6 +102,15 @@ class StepRunner:
         sharding = NamedSharding(self.mesh, P("dp"))
         make = jax.jit(lambda n: jnp.zeros((dp, n, *shape), dtype), static_argnums=0, out_shardings=sharding)
         return {"dense": make(cfg.num_dense_layers), "moe": make(cfg.num_moe_layers)}
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P("dp"))
+
+    def close(self) -> None:
+        """Free the weights, the caches and the executables."""
+        self.state = self.cache = None
+        self._compiled.clear()
 
     def reset_cache(self) -> None:
         """Zero every page (a fresh pool; the engine never needs this, experiments do)."""

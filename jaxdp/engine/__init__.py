@@ -1,0 +1,6 @@
+"""The serving engine: schedulers per DP rank, page pools, prefix caches, the loop, sampling."""
+
+from jaxdp.engine.engine import Engine, EngineConfig
+from jaxdp.engine.request import BadRequest, Request, SamplingParams
+
+__all__ = ["BadRequest", "Engine", "EngineConfig", "Request", "SamplingParams"]

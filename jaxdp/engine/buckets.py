@@ -1,0 +1,59 @@
+"""Which compiled step a batch runs: decode buckets (SGLang's CUDA-graph batch sizes) and extend buckets.
+
+Every rank runs the same shape (an SPMD program has one), chosen from the busiest rank. An extend step
+of up to `max_len_rows` rows per rank pads every rank to the bucket (MAX_LEN); a larger one uses the
+SUM_LEN exact buffer, whose size is itself bucketed (powers of two) so that every shape is known at
+start-up and compiled ahead of time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from jaxdp.parallel.accounting import decode_buckets
+from jaxdp.parallel.places import Agreement
+from jaxdp.parallel.step import StepShape
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode: list[int]
+    extend: list[int]
+    max_seqs: int  # requests per rank
+    dp: int
+    max_len_rows: int
+
+    @classmethod
+    def make(cls, max_running: int, chunk: int, dp: int, decode: list[int] | None = None,
+             extend: list[int] | None = None, max_len_rows: int = 256) -> Buckets:
+        dec = sorted(decode) if decode else decode_buckets(max_running)
+        top = _pow2(max(chunk, max_running))
+        ext = sorted(extend) if extend else [b for b in (1 << i for i in range(3, 20)) if b <= top]
+        if ext[-1] < max(chunk, max_running):
+            raise ValueError(f"the largest extend bucket {ext[-1]} is below the per-rank chunk {chunk} / batch "
+                             f"{max_running}; add a larger bucket")
+        return cls(dec, ext, max_running, dp, max_len_rows)
+
+    def extend_seqs(self, rows: int) -> int:
+        return min(rows, self.max_seqs)
+
+    def extend_modes(self, rows: int) -> list[tuple[str, int]]:
+        if rows <= self.max_len_rows or self.dp == 1:
+            return [("max_len", 0)]
+        return [("sum_len", s) for s in (rows << i for i in range(self.dp.bit_length())) if s <= _pow2(self.dp * rows)]
+
+    def shape_for(self, rows: list[int], agreement: Agreement, pages_per_seq: int) -> StepShape:
+        busiest = max(rows)
+        if agreement.use_decode_bucket:
+            b = self.decode[bisect.bisect_left(self.decode, busiest)]
+            return StepShape(True, b, b, pages_per_seq)
+        t = self.extend[bisect.bisect_left(self.extend, busiest)]
+        if t <= self.max_len_rows or self.dp == 1:
+            return StepShape(False, t, self.extend_seqs(t), pages_per_seq)
+        s = max(t, _pow2(sum(rows)))
+        return StepShape(False, t, self.extend_seqs(t), pages_per_seq, "sum_len", s)

@@ -1,0 +1,329 @@
+"""`jaxdp.Engine`: the schedulers of all DP ranks of this host, driven by one loop, over one StepRunner.
+
+Each iteration (`step`): every rank's scheduler picks its batch; the ranks agree (`agree_on_step`: rows
+per rank, the decode-bucket vote, "any rank reads a prompt"); when a prompt is read anywhere, decoding
+ranks present their batch as one-token extends so all ranks share one extend step (the relabeling);
+ranks without work run an idle (all-padding) batch while any rank has work; nothing runs when all are
+idle. The compiled step is chosen from the busiest rank; tokens are sampled on the device.
+
+Use it offline (`generate`) or from a server (`start`, then `submit` / `stream` from other threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import jax
+import numpy as np
+
+from jaxdp.batch import build_rank_batch, stack_ranks
+from jaxdp.engine.buckets import Buckets
+from jaxdp.engine.controller import Controller
+from jaxdp.engine.pool import PagePool, PrefixCache
+from jaxdp.engine.request import BadRequest, Request, SamplingParams
+from jaxdp.engine.sampling import sample_tokens, sampling_arrays
+from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
+from jaxdp.engine.stats import StepStats, compiles_total
+from jaxdp.parallel.places import Proposal, agree_on_step
+from jaxdp.parallel.step import StepRunner, StepShape
+
+log = logging.getLogger("jaxdp.engine")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 256  # per DP rank
+    max_running_requests: int = 64  # all ranks together (divided among them)
+    chunked_prefill_size: int = 256  # all ranks together (divided among them under attention DP)
+    context_length: int | None = None  # default: min(max_position_embeddings, pool size)
+    schedule_conservativeness: float = 1.0
+    decode_buckets: list[int] | None = None  # default: SGLang's list up to the per-rank batch
+    extend_buckets: list[int] | None = None  # default: powers of two up to the per-rank chunk
+    max_len_extend_rows: int = 256  # extend steps up to this many rows per rank pad (MAX_LEN); beyond: SUM_LEN
+    disable_cuda_graph: bool = False  # compile steps on first use instead of at start-up
+    load_balance_method: str = "round_robin"
+    enable_prefix_cache: bool = True
+    seed: int = 0
+
+
+class Engine:
+    def __init__(self, model: str | StepRunner = "default", mesh: str = "dp=1", config: EngineConfig | None = None,
+                 *, dtype: str = "float32", tokenizer=None, warmup: bool = True, attention_backend: str | None = None,
+                 seed: int = 0):
+        """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
+        or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset)."""
+        self.cfg = config or EngineConfig()
+        runner = model if isinstance(model, StepRunner) else _make_runner(model, mesh, self.cfg, dtype,
+                                                                           attention_backend, seed)
+        self.runner = runner
+        self.model_cfg, self.layout = runner.cfg, runner.layout
+        self.tokenizer = tokenizer
+        dp, c = self.layout.dp, self.cfg
+        if c.num_pages > runner.num_pages:
+            raise ValueError(f"num_pages {c.num_pages} exceeds the step runner's pool of {runner.num_pages}")
+        self.max_running_per_rank = max(1, c.max_running_requests // dp)
+        chunk = max(1, c.chunked_prefill_size // dp)
+        if dp > 1:
+            log.info("DP attention is enabled. chunked prefill size is adjusted from %d to %d.",
+                     c.chunked_prefill_size, chunk)
+        conservativeness = c.schedule_conservativeness * (0.3 if dp > 1 else 1.0)
+        context_len = min(c.context_length or self.model_cfg.max_position_embeddings, c.num_pages * c.page_size)
+        self.context_len = context_len
+        self.pages_per_seq = -(-context_len // c.page_size)
+        sched_cfg = SchedulerConfig(chunk, self.max_running_per_rank, context_len, conservativeness,
+                                    self.model_cfg.eos_token_ids)
+        self.schedulers = []
+        for r in range(dp):
+            pool = PagePool(c.num_pages, c.page_size)
+            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg))
+        self.controller = Controller(dp, c.load_balance_method)
+        self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
+                                    c.max_len_extend_rows)
+        self.stats = StepStats(dp)
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.requests: dict[str, Request] = {}
+        self.compiles_at_warmup = 0
+        if warmup and not c.disable_cuda_graph:
+            self.warmup()
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def shapes(self) -> list[StepShape]:
+        N, out = self.pages_per_seq, []
+        for b in self.buckets.decode:
+            out.append(StepShape(True, b, b, N))
+        for t in self.buckets.extend:
+            for mode, s in self.buckets.extend_modes(t):
+                out.append(StepShape(False, t, self.buckets.extend_seqs(t), N, mode, s))
+        return out
+
+    def warmup(self) -> None:
+        """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
+        from tqdm import tqdm
+
+        shapes = self.shapes()
+        t0 = time.perf_counter()
+        for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
+            self.runner.compile(shape)
+            dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
+            zeros = sampling_arrays([[] for _ in range(dp)], B, 0)
+            logits = jax.device_put(np.zeros((dp, B, V), np.float32), self.runner.batch_sharding)
+            jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS)))
+        self.compiles_at_warmup = compiles_total()
+        log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
+                 time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *, rid: str | None = None,
+                     rank: int | None = None) -> Request:
+        params = (params or SamplingParams()).validate()
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty; send at least one token")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.model_cfg.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self.requests and not self.requests[rid].finished:
+            raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
+        loads = [(s.num_tokens, len(s.running) + len(s.waiting)) for s in self.schedulers]
+        req = Request(rid, [int(t) for t in prompt_ids], params)
+        req.rank = self.controller.assign(loads, rank)
+        self.model_cfg.check_context(len(prompt_ids) + params.max_new_tokens)
+        self.schedulers[req.rank].check(req)
+        return req
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request made by `make_request` (thread-safe); the loop admits it on its next iteration."""
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return req
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            now = time.perf_counter()
+            if cmd == "add":
+                try:
+                    self.schedulers[arg.rank].add(arg)
+                    self.requests[arg.rid] = arg
+                except BadRequest as e:
+                    arg.finish_reason, arg.error = "abort", str(e)
+                    arg.state, arg.finished_at = arg.state.FINISHED, now
+                    if arg.on_update:
+                        arg.on_update(arg)
+            elif cmd == "abort":
+                req = self.requests.get(arg)
+                if req is not None and not req.finished:
+                    self.schedulers[req.rank].abort(arg, now)
+            elif cmd == "flush":
+                arg.set_result(all(s.cache.flush() for s in self.schedulers) if not self.busy else False)
+
+    @property
+    def busy(self) -> bool:
+        return any(s.running or s.waiting for s in self.schedulers)
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration of the loop; False when every rank is idle (no step ran)."""
+        self._drain_inbox()
+        t0 = time.perf_counter()
+        plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
+        agreement = agree_on_step([Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
+                                            bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans])
+        if not agreement.run:
+            return False
+        rows = [p.rows if p else 0 for p in plans]
+        shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
+        c = self.cfg
+        batches = [build_rank_batch(p.pieces if p else [], num_rows=shape.num_rows, num_seqs=shape.num_seqs,
+                                    pages_per_seq=self.pages_per_seq, page_size=c.page_size,
+                                    num_pages=c.num_pages) for p in plans]
+        stacked = stack_ranks(batches)
+        params = sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed)
+        t1 = time.perf_counter()
+        compiles_before = compiles_total()
+        logits, _ = self.runner.run(shape, stacked)
+        tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS))
+        t2 = time.perf_counter()
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        t3 = time.perf_counter()
+        now = time.perf_counter()
+        for r, plan in enumerate(plans):
+            if plan:
+                self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), now)
+        t4 = time.perf_counter()
+        self.stats.record(shape, rows, agreement, self.runner.last_account, host_s=(t1 - t0) + (t4 - t3),
+                          dispatch_s=t2 - t1, wait_s=t3 - t2, compiled=compiles_total() - compiles_before,
+                          new_tokens=sum(sum(p.sample) for p in plans if p))
+        return True
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        n = 0
+        while self.step():
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                break
+        return n
+
+    # ---- offline use ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, ranks: list[int | None] | None = None) -> list[Request]:
+        """Run prompts (token ids) to completion and return the finished requests, in order."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the loop itself; use submit()/stream() while the loop runs")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.submit(self.make_request(p, sp, rank=(ranks[i] if ranks else None)))
+                for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
+        while not all(r.finished for r in reqs):
+            if not self.step() and not all(r.finished for r in reqs):
+                self._drain_inbox()
+        return reqs
+
+    # ---- background loop and streaming -----------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="jaxdp-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                ran = self.step()
+            except Exception:  # a bug, not a user error: fail every request loudly instead of hanging
+                log.exception("engine step failed; aborting all requests")
+                now = time.perf_counter()
+                for s in self.schedulers:
+                    for req in list(s.running) + list(s.waiting):
+                        req.error = "internal error in the engine step; see the server log"
+                        s.finish(req, "abort", now)
+                ran = False
+            if not ran:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    async def stream(self, req: Request) -> AsyncIterator[Request]:
+        """Yield the request after every new token and once when it finishes (the loop must be running)."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        req.on_update = lambda r: loop.call_soon_threadsafe(updates.put_nowait, len(r.output_ids))
+        self.submit(req)
+        try:
+            while True:
+                await updates.get()
+                yield req
+                if req.finished:
+                    return
+        finally:
+            if not req.finished:  # the client went away: free its pages
+                self.abort(req.rid)
+
+    def flush_cache(self) -> bool:
+        fut: _Result = _Result()
+        self._inbox.put(("flush", fut))
+        self._wake.set()
+        if self._thread is None:
+            self._drain_inbox()
+        return fut.wait()
+
+    def stop(self) -> None:
+        """Stop the background loop (requests in flight stay queued)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def shutdown(self) -> None:
+        """Stop the loop and free the weights, caches and compiled steps."""
+        self.stop()
+        self.runner.close()
+
+
+def _make_runner(model: str, mesh: str, cfg: EngineConfig, dtype: str, attention_backend, seed: int) -> StepRunner:
+    from jaxdp.backends import decode_kernel
+    from jaxdp.layout import ensure_host_devices, parse_mesh_spec
+    from jaxdp.model.loader import load_model
+
+    layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
+    ensure_host_devices(layout.world)
+    devices = jax.devices()[: layout.world]
+    layout.validate(num_devices=len(jax.devices()))
+    layout.check_memory(devices)  # before the KV pool is sized
+    _, m = load_model(model, dtype, seed=seed)
+    return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
+                      decode_kernel=decode_kernel(attention_backend))
+
+
+class _Result:
+    def __init__(self):
+        self._event, self._value = threading.Event(), None
+
+    def set_result(self, value) -> None:
+        self._value = value
+        self._event.set()
+
+    def wait(self, timeout: float = 30):
+        self._event.wait(timeout)
+        return self._value
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "keys")

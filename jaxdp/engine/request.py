@@ -1,0 +1,90 @@
+"""Requests and their sampling parameters, as the schedulers and the API see them (no arrays here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable
+
+
+class BadRequest(ValueError):
+    """A request the engine cannot serve as given; the message says what to change (HTTP 400)."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: all
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    return_logprob: bool = False
+
+    def validate(self) -> SamplingParams:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise BadRequest(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise BadRequest(f"top_k must be -1 (all) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        return self
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"  # prompt fully in the cache, decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    rank: int = -1
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    state: State = State.WAITING
+    pages: list[int] = dataclasses.field(default_factory=list)  # pages of the context, in order
+    shared_pages: int = 0  # the first `shared_pages` pages belong to the prefix cache
+    computed: int = 0  # tokens whose latent is in the cache
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    retractions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    error: str | None = None  # why an aborted request was refused
+    stop_check: Callable[[Request], bool] | None = None  # stop strings, checked by the API layer
+    on_update: Callable[[Request], None] | None = None  # called after each token and at the end
+    created: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose latent must be in the cache before the next token can be computed."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.state == State.WAITING and self.computed > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state == State.FINISHED
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))

@@ -1,0 +1,59 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, a per-request seed.
+
+One jitted function over the step's logits [dp, B, V] (sharded over `dp`, so each rank samples its own
+rows) and per-row parameters. The key of a row is (seed, number of tokens generated so far): a request
+with a seed samples the same tokens whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp.engine.request import Request
+
+
+def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
+    logprobs_V = jax.nn.log_softmax(logits_V)
+    greedy = jnp.argmax(logits_V)
+    scaled = logits_V / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    sorted_logits = scaled[order]
+    probs = jax.nn.softmax(sorted_logits)
+    rank = jnp.arange(logits_V.shape[0])
+    keep = rank < jnp.where(top_k > 0, top_k, logits_V.shape[0])
+    keep &= (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (always >= 1 token)
+    keep &= probs >= min_p * probs[0]
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    sampled = order[jax.random.categorical(key, masked)]
+    token = jnp.where(temperature == 0, greedy, sampled)
+    return token.astype(jnp.int32), logprobs_V[token]
+
+
+@jax.jit
+def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2):
+    """Tokens [dp, B] and their log-probabilities under the unmodified distribution."""
+    f = jax.vmap(jax.vmap(_sample_row))
+    return f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
+
+
+def sampling_arrays(reqs_by_rank: list[list[Request]], num_seqs: int, engine_seed: int) -> dict[str, np.ndarray]:
+    """Per-row parameters of a step, padded to B rows per rank (padding rows are greedy)."""
+    dp = len(reqs_by_rank)
+    out = {"temperature": np.zeros((dp, num_seqs), np.float32), "top_p": np.ones((dp, num_seqs), np.float32),
+           "top_k": np.full((dp, num_seqs), -1, np.int32), "min_p": np.zeros((dp, num_seqs), np.float32),
+           "keys": np.zeros((dp, num_seqs, 2), np.uint32)}
+    for r, reqs in enumerate(reqs_by_rank):
+        for i, req in enumerate(reqs):
+            p = req.params
+            out["temperature"][r, i] = p.temperature
+            out["top_p"][r, i] = p.top_p
+            out["top_k"][r, i] = p.top_k
+            out["min_p"][r, i] = p.min_p
+            seed = p.seed if p.seed is not None else zlib.crc32(f"{engine_seed}:{req.rid}".encode())
+            out["keys"][r, i] = (seed & 0xFFFFFFFF, len(req.output_ids))
+    return out

@@ -1,0 +1,173 @@
+"""The engine on 8 CPU devices (dp=8): continuous batching, prefix reuse, pools, retraction, chunked
+prefill, sampling, and no compile after warm-up."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
+from jaxdp.engine.stats import compiles_total
+from jaxdp.one_batch import run_prompts
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
+
+
+def small_config(**kw):
+    base = dict(page_size=4, num_pages=64, max_running_requests=32, chunked_prefill_size=64,
+                decode_buckets=[1, 2, 4], extend_buckets=[8])
+    return EngineConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with jax.default_matmul_precision("highest"):
+        eng = Engine("tiny", "dp=8", small_config(), seed=0)
+        yield eng
+        eng.shutdown()
+
+
+def pools_are_full(eng):
+    for s in eng.schedulers:
+        assert not s.running and not s.waiting
+        assert s.pool.free + s.cache.size == s.pool.num_pages  # no page leaked
+        assert s.cache.evictable() == s.cache.size  # and none still locked
+
+
+def prompts(n, seed, lo=2, hi=14):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+def test_continuous_batching_equals_each_request_alone(engine):
+    ps = prompts(10, 1)
+    with jax.default_matmul_precision("highest"):
+        first = [engine.submit(engine.make_request(p, GREEDY, rank=i % 4)) for i, p in enumerate(ps[:5])]
+        for _ in range(3):
+            engine.step()  # the first five are decoding when the next five arrive
+        lengths = [SamplingParams(max_new_tokens=3 + i % 4, temperature=0) for i in range(5)]
+        later = [engine.submit(engine.make_request(p, sp, rank=i % 4))
+                 for i, (p, sp) in enumerate(zip(ps[5:], lengths, strict=True))]
+        engine.run_until_idle()
+        reqs = first + later
+        assert all(r.finished and r.finish_reason == "length" for r in reqs)
+        assert any(rec.idle_ranks for rec in engine.stats.records)  # ranks 4..7 ran idle batches
+        engine.flush_cache()
+        for r in reqs:
+            alone = engine.generate([r.prompt_ids], r.params, ranks=[r.rank])[0]
+            assert alone.output_ids == r.output_ids
+    pools_are_full(engine)
+
+
+def test_prefix_cache_reuse_on_the_same_rank_only(engine):
+    first_turn = prompts(1, 2, 18, 19)[0]
+    with jax.default_matmul_precision("highest"):
+        a = engine.generate([first_turn], GREEDY, ranks=[2])[0]
+        second_turn = a.all_ids + [7, 8, 9]
+        same = engine.generate([second_turn], GREEDY, ranks=[2])[0]
+        other = engine.generate([second_turn], GREEDY, ranks=[5])[0]
+    assert same.cached_tokens >= 16 and other.cached_tokens == 0
+    assert same.output_ids == other.output_ids
+    pools_are_full(engine)
+
+
+def test_long_prompt_is_chunked_and_matches_unchunked(engine):
+    prompt = prompts(1, 3, 30, 31)[0]  # the per-rank chunk is 64 / 8 = 8 tokens: four chunks
+    with jax.default_matmul_precision("highest"):
+        steps_before = engine.stats.steps
+        req = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0), ranks=[1])[0]
+        assert engine.stats.steps - steps_before >= 4 + 4  # 4 prompt chunks, then 4 decode steps
+        runner = engine.runner
+        ref = run_prompts(_single_device_runner(runner), [prompt], [0], 5)
+    assert req.output_ids == ref["tokens"][0].tolist()
+
+
+def _single_device_runner(runner):
+    from jaxdp.layout import Layout
+    from jaxdp.parallel.step import StepRunner
+
+    model = __import__("flax").nnx.merge(runner.graphdef, jax.device_get(runner.state))
+    lay = Layout()
+    return StepRunner(model, lay, lay.make_mesh(jax.devices()[:1]), num_pages=16, page_size=4)
+
+
+def test_abort_frees_pages(engine):
+    req = engine.submit(engine.make_request(prompts(1, 4)[0], SamplingParams(max_new_tokens=50, temperature=0),
+                                            rank=6))
+    for _ in range(3):
+        engine.step()
+    engine.abort(req.rid)
+    engine.run_until_idle()
+    engine.step()
+    assert req.finish_reason == "abort" and len(req.output_ids) < 50
+    pools_are_full(engine)
+
+
+def test_sampling_parameters(engine):
+    p = prompts(1, 5)[0]
+    seeded = SamplingParams(max_new_tokens=8, temperature=1.5, seed=11, return_logprob=True)
+    a, b = (engine.generate([p], seeded, ranks=[0])[0] for _ in range(2))
+    assert a.output_ids == b.output_ids and len(a.output_logprobs) == 8 and max(a.output_logprobs) <= 0
+    greedy = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=0), ranks=[0])[0]
+    top1 = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=3), ranks=[0])[0]
+    assert top1.output_ids == greedy.output_ids
+    others = {tuple(engine.generate([p], SamplingParams(max_new_tokens=8, temperature=1.5, seed=s))[0].output_ids)
+              for s in range(4)}
+    assert len(others) > 1  # different seeds sample differently
+    stop_at = greedy.output_ids[2]
+    stopped = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert stopped.output_ids == greedy.output_ids[: greedy.output_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop"
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_new_tokens=0), dict(top_k=0)):
+        with pytest.raises(BadRequest):
+            engine.make_request(p, SamplingParams(**bad))
+    with pytest.raises(BadRequest, match="empty"):
+        engine.make_request([], GREEDY)
+    with pytest.raises(BadRequest, match="routed_dp_rank"):
+        engine.make_request(p, GREEDY, rank=8)
+
+
+def test_no_compile_after_warmup_over_a_mixed_workload(engine):
+    before = compiles_total()
+    in_steps = engine.stats.compiles_in_steps
+    ps = prompts(24, 6, 1, 30)
+    params = [SamplingParams(max_new_tokens=1 + i % 7, temperature=(i % 3) * 0.5, top_p=0.9, seed=i) for i in range(24)]
+    reqs = [engine.submit(engine.make_request(p, sp)) for p, sp in zip(ps, params, strict=True)]
+    engine.run_until_idle()
+    assert all(r.finished for r in reqs)
+    assert compiles_total() == before and engine.stats.compiles_in_steps == in_steps
+    pools_are_full(engine)
+
+
+def test_async_streaming(engine):
+    async def run():
+        engine.start()
+        try:
+            req = engine.make_request(prompts(1, 7)[0], SamplingParams(max_new_tokens=5, temperature=0))
+            seen = [len(r.output_ids) async for r in engine.stream(req)]
+            return req, seen
+        finally:
+            engine.stop()
+
+    req, seen = asyncio.run(run())
+    assert req.finished and seen[-1] == 5 and seen == sorted(seen)
+
+
+def test_retraction_keeps_outputs_and_frees_everything():
+    cfg = small_config(num_pages=10, max_running_requests=8, chunked_prefill_size=16, decode_buckets=[1, 2, 4])
+    ps = prompts(8, 8, 5, 8)
+    sp = SamplingParams(max_new_tokens=14, temperature=0)
+    with jax.default_matmul_precision("highest"):
+        eng = Engine("tiny", "dp=2", cfg, seed=0)
+        reqs = eng.generate(ps, sp)
+        assert sum(s.retracted_total for s in eng.schedulers) > 0  # the pool (40 tokens per rank) ran out
+        assert all(r.finish_reason == "length" and len(r.output_ids) == 14 for r in reqs)
+        pools_are_full(eng)
+        eng.flush_cache()
+        for r in reqs:
+            assert eng.generate([r.prompt_ids], sp, ranks=[r.rank])[0].output_ids == r.output_ids
+        pools_are_full(eng)
+        with pytest.raises(BadRequest, match="shorten the prompt"):  # can never fit a rank's pool of 40 tokens
+            eng.make_request(list(range(45)), SamplingParams(max_new_tokens=2))
+        eng.shutdown()
