@@ -137,12 +137,11 @@ class Trainer:
                 groups.append(g)
             batch = {k: jnp.asarray(np.stack([g[k] for g in groups])) for k in groups[0]}
             logits = np.asarray(self.logits(self.params, batch))
+            ends = [sum(len(x) for x in seqs[i - i % per_group:i + 1]) - 1 for i in range(len(seqs))]
             for i, s in enumerate(seqs):
                 if not active[i]:
                     continue
-                g = i // per_group
-                row = sum(len(x) for x in seqs[g * per_group:i]) + len(s) - 1  # rows before it
-                nxt = int(logits[g, row].argmax())
+                nxt = int(logits[i // per_group, ends[i]].argmax())  # the row of its last token
                 out[i].append(nxt)
                 active[i] = nxt != eos_id and len(s) + 1 < L
                 s.append(nxt)
@@ -250,9 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - t0
     acc = quick_eval(trainer, tok, args.eval_n)
     export(trainer, tok_dir, hf_dir, args.export_dtype)
-    summary = {"steps": args.steps, "seed": args.seed, "train_seconds": round(train_s, 1), "params": n_params,
-               "held_out_accuracy": acc, "config_overrides": args.config_overrides}
+    replay = ["--steps", str(args.steps), "--seed", str(args.seed), "--preset", args.preset,
+              "--groups", str(args.groups), "--rows", str(args.rows), "--lr", str(args.lr),
+              "--warmup", str(args.warmup), "--weight-decay", str(args.weight_decay),
+              "--export-dtype", args.export_dtype]
+    if args.config_overrides:
+        replay += ["--config-overrides", *args.config_overrides]
+    summary = {"args": replay, "train_seconds": round(train_s, 1), "params": n_params,
+               "held_out_accuracy": acc, "eval_n_per_skill": args.eval_n}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.copy(out / "summary.json", hf_dir / "training.json")
     print(f"trained {args.steps} steps in {train_s:.0f} s; held-out greedy accuracy: "
           + ", ".join(f"{k} {v:.1%}" for k, v in acc.items()))
     print(f"exported to {hf_dir} (serve with --model-path {hf_dir})")

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from jaxdp.data import (ARITHMETIC, SKILLS, PackShape, example_ids, held_out_problems, is_held_out,
-                        pack_group, train_batches, training_example)
+from jaxdp.data import (
+    ARITHMETIC,
+    SKILLS,
+    PackShape,
+    example_ids,
+    held_out_problems,
+    is_held_out,
+    pack_group,
+    train_batches,
+    training_example,
+)
 from jaxdp.model.loader import default_model_path
 from jaxdp.tokenizer import Tokenizer
 
@@ -41,8 +51,8 @@ def test_chat_template(tok):
     ids = tok.encode(text)
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=False) == text
-    full = tok.apply_chat_template([{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "42"}],
-                                   add_generation_prompt=False)
+    turns = [{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "42"}]
+    full = tok.apply_chat_template(turns, add_generation_prompt=False)
     assert full.endswith("<|assistant|>42<eos>")
     assert tok.eos_token_id == tok.encode("<eos>", add_special_tokens=False)[0]
 
@@ -76,7 +86,7 @@ def test_answers_are_correct():
     for p in held_out_problems(30):
         expr = p.prompt[:-1]
         if p.skill in ARITHMETIC:
-            a, op, b = next((expr.partition(o) for o in "+-*" if o in expr))
+            a, op, b = next(expr.partition(o) for o in "+-*" if o in expr)
             assert int(p.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         elif p.skill == "sort":
             assert p.answer == "".join(sorted(expr.split()[1]))
@@ -116,7 +126,7 @@ def test_retrain_reproduces_accuracy(tmp_path):
     record = json.loads((default_model_path() / "training.json").read_text())
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "jaxdp.train", *record["args"], "--out", str(out)], check=True,
-                   env={**__import__("os").environ, "XLA_FLAGS": ""})
+                   env={**os.environ, "XLA_FLAGS": ""})
     n = 100
     shipped = evaluate_local("default", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
     again = evaluate_local(out / "hf", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]

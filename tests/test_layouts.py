@@ -46,7 +46,7 @@ def run_situation(runner: StepRunner, name: str, gather_mode: str):
     runner.reset_cache()
     reqs = []  # (request id, rank, prompt tokens)
     for r, n in enumerate(counts):
-        for k in range(n):
+        for _ in range(n):
             rid = len(reqs)
             reqs.append((rid, r % dp, [(rid * 7 + j * 3 + 1) % cfg.vocab_size for j in range(3)]))
     next_page = [0] * dp

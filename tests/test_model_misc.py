@@ -127,3 +127,47 @@ def test_hf_config_round_trip(tmp_path):
     a, b = nnx.state(model), nnx.state(model2)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sharded_fp8_checkpoint_loads_dequantized(tmp_path):
+    """A DeepSeek-style block-FP8 checkpoint split over two safetensors files with an index."""
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxdp.model.decoder import DeepseekV3
+    from jaxdp.model.loader import hf_config_dict, hf_state_dict, load_checkpoint
+
+    cfg = get_config("tiny")
+    tensors = hf_state_dict(DeepseekV3(cfg, nnx.Rngs(5)))
+    block = 16
+    quantized, expected = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and "proj" in name:  # the Linear weights are FP8 in DeepSeek's checkpoints
+            rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+            amax = np.zeros((rows, cols), np.float32)
+            for i in range(rows):
+                for j in range(cols):
+                    amax[i, j] = np.abs(w[i * block:(i + 1) * block, j * block:(j + 1) * block]).max()
+            scale_inv = np.maximum(amax, 1e-12) / 448.0
+            s_full = np.repeat(np.repeat(scale_inv, block, 0), block, 1)[: w.shape[0], : w.shape[1]]
+            w8 = (w / s_full).astype(jax.numpy.float8_e4m3fn)
+            quantized[name] = np.asarray(w8)
+            quantized[name.replace(".weight", ".weight_scale_inv")] = scale_inv
+            expected[name] = np.asarray(w8, np.float32) * s_full
+        else:
+            quantized[name] = w
+            expected[name] = w
+    names = sorted(quantized)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in halves.items():
+        save_file({k: quantized[k] for k in keys}, str(tmp_path / fname))
+    index = {"weight_map": {k: f for f, keys in halves.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    raw = hf_config_dict(cfg) | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [block, block]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded_cfg, model = load_checkpoint(tmp_path, np.float32)
+    assert loaded_cfg.fp8_block == (block, block)
+    got = hf_state_dict(model)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+    assert any(np.abs(expected[n] - tensors[n]).max() > 0 for n in expected)  # it really was quantized

@@ -7,17 +7,23 @@ in either spelling: one tensor per expert (`experts.{j}.gate_proj.weight`, as pu
 and transformers' save_pretrained write them) or fused (`experts.gate_up_proj`, transformers' in-memory
 layout). Multi-token-prediction layers past num_hidden_layers are skipped. `save_hf_checkpoint` writes
 the inverse, so a model trained here is served from the same format.
+
+NVFP4: `quantization="nvfp4"` quantizes the routed experts layer by layer as they are read (from
+float32); a ModelOpt NVFP4 checkpoint (`jaxdp.model.modelopt`) keeps its experts as stored; a directory
+written by `python -m jaxdp.quantize` (orbax) is detected and restored.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -25,11 +31,16 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from jaxdp.config import ModelConfig, load_hf_config
+from jaxdp.model import modelopt
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.moe import NVFP4_PARAMS, nvfp4_expert_params
+from jaxdp.model.quant import check_quantization, expert_quantization, quantize_experts
 
 log = logging.getLogger("jaxdp.loader")
 
 Getter = Callable[[str], np.ndarray]
+# safetensors' numpy reader has no float8; these are read from the file's bytes
+_F8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 class CheckpointReader:
@@ -51,6 +62,7 @@ class CheckpointReader:
                     weight_map.update({k: f.name for k in h.keys()})
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -61,13 +73,30 @@ class CheckpointReader:
         fname = self.weight_map[name]
         if fname not in self._handles:
             self._handles[fname] = safe_open(self.dir / fname, "np")
+        dtype = self._handles[fname].get_slice(name).get_dtype()
+        if dtype in _F8_DTYPES:
+            return self._read_f8(fname, name, _F8_DTYPES[dtype])
         return self._handles[fname].get_tensor(name)
+
+    def _read_f8(self, fname: str, name: str, dtype) -> np.ndarray:
+        if fname not in self._headers:
+            with open(self.dir / fname, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                self._headers[fname] = (json.loads(f.read(n)), 8 + n)
+        header, start = self._headers[fname]
+        begin, end = header[name]["data_offsets"]
+        data = np.fromfile(self.dir / fname, dtype=np.uint8, count=end - begin, offset=start + begin)
+        return data.view(dtype).reshape(header[name]["shape"])
 
     def get(self, name: str) -> np.ndarray:
         w = self._raw(name)
         scale_name = name.replace(".weight", ".weight_scale_inv")
+        nvfp4_base = name.removesuffix(".weight")
         if name.endswith(".weight") and scale_name in self.weight_map:
             w = dequantize_fp8_blocks(w, self._raw(scale_name), self.cfg.fp8_block or (128, 128))
+        elif name.endswith(".weight") and f"{nvfp4_base}.weight_scale_2" in self.weight_map:
+            w = modelopt.dequantize_weight(w, self._raw(f"{nvfp4_base}.weight_scale"),
+                                           self._raw(f"{nvfp4_base}.weight_scale_2"))
         return np.asarray(w, dtype=np.float32)
 
 
@@ -121,12 +150,18 @@ def _experts(reader: CheckpointReader, g: Getter, pre: str, cfg: ModelConfig):
     return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 
-def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None):
-    """(ModelConfig, DeepseekV3 with the checkpoint's weights in `dtype`)."""
-    cfg = cfg or load_hf_config(model_dir)
+def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None,
+                    quantization: str | None = None):
+    """(ModelConfig, DeepseekV3 with the checkpoint's weights in `dtype`; routed experts in NVFP4 when
+    `quantization="nvfp4"` or the checkpoint is a ModelOpt NVFP4 one)."""
+    mo_config = modelopt.read_quant_config(model_dir)
+    cfg = cfg or (modelopt.load_config(model_dir) if mo_config else load_hf_config(model_dir))
     reader = CheckpointReader(model_dir, cfg)
     g = reader.get
-    model = nnx.eval_shape(lambda: DeepseekV3(cfg, nnx.Rngs(0), dtype))
+    stored_nvfp4 = mo_config is not None and modelopt.experts_are_nvfp4(reader.__contains__, cfg)
+    quantization = "nvfp4" if stored_nvfp4 else check_quantization(quantization)
+    model = nnx.eval_shape(lambda: quantize_experts(DeepseekV3(cfg, nnx.Rngs(0), dtype), quantization))
+    input_scales: list[np.ndarray] = []
     values: dict[str, np.ndarray] = {"embed_VD": g("model.embed_tokens.weight"),
                                      "final_norm": g("model.norm.weight")}
     if not cfg.tie_word_embeddings:
@@ -145,10 +180,17 @@ def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig 
                     gu, d = _mlp(g, f"{pre}.mlp")
                     items = {"ffn.w_gate_up_D2F": gu, "ffn.w_down_FD": d}
                 else:
-                    gu, d = _experts(reader, g, pre, cfg)
                     items = {"ffn.router_DE": g(f"{pre}.mlp.gate.weight").T,
-                             "ffn.router_bias_E": g(f"{pre}.mlp.gate.e_score_correction_bias"),
-                             "ffn.w_gate_up_ED2I": gu, "ffn.w_down_EID": d}
+                             "ffn.router_bias_E": g(f"{pre}.mlp.gate.e_score_correction_bias")}
+                    if stored_nvfp4:
+                        experts, scales = modelopt.read_nvfp4_experts(reader._raw, reader.__contains__, pre, cfg)
+                        input_scales.append(scales)
+                    elif quantization == "nvfp4":  # quantize from float32, one layer at a time
+                        experts = jax.tree.map(np.asarray, nvfp4_expert_params(*_experts(reader, g, pre, cfg)))
+                    else:
+                        gu, d = _experts(reader, g, pre, cfg)
+                        experts = {"w_gate_up_ED2I": gu, "w_down_EID": d}
+                    items |= {f"ffn.{k}": v for k, v in experts.items()}
                     if cfg.n_shared_experts:
                         sgu, sd = _mlp(g, f"{pre}.mlp.shared_experts")
                         items |= {"ffn.shared.w_gate_up_D2F": sgu, "ffn.shared.w_down_FD": sd}
@@ -158,6 +200,8 @@ def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig 
             for key, arrs in per_layer.items():
                 values[f"{stack}.{key}"] = np.stack(arrs)
     _assign(model, values, dtype)
+    if stored_nvfp4:
+        log.info(modelopt.describe_input_scales(input_scales))
     return cfg, model
 
 
@@ -172,7 +216,9 @@ def _assign(model: DeepseekV3, values: dict[str, np.ndarray], dtype) -> None:
         want = param.get_value().shape
         if tuple(arr.shape) != tuple(want):
             raise ValueError(f"checkpoint tensor for {path} has shape {arr.shape}, expected {want}")
-        param.set_value(jnp.asarray(arr, jnp.float32 if keep_f32 else dtype))
+        # NVFP4 experts keep their own dtypes (uint8 codes, E4M3 scales, float32 global scales)
+        target = param.get_value().dtype if leaf in NVFP4_PARAMS else jnp.float32 if keep_f32 else dtype
+        param.set_value(jnp.asarray(arr, target))
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -181,6 +227,9 @@ def _assign(model: DeepseekV3, values: dict[str, np.ndarray], dtype) -> None:
 def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face DeepSeek-V3 names, torch layout, float32."""
     cfg = model.cfg
+    if expert_quantization(model):
+        raise ValueError("a model with NVFP4 experts is not written as a Hugging Face checkpoint; save it with "
+                         "python -m jaxdp.quantize (orbax)")
 
     def a(x) -> np.ndarray:
         return np.asarray(jax.device_get(x[...]), np.float32)
@@ -223,7 +272,8 @@ def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
             if ffn.shared is not None:
                 _put_mlp(out, f"{pre}.mlp.shared_experts", a(ffn.shared.w_gate_up_D2F)[j],
                          a(ffn.shared.w_down_FD)[j])
-    return out
+    # contiguous: safetensors writes an array's buffer as it lies in memory
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def _put_mlp(out: dict, pre: str, gate_up_D2F: np.ndarray, down_FD: np.ndarray) -> None:
@@ -266,8 +316,9 @@ def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32)
 
 
 def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | None = None,
-               tiny_width: bool = False):
-    """A checkpoint directory, or a preset name with random weights (seeded).
+               tiny_width: bool = False, quantization: str | None = None):
+    """A checkpoint directory (Hugging Face, ModelOpt NVFP4, or `jaxdp.quantize`'s orbax output), or a
+    preset name with random weights (seeded); `quantization="nvfp4"` holds the routed experts as NVFP4.
 
     `num_layers` overrides a preset's depth; `tiny_width` keeps a preset's depth and dense/MoE split
     but the tiny model's widths (to measure how compile time grows with depth).
@@ -278,7 +329,12 @@ def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | 
         path = str(default_model_path())
     dt = jnp.dtype(dtype)
     if path not in PRESETS:
-        return load_checkpoint(path, dt)
+        from jaxdp.quantize import is_converted, load_converted
+
+        if is_converted(path):
+            cfg, model = load_converted(path, dt)
+            return cfg, quantize_experts(model, quantization)
+        return load_checkpoint(path, dt, quantization=quantization)
     cfg = get_config(path)
     if tiny_width:
         tiny = PRESETS["tiny"]
@@ -286,7 +342,7 @@ def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | 
     if num_layers is not None:
         dense = min(cfg.first_k_dense_replace, num_layers)
         cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=dense)
-    return cfg, DeepseekV3(cfg, nnx.Rngs(seed), dt)
+    return cfg, quantize_experts(DeepseekV3(cfg, nnx.Rngs(seed), dt), quantization)
 
 
 def default_model_path() -> Path:

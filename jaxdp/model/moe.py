@@ -8,6 +8,24 @@ received, which the step reports and the tests count.
 
 Under a layout the expert weights a device holds are a slice (TP: a slice of the intermediate dim of
 every expert; EP: whole experts `expert_offset .. expert_offset + E_local`); shapes come from the arrays.
+
+NVFP4 experts (`MoE.to_nvfp4`, `--quantization nvfp4`): the routed experts' weights are held in
+ModelOpt's layout (see `kernels_pallas.nvfp4`), in torch's [out, in] orientation, K = the input dim:
+
+| parameter | dtype, shape | |
+|---|---|---|
+| `w_gate_up_packed` | uint8 [E, 2, I, D/2] | gate (index 0) and up (1), E2M1 two per byte |
+| `w_gate_up_scale` | float8_e4m3fn [E, 2, I, D/16] | one scale per 16 values along D |
+| `w_gate_up_gscale` | float32 [E] | weight_scale_2, shared by an expert's gate and up |
+| `w_down_packed` | uint8 [E, D, I/2] | |
+| `w_down_scale` | float8_e4m3fn [E, D, I/16] | one scale per 16 values along I |
+| `w_down_gscale` | float32 [E] | |
+
+Gate and up keep their own axis so that TP, which splits I, leaves each device its gate rows and the
+matching up rows; the down projection's K is I, so TP needs I / devices to be a multiple of 16
+(checked by the step). `runner_backend` picks the matmul: "xla" dequantizes and calls
+`lax.ragged_dot`; "pallas" runs `kernels_pallas.nvfp4_moe.nvfp4_grouped_matmul` on the sorted rows
+(interpret mode on a CPU). bf16 experts always use `lax.ragged_dot`.
 """
 
 from __future__ import annotations
@@ -18,22 +36,50 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.layers import MLP, init_normal
+from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
+
+NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
+                "w_down_packed", "w_down_scale", "w_down_gscale")
+MOE_RUNNER_BACKENDS = ("xla", "pallas")
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
+        self.quantization: str | None = None  # "nvfp4" once `to_nvfp4` ran
+        self.runner_backend = "xla"  # NVFP4 experts' matmul: "xla" or "pallas" (static: part of the graph)
         self.router_DE = nnx.Param(init_normal(rngs, (D, E), jnp.float32, D))
         self.router_bias_E = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.w_gate_up_ED2I = nnx.Param(init_normal(rngs, (E, D, 2, I), dtype, D))
         self.w_down_EID = nnx.Param(init_normal(rngs, (E, I, D), dtype, I))
         self.shared = MLP(D, I * cfg.n_shared_experts, rngs, dtype) if cfg.n_shared_experts else None
 
+    def to_nvfp4(self, params: dict[str, jax.Array] | None = None) -> None:
+        """Hold the routed experts as NVFP4 from now on: quantize the dense weights (leading stacked
+        dims are kept), or take already quantized `params` (named as in NVFP4_PARAMS)."""
+        if self.quantization == "nvfp4":
+            return
+        if params is None:
+            params = nvfp4_expert_params(self.w_gate_up_ED2I[...], self.w_down_EID[...])
+        del self.w_gate_up_ED2I, self.w_down_EID
+        for name in NVFP4_PARAMS:
+            setattr(self, name, nnx.Param(params[name]))
+        self.quantization = "nvfp4"
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts held here (the leading axis of the expert weights inside a layer)."""
+        w = self.w_gate_up_packed if self.quantization == "nvfp4" else self.w_gate_up_ED2I
+        return w.get_value().shape[0]
+
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         return route(x_TD, valid_T, self.router_DE[...], self.router_bias_E[...], self.cfg)
 
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
+        if self.quantization == "nvfp4":
+            q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
+            return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
         return routed_experts(x_TD, idx_TK, w_TK, self.w_gate_up_ED2I[...], self.w_down_EID[...],
                               expert_offset)
 
@@ -63,25 +109,88 @@ def route(x_TD, valid_T, router_DE, bias_E, cfg: ModelConfig) -> tuple[jax.Array
     return idx_TK.astype(jnp.int32), w_TK
 
 
+def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
+    """Sort the (row, choice) pairs by local expert, run `ffn(x_sorted, group_sizes_E)` -> [T*K, D]
+    float32, weight and sum back per row. Pairs whose expert is not held here (another device's, or
+    the padding sentinel) sort last, outside every group, and are not computed."""
+    T, K = idx_TK.shape
+    local_e = idx_TK.reshape(-1) - expert_offset
+    held = (local_e >= 0) & (local_e < num_local)
+    local_e = jnp.where(held, local_e, num_local)
+    order = jnp.argsort(local_e, stable=True)
+    tok_sorted = order // K
+    group_sizes_E = jnp.bincount(local_e, length=num_local + 1)[:num_local].astype(jnp.int32)
+    y = ffn(x_TD[tok_sorted], group_sizes_E)
+    y = y * jnp.where(held, w_TK.reshape(-1), 0.0)[order][:, None]
+    return jax.ops.segment_sum(y, tok_sorted, num_segments=T), group_sizes_E
+
+
 def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0):
     """Sum over a row's chosen experts (among those held here) of weight * expert(row).
 
-    Returns (y_TD in float32, rows received per local expert [E_local]). Pairs whose expert is not
-    held here (another device's, or the padding sentinel) sort last and are not computed.
+    Returns (y_TD in float32, rows received per local expert [E_local]).
     """
-    T, K = idx_TK.shape
     E_local, D, _, I = w_gate_up_ED2I.shape
-    local_e = idx_TK.reshape(-1) - expert_offset
-    held = (local_e >= 0) & (local_e < E_local)
-    local_e = jnp.where(held, local_e, E_local)
-    order = jnp.argsort(local_e, stable=True)
-    tok_sorted = order // K
-    group_sizes_E = jnp.bincount(local_e, length=E_local + 1)[:E_local].astype(jnp.int32)
-    x_sorted = x_TD[tok_sorted]
-    h = jax.lax.ragged_dot(x_sorted, w_gate_up_ED2I.reshape(E_local, D, 2 * I), group_sizes_E,
-                           preferred_element_type=jnp.float32).reshape(-1, 2, I)
-    h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
-    y = jax.lax.ragged_dot(h, w_down_EID, group_sizes_E, preferred_element_type=jnp.float32)
-    y = y * jnp.where(held, w_TK.reshape(-1), 0.0)[order][:, None]
-    y_TD = jax.ops.segment_sum(y, tok_sorted, num_segments=T)
-    return y_TD, group_sizes_E
+
+    def ffn(x_sorted, sizes_E):
+        h = jax.lax.ragged_dot(x_sorted, w_gate_up_ED2I.reshape(E_local, D, 2 * I), sizes_E,
+                               preferred_element_type=jnp.float32).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        return jax.lax.ragged_dot(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
+
+    return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "xla"):
+    """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here)."""
+    if backend not in MOE_RUNNER_BACKENDS:
+        raise ValueError(f"MoE runner backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")
+    E_local, _, I, half_D = q["w_gate_up_packed"].shape
+    gate_up = (q["w_gate_up_packed"].reshape(E_local, 2 * I, half_D),
+               q["w_gate_up_scale"].reshape(E_local, 2 * I, -1), q["w_gate_up_gscale"])
+    down = (q["w_down_packed"], q["w_down_scale"], q["w_down_gscale"])
+    matmul = _nvfp4_matmul_pallas if backend == "pallas" else _nvfp4_matmul_xla
+
+    def ffn(x_sorted, sizes_E):
+        h = matmul(x_sorted, *gate_up, sizes_E).astype(jnp.float32).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        return matmul(h, *down, sizes_E).astype(jnp.float32)
+
+    return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def _nvfp4_matmul_xla(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):
+    """Dequantize every held expert to x's dtype, then one ragged_dot (float32 out)."""
+    w_ENK = dequantize_nvfp4(packed_ENK2, scale_ENK16, gscale_E, x_TK.dtype)
+    return jax.lax.ragged_dot(x_TK, jnp.swapaxes(w_ENK, 1, 2), sizes_E, preferred_element_type=jnp.float32)
+
+
+def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):
+    """The Pallas grouped GEMM (dequantizes in registers; rows outside every group cost nothing)."""
+    from kernels_pallas.nvfp4_moe import nvfp4_grouped_matmul
+
+    return nvfp4_grouped_matmul(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E)
+
+
+def nvfp4_expert_params(w_gate_up_ED2I: jax.Array, w_down_EID: jax.Array) -> dict[str, jax.Array]:
+    """Dense experts [..., E, D, 2, I] and [..., E, I, D] -> the NVFP4_PARAMS arrays (leading dims kept).
+
+    Quantized as ModelOpt does it: per expert, one weight_scale_2 shared by gate and up, one for down.
+    """
+    *lead, E, D, _, I = w_gate_up_ED2I.shape
+    if D % BLOCK_K or I % BLOCK_K:
+        raise ValueError(f"NVFP4 experts need hidden_size ({D}) and moe_intermediate_size ({I}) to be "
+                         f"multiples of {BLOCK_K} (the scale block)")
+    gu_M2ID = jnp.moveaxis(jnp.asarray(w_gate_up_ED2I), -3, -1).reshape(-1, 2, I, D)
+    packed, scale, gscale = quantize_nvfp4_experts_gate_up(gu_M2ID[:, 0], gu_M2ID[:, 1])
+    down_MDI = jnp.swapaxes(jnp.asarray(w_down_EID), -1, -2).reshape(-1, D, I)
+    d_packed, d_scale, d_gscale = quantize_nvfp4_experts(down_MDI)
+    lead_e = (*lead, E)
+    return {
+        "w_gate_up_packed": packed.reshape(*lead_e, 2, I, D // 2),
+        "w_gate_up_scale": scale.reshape(*lead_e, 2, I, D // BLOCK_K),
+        "w_gate_up_gscale": gscale.reshape(lead_e),
+        "w_down_packed": d_packed.reshape(*lead_e, D, I // 2),
+        "w_down_scale": d_scale.reshape(*lead_e, D, I // BLOCK_K),
+        "w_down_gscale": d_gscale.reshape(lead_e),
+    }

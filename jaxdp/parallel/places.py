@@ -137,7 +137,7 @@ def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
     expert and are never sent. Returns (y_TD float32, rows received per local expert).
     """
     T, K = idx_TK.shape
-    E_local = moe.w_gate_up_ED2I.get_value().shape[0]
+    E_local = moe.num_local_experts
     C = T * K
     dest_P = idx_TK.reshape(-1) // E_local  # the sentinel E gives dest == world: not sent
     sent_P = dest_P < world

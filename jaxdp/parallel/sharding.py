@@ -4,7 +4,8 @@ Mesh axes: `dp` (attention groups) x `tp` (devices in a group). ALL = both axes,
 the model world.
 - attention projections: heads split over `tp`, whole in every group (replicated over `dp`);
 - routed experts: TP MoE splits the intermediate dim of every expert over ALL; EP gives each device
-  whole experts (the expert axis split over ALL);
+  whole experts (the expert axis split over ALL); NVFP4 experts (see `jaxdp.model.moe`) the same, their
+  per-expert global scales whole under TP;
 - shared expert and dense layers: split over ALL like TP experts when rows are gathered to them,
   whole on every device when they run on a rank's own rows (EP's shared expert, `dense_replicated`);
 - LM head: vocab split over ALL, or whole on every device with `dp_lm_head`;
@@ -20,6 +21,13 @@ from jax.sharding import PartitionSpec as P
 from jaxdp.layout import Layout
 
 ALL = ("dp", "tp")
+# Routed experts, stacked [L, E, ...]: the axis of the intermediate dim I that TP MoE splits (None: whole
+# under TP). EP splits the expert axis (1) of all of them.
+EXPERT_I_AXIS = {
+    "w_gate_up_ED2I": 4, "w_down_EID": 2,  # dense [L, E, D, 2, I], [L, E, I, D]
+    "w_gate_up_packed": 3, "w_gate_up_scale": 3, "w_gate_up_gscale": None,  # [L, E, 2, I, D/2 | D/16], [L, E]
+    "w_down_packed": 3, "w_down_scale": 3, "w_down_gscale": None,  # [L, E, D, I/2 | I/16], [L, E]
+}
 
 
 def param_spec(path: str, ndim: int, layout: Layout) -> P:
@@ -35,10 +43,9 @@ def param_spec(path: str, ndim: int, layout: Layout) -> P:
     }
     if name in heads_on_tp:
         return heads_on_tp[name]
-    if name in ("w_gate_up_ED2I", "w_down_EID"):
-        if layout.moe == "ep":
-            return P(None, ALL, *([None] * (ndim - 2)))
-        return P(None, None, None, None, ALL) if name == "w_gate_up_ED2I" else P(None, None, ALL, None)
+    if name in EXPERT_I_AXIS:
+        split = 1 if layout.moe == "ep" else EXPERT_I_AXIS[name]
+        return P(*(ALL if axis == split else None for axis in range(ndim)))
     if name in ("w_gate_up_D2F", "w_down_FD"):
         replicated = (in_dense and layout.dense_replicated) or (in_shared and layout.moe == "ep")
         if replicated:

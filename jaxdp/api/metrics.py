@@ -1,0 +1,144 @@
+"""`/metrics` (prometheus-client): SGLang's metric names under a `jaxdp:` prefix, labelled by `dp_rank`.
+
+Three sources: the ranks' state, read when Prometheus scrapes (running / queued requests, tokens held,
+token usage, prefix-cache hit rate, generation throughput); the requests, observed by the API layer as
+they stream (token counters, TTFT, inter-token latency, end-to-end latency); the engine loop's step
+records, read by the monitor (`jaxdp.api.monitor`) after each step: rows per rank, gather mode, padding
+ratio, `dp_attention_token_imbalance_ratio`, idle ranks, host and device-wait time per step. Plus the
+XLA compile counter (`jaxdp:compiles_total`), which stays flat after warm-up.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxdp.engine import Request
+from jaxdp.engine.stats import StepRecord, compiles_total
+
+P = "jaxdp:"
+RANK = ["dp_rank"]
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 15, 20,
+                25, 30, 60, 120, 300)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 300, 600, 1200)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+RATIO_BUCKETS = (1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32)
+
+
+class ServerMetrics:
+    def __init__(self, backend):
+        self.backend = backend
+        self.registry = r = CollectorRegistry()
+        self.gen_throughput = [0.0] * backend.num_ranks  # set by the monitor
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", RANK, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", RANK, registry=r)
+        self.cached_tokens = Counter(P + "cached_tokens", "Prompt tokens reused from the prefix cache", RANK,
+                                     registry=r)
+        self.num_requests = Counter(P + "num_requests", "Finished requests", RANK, registry=r)
+        self.num_aborted = Counter(P + "num_aborted_requests", "Requests aborted (client gone or refused)", RANK,
+                                   registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", RANK,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between streamed tokens", RANK,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency", RANK,
+                             buckets=E2E_BUCKETS, registry=r)
+        # per step (attention DP)
+        self.steps = Counter(P + "steps", "Engine steps run", ["replica", "kind", "gather_mode"], registry=r)
+        self.rows = Gauge(P + "dp_attention_rows", "Rows (tokens) of the last step, per rank", RANK, registry=r)
+        self.rows_total = Counter(P + "step_rows", "Rows (tokens) computed for requests, per rank", RANK,
+                                  registry=r)
+        self.gather = Gauge(P + "gather_mode", "1 for the gather mode of the last step", ["replica", "mode"],
+                            registry=r)
+        self.padding = Gauge(P + "padding_ratio", "Rows computed by attention over rows needed, last step",
+                             ["replica"], registry=r)
+        self.imbalance = Gauge(P + "dp_attention_token_imbalance_ratio",
+                               "Busiest rank's tokens over the average, last step", ["replica"], registry=r)
+        self.idle = Gauge(P + "dp_attention_idle_ranks", "Ranks that ran an idle batch in the last step",
+                          ["replica"], registry=r)
+        self.padding_hist = Histogram(P + "step_padding_ratio", "Padding ratio per step", ["replica"],
+                                      buckets=RATIO_BUCKETS, registry=r)
+        self.imbalance_hist = Histogram(P + "step_token_imbalance_ratio", "Token imbalance per step", ["replica"],
+                                        buckets=RATIO_BUCKETS, registry=r)
+        self.host_s = Histogram(P + "step_host_seconds", "Host time per step: scheduling, agreement, batch build",
+                                ["replica"], buckets=STEP_BUCKETS, registry=r)
+        self.wait_s = Histogram(P + "step_device_wait_seconds", "Time the loop waits for a step's tokens (the "
+                                "slowest rank and the collectives)", ["replica"], buckets=STEP_BUCKETS, registry=r)
+        r.register(_StateCollector(self))
+        backend.on_token.append(self.observe_tokens)
+        backend.on_finish.append(self.observe_finish)
+
+    def observe_tokens(self, rank: int, gap: float, new: int, first: bool) -> None:
+        label = str(rank)
+        self.generation_tokens.labels(label).inc(new)
+        if not first:  # the first token's wait is TTFT, observed at the end
+            self.itl.labels(label).observe(gap / new)
+
+    def observe_finish(self, rank: int, req: Request) -> None:
+        label = str(rank)
+        if req.finish_reason == "abort":
+            self.num_aborted.labels(label).inc()
+            return
+        self.num_requests.labels(label).inc()
+        self.prompt_tokens.labels(label).inc(len(req.prompt_ids))
+        self.cached_tokens.labels(label).inc(req.cached_tokens)
+        if req.first_token_at is not None:
+            self.ttft.labels(label).observe(req.first_token_at - req.created)
+        if req.finished_at is not None:
+            self.e2e.labels(label).observe(req.finished_at - req.created)
+
+    def observe_step(self, replica: int, first_rank: int, rec: StepRecord) -> None:
+        rl = str(replica)
+        self.steps.labels(rl, rec.kind, rec.gather_mode).inc()
+        for j, rows in enumerate(rec.rows):
+            self.rows.labels(str(first_rank + j)).set(rows)
+            self.rows_total.labels(str(first_rank + j)).inc(rows)
+        for mode in ("max_len", "sum_len"):
+            self.gather.labels(rl, mode).set(float(rec.gather_mode == mode))
+        self.padding.labels(rl).set(rec.padding_ratio)
+        self.imbalance.labels(rl).set(rec.imbalance)
+        self.idle.labels(rl).set(rec.idle_ranks)
+        self.padding_hist.labels(rl).observe(rec.padding_ratio)
+        self.imbalance_hist.labels(rl).observe(rec.imbalance)
+        self.host_s.labels(rl).observe(rec.host_s)
+        self.wait_s.labels(rl).observe(rec.wait_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Per-rank gauges read from the schedulers when Prometheus scrapes."""
+
+    GAUGES = {
+        "num_running_reqs": "Requests running (decoding or reading their prompt)",
+        "num_queue_reqs": "Requests waiting in the rank's queue",
+        "num_used_tokens": "KV pool tokens in use (requests and prefix cache)",
+        "token_usage": "Share of the KV pool held by requests",
+        "max_total_num_tokens": "Tokens the rank's KV pool holds",
+        "cache_hit_rate": "Prompt tokens reused from the prefix cache over prompt tokens looked up",
+    }
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def collect(self):
+        backend = self.m.backend
+        states = backend.states()
+        for name, doc in self.GAUGES.items():
+            g = GaugeMetricFamily(P + name, doc, labels=RANK)
+            for s in states:
+                g.add_metric([str(s["dp_rank"])], float(s[name]))
+            yield g
+        g = GaugeMetricFamily(P + "gen_throughput", "Generation throughput (token/s)", labels=RANK)
+        for rank, value in enumerate(self.m.gen_throughput):
+            g.add_metric([str(rank)], value)
+        yield g
+        yield CounterMetricFamily(P + "compiles", "XLA compilations in this process", value=compiles_total())
+        c = CounterMetricFamily(P + "compiles_in_steps", "Compilations inside serving steps (after warm-up: a "
+                                "missing bucket)", labels=["replica"])
+        for i, e in enumerate(backend.engines):
+            c.add_metric([str(i)], e.stats.compiles_in_steps)
+        yield c

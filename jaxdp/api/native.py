@@ -1,0 +1,198 @@
+"""SGLang's native endpoints: /generate, /health, /health_generate, /get_server_info, /get_load,
+/get_model_info, /flush_cache, /metrics.
+
+/generate takes `text` or `input_ids` (one prompt or a batch), `sampling_params`, `stream`, `rid`,
+`return_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
+`X-Data-Parallel-Rank` header. It answers {"text", "output_ids", "meta_info"} (a list for a batch); with
+`stream`, one `data:` line per update with the cumulative text and meta_info, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxdp.api.app import Job, ServerContext, job_error, run_jobs
+from jaxdp.api.common import (ApiError, check_n, error_response, field, finish_reason, read_json, sampling_params,
+                              sse, watch_disconnect)
+from jaxdp.engine import BadRequest, SamplingParams
+
+log = logging.getLogger("jaxdp.serve")
+router = APIRouter()
+_warned = set()
+
+
+def pinned_rank(body: dict, http: HttpRequest) -> int | None:
+    """The rank a request asks for: routed_dp_rank, data_parallel_rank (deprecated) or the header."""
+    rank = body.get("routed_dp_rank")
+    if rank is None and body.get("data_parallel_rank") is not None:
+        if "data_parallel_rank" not in _warned:
+            _warned.add("data_parallel_rank")
+            log.warning("data_parallel_rank is deprecated; send routed_dp_rank instead")
+        rank = body["data_parallel_rank"]
+    header = http.headers.get("x-data-parallel-rank")
+    if rank is None and header is not None:
+        try:
+            rank = int(header)
+        except ValueError:
+            raise ApiError(f"the X-Data-Parallel-Rank header {header!r} is not an integer rank") from None
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ApiError(f"routed_dp_rank must be an integer, got {rank!r}", param="routed_dp_rank")
+    return rank
+
+
+def _prompts(ctx: ServerContext, body: dict) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError("send exactly one of text or input_ids", param="text")
+    if text is not None:
+        if isinstance(text, str):
+            return [ctx.encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [ctx.encode(t) for t in text], True
+        raise ApiError("text must be a string or a non-empty list of strings", param="text")
+    if isinstance(ids, list) and ids and all(isinstance(t, list) for t in ids):
+        batch, is_batch = ids, True
+    elif isinstance(ids, list):
+        batch, is_batch = [ids], False
+    else:
+        raise ApiError("input_ids must be a list of token ids or a list of such lists", param="input_ids")
+    for p in batch:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise ApiError("input_ids must hold integer token ids", param="input_ids")
+    return batch, is_batch
+
+
+def _params(body: dict, count: int) -> tuple[list[SamplingParams], int, bool]:
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * count
+    if len(sps) != count or not all(isinstance(s, dict) for s in sps):
+        raise ApiError("sampling_params must be an object (or one object per prompt)", param="sampling_params")
+    params = [sampling_params(s, max_new=128, where="sampling_params.") for s in sps]
+    n = check_n(sps[0].get("n", 1))
+    skip = field(sps[0], "skip_special_tokens", bool, True, where="sampling_params.")
+    return params, n, skip
+
+
+def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
+    req = job.req
+    end = req.finished_at if req.finished_at is not None else time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": req.rid, "finish_reason": finish_reason(req, job.view), "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
+        "e2e_latency": end - req.created, "dp_rank": req.dp_rank,
+    }
+    if with_logprobs:
+        tok = ctx.tokenizer
+        meta["output_token_logprobs"] = [
+            [lp, t, tok.decode([t], skip_special_tokens=False) if tok else None]
+            for lp, t in zip(req.output_logprobs, req.output_ids, strict=False)]
+    return {"text": job.view.text(req), "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(http: HttpRequest):
+    ctx: ServerContext = http.app.state.ctx
+    body = await read_json(http)
+    prompts, is_batch = _prompts(ctx, body)
+    params, n, skip = _params(body, len(prompts))
+    with_logprobs = bool(field(body, "return_logprob", bool, False))
+    for p in params:
+        p.return_logprob = with_logprobs
+    rid = field(body, "rid", (str, list))
+    rids = rid if isinstance(rid, list) else [rid] if rid is not None else None
+    if rids is not None and (len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids)):
+        raise ApiError("rid must be a string (or one string per prompt)", param="rid")
+    jobs = ctx.make_jobs(prompts, params, n, rank=pinned_rank(body, http), rids=rids, skip_special_tokens=skip)
+    if field(body, "stream", bool, False):
+        return StreamingResponse(_stream(ctx, jobs, with_logprobs, is_batch or n > 1),
+                                 media_type="text/event-stream")
+    async with watch_disconnect(http, ctx.backend, [j.req.rid for j in jobs]):
+        async for _ in run_jobs(ctx.backend, jobs):
+            pass
+    for job in jobs:
+        if (err := job_error(job)) is not None:
+            raise err
+    out = [result(ctx, job, with_logprobs) for job in jobs]
+    return JSONResponse(out if is_batch or n > 1 else out[0])
+
+
+async def _stream(ctx: ServerContext, jobs: list[Job], with_logprobs: bool, indexed: bool):
+    async for i in run_jobs(ctx.backend, jobs):
+        job = jobs[i]
+        if (err := job_error(job)) is not None:
+            yield sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+            continue
+        chunk = result(ctx, job, with_logprobs)
+        if indexed:
+            chunk["index"] = i
+        yield sse(chunk)
+    yield sse("[DONE]")
+
+
+@router.get("/health")
+async def health(http: HttpRequest):
+    ok = http.app.state.ctx.backend.alive()
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(http: HttpRequest):
+    """Healthy when a one-token generation completes within 20 s (SGLang's check)."""
+    ctx: ServerContext = http.app.state.ctx
+    try:
+        req = ctx.backend.make_request([0], SamplingParams(max_new_tokens=1, temperature=0))
+        await asyncio.wait_for(ctx.backend.generate(req), timeout=20)
+    except (TimeoutError, BadRequest):
+        return error_response("the engine did not produce a token within 20 s", 503, "server_error")
+    if req.finish_reason not in ("stop", "length"):
+        return error_response(f"the health check request ended with {req.finish_reason}", 503, "server_error")
+    return Response(status_code=200)
+
+
+@router.get("/get_server_info")
+async def get_server_info(http: HttpRequest):
+    ctx: ServerContext = http.app.state.ctx
+    b = ctx.backend
+    engines = [{"replica": i, "layout": e.layout.describe(), "mesh": e.layout.spec(),
+                "decode_buckets": e.buckets.decode, "extend_buckets": e.buckets.extend,
+                "compiles_in_steps": e.stats.compiles_in_steps, "steps": e.stats.steps,
+                "step_summary": e.stats.summary()} for i, e in enumerate(b.engines)]
+    return {**ctx.server_args, "served_model_name": ctx.served_model_name, "num_ranks": b.num_ranks,
+            "num_replicas": b.num_replicas, "load_balance_method": b.method, "engines": engines,
+            "internal_states": b.states(), "version": "jaxdp-0.1.0"}
+
+
+@router.get("/get_load")
+async def get_load(http: HttpRequest):
+    return [{k: s[k] for k in ("dp_rank", "num_reqs", "num_running_reqs", "num_queue_reqs", "num_tokens",
+                               "token_usage")} | {"num_waiting_reqs": s["num_queue_reqs"]}
+            for s in http.app.state.ctx.backend.states()]
+
+
+@router.get("/get_model_info")
+async def get_model_info(http: HttpRequest):
+    ctx: ServerContext = http.app.state.ctx
+    return {"model_path": ctx.model_path, "tokenizer_path": ctx.model_path if ctx.tokenizer else None,
+            "is_generation": True}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(http: HttpRequest):
+    ok = await asyncio.to_thread(http.app.state.ctx.backend.flush_cache)
+    if not ok:
+        raise ApiError("the prefix cache was not flushed because requests are running or waiting; retry when "
+                       "the server is idle")
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.get("/metrics")
+async def metrics(http: HttpRequest):
+    return Response(http.app.state.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,221 @@
+"""The serving backend the app talks to: one Engine (its attention-DP ranks), or R replicas (`--dp-size R`),
+each an Engine on its own contiguous sub-mesh with its own pools and schedulers, behind one controller.
+
+Ranks are numbered globally (replica r's local rank j is rank offset_r + j), which is what
+`routed_dp_rank`, /get_load and the metrics' `dp_rank` label mean. The controller sees every request
+from the moment it is assigned, not only once the engine loop has admitted it, so a burst of requests
+is balanced too. `total_tokens` weighs each rank's tokens against its pool: an unequal small replica
+(the guide's two-L4 story) gets a share of the work in proportion to what it can hold, instead of
+half of it (round_robin) or a queue it cannot drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from jaxdp.engine import BadRequest, Engine, Request, SamplingParams
+from jaxdp.engine.controller import Controller
+
+
+@dataclasses.dataclass
+class RankCounters:
+    """Per-rank figures the API layer adds up (read and reset by the log poller)."""
+
+    new_seqs: int = 0
+    new_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ReplicaSet:
+    """Same interface for the app whether it serves one Engine or several replicas."""
+
+    def __init__(self, engines: list[Engine], method: str = "round_robin"):
+        if not engines:
+            raise ValueError("a ReplicaSet needs at least one engine")
+        self.engines = engines
+        self.ranks: list[tuple[Engine, int]] = [(e, j) for e in engines for j in range(e.layout.dp)]
+        self.controller = Controller(len(self.ranks), method)
+        self.method = method
+        self._lock = threading.Lock()
+        self._live: dict[str, tuple[int, Request]] = {}  # rid -> (global rank, request)
+        self.counters = [RankCounters() for _ in self.ranks]
+        # (rank, seconds since the last update, new tokens, first update of the request)
+        self.on_token: list[Callable[[int, float, int, bool], None]] = []
+        self.on_finish: list[Callable[[int, Request], None]] = []
+        self._rids = 0
+
+    # ---- facts about the ranks ---------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.engines)
+
+    @property
+    def tokenizer(self):
+        return self.engines[0].tokenizer
+
+    @property
+    def model_cfg(self):
+        return self.engines[0].model_cfg
+
+    def scheduler(self, rank: int):
+        engine, local = self.ranks[rank]
+        return engine.schedulers[local]
+
+    def capacity(self, rank: int) -> int:
+        """Tokens the rank's KV pool holds."""
+        pool = self.scheduler(rank).pool
+        return pool.num_pages * pool.page_size
+
+    def context_len(self, rank: int | None = None) -> int:
+        if rank is None:
+            return max(e.context_len for e in self.engines)
+        return self.ranks[rank][0].context_len
+
+    def replica_of(self, rank: int) -> int:
+        return self.engines.index(self.ranks[rank][0])
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def loads(self) -> list[tuple[float, int]]:
+        """(tokens held / pool size, requests) per rank, counting requests not yet admitted by the loop."""
+        tokens, reqs = [0] * self.num_ranks, [0] * self.num_ranks
+        with self._lock:
+            live = list(self._live.values())
+        for rank, req in live:
+            tokens[rank] += req.num_tokens
+            reqs[rank] += 1
+        return [(tokens[r] / self.capacity(r), reqs[r]) for r in range(self.num_ranks)]
+
+    def choose_rank(self, pinned: int | None = None) -> int:
+        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int)):
+            raise BadRequest(f"routed_dp_rank must be an integer, got {pinned!r}")
+        with self._lock:
+            return self.controller.assign(self.loads() if pinned is None else [], pinned)
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
+                     rank: int | None = None) -> Request:
+        """A request assigned to a global rank (chosen, or pinned by `rank`); BadRequest when it cannot run."""
+        with self._lock:
+            if rid is not None and rid in self._live:
+                raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
+            self._rids += 1
+            rid = rid or f"req-{self._rids}-{time.time_ns() % 10**9}"
+        g = self.choose_rank(rank)
+        engine, local = self.ranks[g]
+        if len(prompt_ids) + 1 > engine.context_len:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens but rank {g} holds at most "
+                             f"{engine.context_len} (context length / KV pool); shorten the prompt")
+        req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
+        req.dp_rank = g  # the global rank, for meta_info and metrics
+        with self._lock:
+            self._live[rid] = (g, req)
+        return req
+
+    async def stream(self, req: Request) -> AsyncIterator[Request]:
+        """The engine's stream, plus the controller's bookkeeping and the per-token observers."""
+        g = req.dp_rank
+        engine = self.ranks[g][0]
+        last, seen = time.perf_counter(), 0
+        try:
+            async with contextlib.aclosing(engine.stream(req)) as updates:
+                async for r in updates:
+                    now, n = time.perf_counter(), len(r.output_ids)
+                    if seen == 0 and n > 0:
+                        with self._lock:
+                            c = self.counters[g]
+                            c.new_seqs += 1
+                            c.cached_tokens += r.cached_tokens
+                            c.new_tokens += len(r.prompt_ids) - r.cached_tokens
+                    if n > seen:
+                        for cb in self.on_token:
+                            cb(g, now - last, n - seen, seen == 0)
+                        last, seen = now, n
+                    yield r
+        finally:
+            with self._lock:
+                self._live.pop(req.rid, None)
+            if req.finished:
+                for cb in self.on_finish:
+                    cb(g, req)
+
+    def take_counters(self, rank: int) -> RankCounters:
+        """The rank's prefill counters since the last call (the log poller's)."""
+        with self._lock:
+            c, self.counters[rank] = self.counters[rank], RankCounters()
+        return c
+
+    def discard(self, req: Request) -> None:
+        """Forget a request that was made but will not be streamed (a later one of its batch was refused)."""
+        with self._lock:
+            self._live.pop(req.rid, None)
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            entry = self._live.get(rid)
+        if entry is not None:
+            self.ranks[entry[0]][0].abort(rid)
+
+    async def generate(self, req: Request) -> Request:
+        async for _ in self.stream(req):
+            pass
+        return req
+
+    # ---- the loops ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for e in self.engines:
+            e.start()
+
+    def alive(self) -> bool:
+        return all(e._thread is not None and e._thread.is_alive() for e in self.engines)
+
+    def flush_cache(self) -> bool:
+        return all(e.flush_cache() for e in self.engines)
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+
+    # ---- state, for /get_load, /get_server_info, metrics and logs ---------------------------------
+    def rank_state(self, rank: int) -> dict:
+        s = self.scheduler(rank)
+        running, waiting = list(s.running), list(s.waiting)
+        pool, cache = s.pool, s.cache
+        return {
+            "dp_rank": rank, "replica": self.replica_of(rank),
+            "num_running_reqs": len(running), "num_queue_reqs": len(waiting),
+            "num_reqs": len(running) + len(waiting),
+            "num_tokens": sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting),
+            "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
+            "token_usage": _retry(lambda: s.token_usage, 0.0),
+            "max_total_num_tokens": pool.num_pages * pool.page_size,
+            "page_size": pool.page_size, "num_pages": pool.num_pages, "free_pages": pool.free,
+            "cached_pages": _retry(lambda: cache.size, 0),
+            "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
+            "retracted_reqs": s.retracted_total,
+            "context_length": self.ranks[rank][0].context_len,
+        }
+
+    def states(self) -> list[dict]:
+        return [self.rank_state(r) for r in range(self.num_ranks)]
+
+
+def _retry(fn, default, tries: int = 3):
+    """Read a figure the engine thread may be changing (a dict resized mid-iteration): try again."""
+    for _ in range(tries):
+        try:
+            return fn()
+        except RuntimeError:
+            continue
+    return default
+
+
+async def wait_all(backend: ReplicaSet, reqs: list[Request]) -> list[Request]:
+    return list(await asyncio.gather(*(backend.generate(r) for r in reqs)))
