@@ -31,7 +31,7 @@ from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.sampling import sample_tokens, sampling_arrays
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.stats import StepStats, compiles_total
-from jaxdp.parallel.places import Proposal, agree_on_step
+from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
 log = logging.getLogger("jaxdp.engine")
@@ -52,6 +52,7 @@ class EngineConfig:
     load_balance_method: str = "round_robin"
     enable_prefix_cache: bool = True
     seed: int = 0
+    compilation_cache_dir: str | None = "~/.cache/jaxdp/xla"  # JAX's persistent compilation cache; None: off
 
 
 class Engine:
@@ -61,11 +62,12 @@ class Engine:
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
         or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset)."""
         self.cfg = config or EngineConfig()
+        enable_compilation_cache(self.cfg.compilation_cache_dir)
         runner = model if isinstance(model, StepRunner) else _make_runner(model, mesh, self.cfg, dtype,
                                                                            attention_backend, seed)
         self.runner = runner
         self.model_cfg, self.layout = runner.cfg, runner.layout
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else _find_tokenizer(model)
         dp, c = self.layout.dp, self.cfg
         if c.num_pages > runner.num_pages:
             raise ValueError(f"num_pages {c.num_pages} exceeds the step runner's pool of {runner.num_pages}")
@@ -88,6 +90,7 @@ class Engine:
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)
+        self.exchange = LocalExchange()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -125,9 +128,14 @@ class Engine:
                  time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
 
     # ---- requests ------------------------------------------------------------------------------
-    def make_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *, rid: str | None = None,
-                     rank: int | None = None) -> Request:
+    def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
+                     rid: str | None = None, rank: int | None = None) -> Request:
+        """A validated request (token ids, or text when the model has a tokenizer); raises BadRequest."""
         params = (params or SamplingParams()).validate()
+        if isinstance(prompt_ids, str):
+            if self.tokenizer is None:
+                raise BadRequest("this model has no tokenizer (tokenizer.json); send token ids instead of text")
+            prompt_ids = self.tokenizer.encode(prompt_ids)
         if not prompt_ids:
             raise BadRequest("the prompt is empty; send at least one token")
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.model_cfg.vocab_size]
@@ -141,6 +149,10 @@ class Engine:
         req.rank = self.controller.assign(loads, rank)
         self.model_cfg.check_context(len(prompt_ids) + params.max_new_tokens)
         self.schedulers[req.rank].check(req)
+        if params.stop:
+            if self.tokenizer is None:
+                raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
+            req.stop_check = _stop_string_check(self.tokenizer, params.stop)
         return req
 
     def submit(self, req: Request) -> Request:
@@ -186,8 +198,9 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
-        agreement = agree_on_step([Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
-                                            bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans])
+        local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
+                          bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
+        agreement = agree_on_step(self.exchange.all_gather(local))
         if not agreement.run:
             return False
         rows = [p.rows if p else 0 for p in plans]
@@ -296,6 +309,37 @@ class Engine:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
         self.runner.close()
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again."""
+    if not directory:
+        return
+    import os
+
+    path = os.path.expanduser(directory)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _find_tokenizer(model):
+    from jaxdp.config import PRESETS
+    from jaxdp.model.loader import default_model_path
+    from jaxdp.tokenizer import Tokenizer
+
+    if not isinstance(model, str) or model in PRESETS:
+        return None
+    return Tokenizer.from_dir(default_model_path() if model == "default" else model)
+
+
+def _stop_string_check(tokenizer, stops: list[str]):
+    """True once the decoded output contains a stop string (the text is cut there by the API layer)."""
+    def check(req: Request) -> bool:
+        tail = tokenizer.decode(req.output_ids[-32:])
+        return any(s in tail for s in stops)
+
+    return check
 
 
 def _make_runner(model: str, mesh: str, cfg: EngineConfig, dtype: str, attention_backend, seed: int) -> StepRunner:

@@ -95,6 +95,15 @@ class Agreement:
     run: bool  # False when every rank is idle: no step at all
 
 
+class LocalExchange:
+    """How ranks learn each other's proposals. On one host every rank's scheduler lives in this process,
+    so the exchange is the list itself; across hosts an implementation all-gathers the few integers per
+    rank through the distributed runtime behind the same method, and the schedulers do not change."""
+
+    def all_gather(self, local: list[Proposal]) -> list[Proposal]:
+        return list(local)
+
+
 def agree_on_step(proposals: list[Proposal]) -> Agreement:
     """Every rank computes this from the same numbers and so reaches the same decision."""
     rows = tuple(p.rows for p in proposals)
