@@ -154,8 +154,22 @@ def test_async_streaming(engine):
     assert req.finished and seen[-1] == 5 and seen == sorted(seen)
 
 
-def test_retraction_keeps_outputs_and_frees_everything():
-    cfg = small_config(num_pages=10, max_running_requests=8, chunked_prefill_size=16, decode_buckets=[1, 2, 4])
+def test_overlap_queues_the_next_step_before_reading_tokens(engine):
+    req = engine.submit(engine.make_request(prompts(1, 9)[0], SamplingParams(max_new_tokens=4, temperature=0),
+                                            rank=0))
+    engine.step()  # the prompt step is queued; its token is not read back yet
+    assert engine._inflight is not None and req.output_ids[0] < 0  # a marker for the token in flight
+    engine.step()  # the first decode step is queued reading that token on the device; then it is booked
+    assert req.output_ids[0] >= 0 and req.output_ids[1] < 0
+    engine.run_until_idle()
+    assert req.finished and len(req.output_ids) == 4 and min(req.output_ids) >= 0
+    pools_are_full(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_keeps_outputs_and_frees_everything(overlap):
+    cfg = small_config(num_pages=10, max_running_requests=8, chunked_prefill_size=16, decode_buckets=[1, 2, 4],
+                       overlap=overlap)
     ps = prompts(8, 8, 5, 8)
     sp = SamplingParams(max_new_tokens=14, temperature=0)
     with jax.default_matmul_precision("highest"):

@@ -53,6 +53,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     compilation_cache_dir: str | None = "~/.cache/jaxdp/xla"  # JAX's persistent compilation cache; None: off
+    overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
 
 
 class Engine:
@@ -87,10 +88,15 @@ class Engine:
             pool = PagePool(c.num_pages, c.page_size)
             self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg))
         self.controller = Controller(dp, c.load_balance_method)
+        carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
+        if runner.token_carry < carry:  # the next step reads this many of the previous step's tokens
+            runner.token_carry = carry
+            runner._compiled.clear()
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)
         self.exchange = LocalExchange()
+        self._inflight: _InFlight | None = None
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -122,7 +128,8 @@ class Engine:
             dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
             zeros = sampling_arrays([[] for _ in range(dp)], B, 0)
             logits = jax.device_put(np.zeros((dp, B, V), np.float32), self.runner.batch_sharding)
-            jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS)))
+            jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS),
+                                                width=self.runner.token_carry))
         self.compiles_at_warmup = compiles_total()
         log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
                  time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
@@ -194,7 +201,12 @@ class Engine:
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> bool:
-        """One iteration of the loop; False when every rank is idle (no step ran)."""
+        """One iteration of the loop; False when every rank is idle and nothing is in flight.
+
+        With `overlap`, step N+1 is planned and queued on the device before step N's tokens are read
+        back: rows whose input token is still in flight carry a marker (-1-j: the j-th token step N
+        sampled on this rank) that the step resolves on the device, and step N is booked while N+1 runs.
+        """
         self._drain_inbox()
         t0 = time.perf_counter()
         plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
@@ -202,7 +214,11 @@ class Engine:
                           bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
         agreement = agree_on_step(self.exchange.all_gather(local))
         if not agreement.run:
-            return False
+            if self._inflight is None:
+                return False
+            self._book(self._inflight, t0)
+            self._inflight = None
+            return True
         rows = [p.rows if p else 0 for p in plans]
         shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
         c = self.cfg
@@ -211,22 +227,42 @@ class Engine:
                                     num_pages=c.num_pages) for p in plans]
         stacked = stack_ranks(batches)
         params = sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed)
+        for plan in plans:  # each sampled row's token goes to the end of its request's outputs
+            if plan:
+                plan.out_pos = [len(r.output_ids) if smp else -1 for r, smp in zip(plan.reqs, plan.sample,
+                                                                                    strict=True)]
+                for j, (r, smp) in enumerate(zip(plan.reqs, plan.sample, strict=True)):
+                    if smp:
+                        r.output_ids.append(-1 - j)
         t1 = time.perf_counter()
         compiles_before = compiles_total()
-        logits, _ = self.runner.run(shape, stacked)
-        tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS))
+        prev = self._inflight.tokens if self._inflight is not None else None
+        logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
+        tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS),
+                                         width=self.runner.token_carry)
         t2 = time.perf_counter()
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        t3 = time.perf_counter()
-        now = time.perf_counter()
-        for r, plan in enumerate(plans):
-            if plan:
-                self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), now)
-        t4 = time.perf_counter()
-        self.stats.record(shape, rows, agreement, self.runner.last_account, host_s=(t1 - t0) + (t4 - t3),
-                          dispatch_s=t2 - t1, wait_s=t3 - t2, compiled=compiles_total() - compiles_before,
-                          new_tokens=sum(sum(p.sample) for p in plans if p))
+        current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
+                            host_s=t1 - t0, dispatch_s=t2 - t1)
+        previous, self._inflight = self._inflight, current
+        if previous is not None:
+            self._book(previous, time.perf_counter())
+        if not c.overlap:
+            self._book(current, time.perf_counter())
+            self._inflight = None
+        self.stats.compiles_in_steps += compiles_total() - compiles_before
         return True
+
+    def _book(self, f: _InFlight, t_start: float) -> None:
+        t0 = time.perf_counter()
+        tokens, logprobs = np.asarray(f.tokens), np.asarray(f.logprobs)  # waits for the step to finish
+        t1 = time.perf_counter()
+        for r, plan in enumerate(f.plans):
+            if plan:
+                self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), t1)
+        t2 = time.perf_counter()
+        self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
+                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, compiled=0,
+                          new_tokens=sum(sum(p.sample) for p in f.plans if p))
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0
@@ -336,7 +372,7 @@ def _find_tokenizer(model):
 def _stop_string_check(tokenizer, stops: list[str]):
     """True once the decoded output contains a stop string (the text is cut there by the API layer)."""
     def check(req: Request) -> bool:
-        tail = tokenizer.decode(req.output_ids[-32:])
+        tail = tokenizer.decode([t for t in req.output_ids[-32:] if t >= 0])  # negative: still in flight
         return any(s in tail for s in stops)
 
     return check
@@ -355,6 +391,21 @@ def _make_runner(model: str, mesh: str, cfg: EngineConfig, dtype: str, attention
     _, m = load_model(model, dtype, seed=seed)
     return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
                       decode_kernel=decode_kernel(attention_backend))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step queued on the device whose tokens have not been read back yet."""
+
+    plans: list
+    tokens: jax.Array  # [dp, token_carry] on the device
+    logprobs: jax.Array
+    shape: StepShape
+    rows: list[int]
+    agreement: object
+    account: object
+    host_s: float
+    dispatch_s: float
 
 
 class _Result:

@@ -7,6 +7,7 @@ with a seed samples the same tokens whatever else runs beside it.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import jax
@@ -34,11 +35,16 @@ def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
     return token.astype(jnp.int32), logprobs_V[token]
 
 
-@jax.jit
-def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2):
-    """Tokens [dp, B] and their log-probabilities under the unmodified distribution."""
+@functools.partial(jax.jit, static_argnames="width")
+def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, width: int | None = None):
+    """Tokens [dp, B] and their log-probabilities under the unmodified distribution; with `width`, padded
+    to [dp, width] so the next step can read them on the device whatever its bucket."""
     f = jax.vmap(jax.vmap(_sample_row))
-    return f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
+    tokens, logprobs = f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
+    if width is not None:
+        pad = ((0, 0), (0, width - tokens.shape[1]))
+        tokens, logprobs = jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+    return tokens, logprobs
 
 
 def sampling_arrays(reqs_by_rank: list[list[Request]], num_seqs: int, engine_seed: int) -> dict[str, np.ndarray]:

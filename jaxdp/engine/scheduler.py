@@ -26,6 +26,7 @@ class RankPlan:
     reqs: list[Request]
     pieces: list[Piece]
     sample: list[bool]  # the piece ends its request's context: its last row yields a token
+    out_pos: list[int] = dataclasses.field(default_factory=list)  # where that token goes in output_ids
 
     @property
     def rows(self) -> int:
@@ -115,12 +116,23 @@ class Scheduler:
             plan.reqs.append(req)
             plan.pieces.append(Piece(req.all_ids[req.computed: req.computed + n], req.computed, req.pages))
             plan.sample.append(ends)
+            req.computed += n  # the step writes these latents, whenever its tokens are booked
             budget -= n
             reserved += reserve
+            if ends:  # decodes from the next step on (its first token may still be in flight)
+                self.waiting.remove(req)
+                req.state = State.RUNNING
+                self.running.append(req)
         return plan if plan.reqs else None
 
-    def _schedule_decode(self) -> RankPlan:
+    def _decodable(self, req: Request) -> bool:
+        """False while the request's last token is in flight and will end it (length or context)."""
+        return req.remaining_new_tokens() > 0 and req.num_tokens < self.cfg.context_len
+
+    def _schedule_decode(self) -> RankPlan | None:
         for req in list(self.running):
+            if req.state != State.RUNNING or not self._decodable(req):
+                continue
             need = self.pool.pages_for(req.num_tokens) - len(req.pages)
             if need <= 0:
                 continue
@@ -132,10 +144,13 @@ class Scheduler:
                 req.pages += pages
         plan = RankPlan("decode", [], [], [])
         for req in self.running:
+            if not self._decodable(req):
+                continue
             plan.reqs.append(req)
             plan.pieces.append(Piece([req.all_ids[-1]], req.num_tokens - 1, req.pages))
             plan.sample.append(True)
-        return plan
+            req.computed = req.num_tokens
+        return plan if plan.reqs else None
 
     def _retract(self, req: Request) -> None:
         """Back to the front of the queue; its full pages go to the prefix cache, so resuming is cheap."""
@@ -150,38 +165,38 @@ class Scheduler:
 
     # ---- booking the results -------------------------------------------------------------------
     def book(self, plan: RankPlan, tokens: list[int], logprobs: list[float] | None, now: float) -> list[Request]:
-        """Apply one step's sampled tokens (one per piece); returns the requests that finished."""
+        """Put one step's sampled tokens in place of their markers; returns the requests that finished.
+
+        With the overlap the next step was already planned: a request that finishes here may have a row
+        in it, whose token is dropped when that step is booked.
+        """
         done = []
-        for i, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
-            if req.finished:  # aborted while the step ran
+        for i, req in enumerate(plan.reqs):
+            if not plan.sample[i] or req.finished:  # a prompt chunk, or aborted / finished meanwhile
                 continue
-            req.computed += len(piece.tokens)
-            if not plan.sample[i]:
-                continue
-            req.output_ids.append(int(tokens[i]))
+            pos = plan.out_pos[i]
+            req.output_ids[pos] = int(tokens[i])
             if req.params.return_logprob and logprobs is not None:
                 req.output_logprobs.append(float(logprobs[i]))
             if req.first_token_at is None:
                 req.first_token_at = now
-            if req.state == State.WAITING:
-                self.waiting.remove(req)
-                req.state = State.RUNNING
-                self.running.append(req)
-            reason = self._finish_reason(req)
+            reason = self._finish_reason(req, pos)
             if reason:
+                del req.output_ids[pos + 1:]  # tokens of a step planned before this one was booked
+                req.computed = min(req.computed, req.num_tokens - 1)
                 self.finish(req, reason, now)
                 done.append(req)
             elif req.on_update:
                 req.on_update(req)
         return done
 
-    def _finish_reason(self, req: Request) -> str | None:
-        tok, p = req.output_ids[-1], req.params
+    def _finish_reason(self, req: Request, pos: int) -> str | None:
+        tok, p = req.output_ids[pos], req.params
         if (tok in self.cfg.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
         if req.stop_check is not None and req.stop_check(req):
             return "stop"
-        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.cfg.context_len:
+        if pos + 1 >= p.max_new_tokens or len(req.prompt_ids) + pos + 1 >= self.cfg.context_len:
             return "length"
         return None
 

@@ -57,8 +57,11 @@ class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None):
+                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1):
+        """token_carry: width of the previous step's sampled tokens a step can read on the device (the
+        engine's overlap: a decode row whose input token is still in flight refers to it by index)."""
         self.cfg = model.cfg
+        self.token_carry = token_carry
         self.layout = layout
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
@@ -124,8 +127,11 @@ class StepRunner:
         graphdef, decode_kernel = self.graphdef, self.decode_kernel
         tied = cfg.tie_word_embeddings
 
-        def per_device(state, cache, batch, rows_R):
+        def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
+            # a negative token -1-j is the j-th token sampled by the previous step on this rank
+            tok = b["tokens_T"]
+            b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
             cache = {k: v[0] for k, v in cache.items()}
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied)
             model = nnx.merge(graphdef, state)
@@ -138,7 +144,7 @@ class StepRunner:
         batch_specs = {k: P("dp") for k in BATCH_FIELDS}
         cache_specs = {"dense": P("dp"), "moe": P("dp")}
         fn = jax.shard_map(per_device, mesh=self.mesh,
-                           in_specs=(self.state_specs, cache_specs, batch_specs, P()),
+                           in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
         return jax.jit(fn, donate_argnums=(1,))
 
@@ -161,16 +167,22 @@ class StepRunner:
                 "seq_lens_B": ((dp, B), i32), "logits_idx_B": ((dp, shape.num_logits), i32)}
         batch = {k: jax.ShapeDtypeStruct(s, d, sharding=sh) for k, (s, d) in dims.items()}
         rows = jax.ShapeDtypeStruct((dp,), i32, sharding=NamedSharding(self.mesh, P()))
-        return self.state, self.cache, batch, rows
+        prev = jax.ShapeDtypeStruct((dp, self.token_carry), i32, sharding=sh)
+        return self.state, self.cache, batch, rows, prev
 
     # ---- running -------------------------------------------------------------------------------
-    def run(self, shape: StepShape, stacked: dict[str, np.ndarray]):
-        """Run one step; returns (logits [dp, B, V] device array, rows per expert [world, E_local])."""
+    def run(self, shape: StepShape, stacked: dict[str, np.ndarray], prev_tokens=None):
+        """Run one step; returns (logits [dp, B, V] device array, rows per expert [world, E_local]).
+
+        prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
+        negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
         self.compile(shape)
         sh = NamedSharding(self.mesh, P("dp"))
         batch = {k: jax.device_put(stacked[k], sh) for k in BATCH_FIELDS}
         rows = jax.device_put(stacked["rows_R"], NamedSharding(self.mesh, P()))
-        logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows)
+        if prev_tokens is None:
+            prev_tokens = jax.device_put(np.zeros((self.layout.dp, self.token_carry), np.int32), sh)
+        logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
 
