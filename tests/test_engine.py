@@ -15,8 +15,10 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 
 
 def small_config(**kw):
-    base = dict(page_size=4, num_pages=64, max_running_requests=32, chunked_prefill_size=64,
-                decode_buckets=[1, 2, 4], extend_buckets=[8])
+    # per rank: 4 requests, prompt chunks of 16; extend steps up to 8 rows pad (MAX_LEN, with decoding ranks
+    # relabeled as one-token extends), 16-row steps use the SUM_LEN exact buffer
+    base = dict(page_size=4, num_pages=64, max_running_requests=32, chunked_prefill_size=128,
+                decode_buckets=[1, 2, 4], extend_buckets=[8, 16], max_len_extend_rows=8)
     return EngineConfig(**(base | kw))
 
 
@@ -73,11 +75,13 @@ def test_prefix_cache_reuse_on_the_same_rank_only(engine):
 
 
 def test_long_prompt_is_chunked_and_matches_unchunked(engine):
-    prompt = prompts(1, 3, 30, 31)[0]  # the per-rank chunk is 64 / 8 = 8 tokens: four chunks
+    prompt = prompts(1, 3, 40, 41)[0]  # the per-rank chunk is 128 / 8 = 16 tokens: three chunks
     with jax.default_matmul_precision("highest"):
-        steps_before = engine.stats.steps
+        engine.stats.records.clear()
         req = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0), ranks=[1])[0]
-        assert engine.stats.steps - steps_before >= 4 + 4  # 4 prompt chunks, then 4 decode steps
+        kinds = [(r.kind, r.gather_mode, r.rows[1]) for r in engine.stats.records]
+        assert kinds[:3] == [("extend", "sum_len", 16), ("extend", "sum_len", 16), ("extend", "max_len", 8)]
+        assert [k for k, _, _ in kinds[3:]] == ["decode"] * 4
         runner = engine.runner
         ref = run_prompts(_single_device_runner(runner), [prompt], [0], 5)
     assert req.output_ids == ref["tokens"][0].tolist()

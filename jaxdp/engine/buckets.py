@@ -45,7 +45,12 @@ class Buckets:
     def extend_modes(self, rows: int) -> list[tuple[str, int]]:
         if rows <= self.max_len_rows or self.dp == 1:
             return [("max_len", 0)]
-        return [("sum_len", s) for s in (rows << i for i in range(self.dp.bit_length())) if s <= _pow2(self.dp * rows)]
+        return [("sum_len", s) for s in self._sum_len_sizes(rows)]
+
+    def _sum_len_sizes(self, rows: int) -> list[int]:
+        """Exact-buffer sizes compiled for an extend bucket: rows, 2 rows, 4 rows, ... up to dp rows."""
+        sizes = [rows << i for i in range(self.dp.bit_length())]
+        return [s for s in sizes if s < self.dp * rows] + [self.dp * rows]
 
     def shape_for(self, rows: list[int], agreement: Agreement, pages_per_seq: int) -> StepShape:
         busiest = max(rows)
@@ -55,5 +60,5 @@ class Buckets:
         t = self.extend[bisect.bisect_left(self.extend, busiest)]
         if t <= self.max_len_rows or self.dp == 1:
             return StepShape(False, t, self.extend_seqs(t), pages_per_seq)
-        s = max(t, _pow2(sum(rows)))
+        s = next(s for s in self._sum_len_sizes(t) if s >= sum(rows))
         return StepShape(False, t, self.extend_seqs(t), pages_per_seq, "sum_len", s)
