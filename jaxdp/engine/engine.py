@@ -30,6 +30,7 @@ from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.sampling import sample_tokens, sampling_arrays
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
+from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import StepStats, compiles_total
 from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
@@ -64,11 +65,11 @@ class Engine:
         or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset)."""
         self.cfg = config or EngineConfig()
         enable_compilation_cache(self.cfg.compilation_cache_dir)
-        runner = model if isinstance(model, StepRunner) else _make_runner(model, mesh, self.cfg, dtype,
+        runner = model if isinstance(model, StepRunner) else make_runner(model, mesh, self.cfg, dtype,
                                                                            attention_backend, seed)
         self.runner = runner
         self.model_cfg, self.layout = runner.cfg, runner.layout
-        self.tokenizer = tokenizer if tokenizer is not None else _find_tokenizer(model)
+        self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
         dp, c = self.layout.dp, self.cfg
         if c.num_pages > runner.num_pages:
             raise ValueError(f"num_pages {c.num_pages} exceeds the step runner's pool of {runner.num_pages}")
@@ -159,7 +160,7 @@ class Engine:
         if params.stop:
             if self.tokenizer is None:
                 raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
-            req.stop_check = _stop_string_check(self.tokenizer, params.stop)
+            req.stop_check = stop_string_check(self.tokenizer, params.stop)
         return req
 
     def submit(self, req: Request) -> Request:
@@ -345,52 +346,6 @@ class Engine:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
         self.runner.close()
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again."""
-    if not directory:
-        return
-    import os
-
-    path = os.path.expanduser(directory)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def _find_tokenizer(model):
-    from jaxdp.config import PRESETS
-    from jaxdp.model.loader import default_model_path
-    from jaxdp.tokenizer import Tokenizer
-
-    if not isinstance(model, str) or model in PRESETS:
-        return None
-    return Tokenizer.from_dir(default_model_path() if model == "default" else model)
-
-
-def _stop_string_check(tokenizer, stops: list[str]):
-    """True once the decoded output contains a stop string (the text is cut there by the API layer)."""
-    def check(req: Request) -> bool:
-        tail = tokenizer.decode([t for t in req.output_ids[-32:] if t >= 0])  # negative: still in flight
-        return any(s in tail for s in stops)
-
-    return check
-
-
-def _make_runner(model: str, mesh: str, cfg: EngineConfig, dtype: str, attention_backend, seed: int) -> StepRunner:
-    from jaxdp.backends import decode_kernel
-    from jaxdp.layout import ensure_host_devices, parse_mesh_spec
-    from jaxdp.model.loader import load_model
-
-    layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
-    ensure_host_devices(layout.world)
-    devices = jax.devices()[: layout.world]
-    layout.validate(num_devices=len(jax.devices()))
-    layout.check_memory(devices)  # before the KV pool is sized
-    _, m = load_model(model, dtype, seed=seed)
-    return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
-                      decode_kernel=decode_kernel(attention_backend))
 
 
 @dataclasses.dataclass
