@@ -189,3 +189,26 @@ def test_retraction_keeps_outputs_and_frees_everything(overlap):
         with pytest.raises(BadRequest, match="shorten the prompt"):  # can never fit a rank's pool of 40 tokens
             eng.make_request(list(range(45)), SamplingParams(max_new_tokens=2))
         eng.shutdown()
+
+
+def test_stop_strings_through_the_tokenizer(engine):
+    from jaxdp.engine.request import Request
+    from jaxdp.engine.setup import stop_string_check
+    from jaxdp.model.loader import default_model_path
+    from jaxdp.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    ids = tok.encode("12+34=46", add_special_tokens=False)
+    check = stop_string_check(tok, ["=4"])
+    req = Request("r", [1], SamplingParams(), output_ids=ids[: ids.index(tok.encode("=", add_special_tokens=False)[0])])
+    assert not check(req)
+    req.output_ids = ids + [-1]  # a token still in flight is ignored
+    assert check(req)
+    with pytest.raises(BadRequest, match="tokenizer"):  # the tiny preset has none: say so
+        engine.make_request([1, 2], SamplingParams(stop=["x"]))
+    engine.tokenizer = tok
+    try:
+        r = engine.make_request([1, 2], SamplingParams(stop="=4"))
+        assert r.stop_check is not None and r.params.stop == ["=4"]
+    finally:
+        engine.tokenizer = None
