@@ -14,8 +14,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from jaxdp.config import UnsupportedConfigError
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import CheckpointReader, hf_config_dict, hf_state_dict, load_model, save_hf_checkpoint
+from jaxdp.model.modelopt import read_quant_config
 from jaxdp.model.moe import NVFP4_PARAMS
 from jaxdp.model.quant import quantize_experts
 from jaxdp.one_batch import run_prompts
@@ -127,6 +129,7 @@ def write_modelopt_checkpoint(model, out) -> None:
                             f"{pre}.{name}_proj.weight_scale": np.asarray(scale),
                             f"{pre}.{name}_proj.weight_scale_2": np.asarray(scale_2, np.float32),
                             f"{pre}.{name}_proj.input_scale": np.asarray(0.01 * (e + 1), np.float32)}
+    tensors = {k: np.array(v, order="C") for k, v in tensors.items()}  # safetensors writes the raw buffer
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
              "exclude_modules": ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
@@ -161,6 +164,14 @@ def test_modelopt_checkpoint_loads_like_quantize_at_load(dense, hf_dir, referenc
     name = "model.layers.1.mlp.experts.3.down_proj"
     expected = dequantize_nvfp4(*quantize_nvfp4(hf_state_dict(dense)[f"{name}.weight"]))
     np.testing.assert_array_equal(reader.get(f"{name}.weight"), np.asarray(expected))
+
+
+@pytest.mark.parametrize("quant,needle", [({"quant_algo": "FP8"}, "quant_algo 'FP8'"),
+                                           ({"quant_algo": "NVFP4", "group_size": 32}, "group_size 32")])
+def test_modelopt_settings_jaxdp_does_not_read_are_refused(quant, needle, tmp_path):
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": quant}))
+    with pytest.raises(UnsupportedConfigError, match=needle):
+        read_quant_config(tmp_path)
 
 
 def test_quantize_cli_orbax_round_trip_and_one_batch(hf_dir, nvfp4, reference, tmp_path, capsys):

@@ -75,9 +75,17 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     return config_from_hf_dict(raw)
 
 
+def scalar(a: np.ndarray) -> float:
+    """A per-tensor scale, stored as a scalar or a one-element tensor."""
+    a = np.asarray(a, np.float32)
+    if a.size != 1:
+        raise ValueError(f"a per-tensor NVFP4 scale must hold one value; got shape {a.shape}")
+    return float(a.reshape(()))
+
+
 def dequantize_weight(packed_NK2: np.ndarray, scale_NK16: np.ndarray, scale_2: np.ndarray) -> np.ndarray:
     """One NVFP4 Linear weight -> float32 [N, K] (torch's [out, in])."""
-    return np.asarray(dequantize_nvfp4(packed_NK2, np.asarray(scale_NK16), np.float32(scale_2)), np.float32)
+    return np.asarray(dequantize_nvfp4(packed_NK2, np.asarray(scale_NK16), np.float32(scalar(scale_2))), np.float32)
 
 
 Raw = Callable[[str], np.ndarray]
@@ -100,7 +108,7 @@ def read_nvfp4_experts(raw: Raw, has: Callable[[str], bool], pre: str, cfg: Mode
             raise ValueError(f"{pre}: expert {e} is not NVFP4 ({mods[0]}.weight_scale_2 is missing) while expert "
                              "0 of the first MoE layer is; jaxdp needs all routed experts in one format")
         (gp, gs, g2), (up, us, u2), (dp_, ds, d2) = [
-            (raw(f"{m}.weight"), raw(f"{m}.weight_scale"), float(raw(f"{m}.weight_scale_2"))) for m in mods]
+            (raw(f"{m}.weight"), raw(f"{m}.weight_scale"), scalar(raw(f"{m}.weight_scale_2"))) for m in mods]
         gs, us, g2 = _share_scale_2(gs, g2, us, u2, f"{pre}.mlp.experts.{e}")
         for key, value in (("w_gate_up_packed", np.stack([gp, up])), ("w_gate_up_scale", np.stack([gs, us])),
                            ("w_gate_up_gscale", np.float32(g2)), ("w_down_packed", dp_), ("w_down_scale", ds),
@@ -108,7 +116,7 @@ def read_nvfp4_experts(raw: Raw, has: Callable[[str], bool], pre: str, cfg: Mode
             out.setdefault(key, []).append(value)
         for j, m in enumerate(mods):
             if has(f"{m}.input_scale"):
-                input_scales[e, j] = float(raw(f"{m}.input_scale"))
+                input_scales[e, j] = scalar(raw(f"{m}.input_scale"))
     return {key: np.stack(values) for key, values in out.items()}, input_scales
 
 
