@@ -60,13 +60,13 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: str | StepRunner = "default", mesh: str = "dp=1", config: EngineConfig | None = None,
                  *, dtype: str = "float32", tokenizer=None, warmup: bool = True, attention_backend: str | None = None,
-                 seed: int = 0):
+                 moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0):
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
         or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset)."""
         self.cfg = config or EngineConfig()
         enable_compilation_cache(self.cfg.compilation_cache_dir)
-        runner = model if isinstance(model, StepRunner) else make_runner(model, mesh, self.cfg, dtype,
-                                                                           attention_backend, seed)
+        runner = model if isinstance(model, StepRunner) else make_runner(
+            model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
         self.runner = runner
         self.model_cfg, self.layout = runner.cfg, runner.layout
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)

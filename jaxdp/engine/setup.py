@@ -40,8 +40,9 @@ def stop_string_check(tokenizer, stops: list[str]):
     return check
 
 
-def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int) -> StepRunner:
-    from jaxdp.backends import decode_kernel
+def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int, quantization: str | None = None,
+                moe_backend: str | None = None) -> StepRunner:
+    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.layout import ensure_host_devices, parse_mesh_spec
     from jaxdp.model.loader import load_model
 
@@ -50,6 +51,6 @@ def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int)
     devices = jax.devices()[: layout.world]
     layout.validate(num_devices=len(jax.devices()))
     layout.check_memory(devices)  # before the KV pool is sized
-    _, m = load_model(model, dtype, seed=seed)
+    _, m = load_model(model, dtype, seed=seed, quantization=quantization)
     return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
-                      decode_kernel=decode_kernel(attention_backend))
+                      decode_kernel=decode_kernel(attention_backend), moe_backend=moe_runner_backend(moe_backend))
