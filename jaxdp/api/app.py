@@ -51,6 +51,8 @@ class ServerContext:
         if self.tokenizer is None:
             raise ApiError(f"this server has no tokenizer (--skip-tokenizer-init, or the checkpoint has no "
                            f"tokenizer.json), so it cannot read {what}; send token ids (input_ids) instead")
+        if not text:
+            raise ApiError(f"the prompt is empty; send at least one character of {what}", param="prompt")
         return self.tokenizer.encode(text)
 
     def context_len(self, rank: int | None) -> int:
@@ -129,6 +131,22 @@ def job_error(job: Job) -> ApiError | None:
     return None
 
 
+class ApiKeyMiddleware:
+    """Pure ASGI (no buffering of streamed answers): every path but /health needs the bearer key."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                response = error_response("the API key is missing or wrong; send the header 'Authorization: "
+                                          "Bearer <key>' with the server's --api-key", 401, "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_name: str = "default",
                model_path: str = "", server_args: dict[str, Any] | None = None, api_key: str | None = None,
                metrics: ServerMetrics | None = None) -> FastAPI:
@@ -144,14 +162,8 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
                         server_args or {}, api_key)
     app.state.ctx = ctx
 
-    @app.middleware("http")
-    async def check_api_key(request: HttpRequest, call_next):
-        if ctx.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {ctx.api_key}":
-                return error_response("the API key is missing or wrong; send the header "
-                                      "'Authorization: Bearer <key>' with the server's --api-key", 401,
-                                      "authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -176,6 +188,12 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
             return error_response(f"{request.method} is not allowed on {request.url.path}", 405,
                                   "invalid_request_error")
         return error_response(str(e.detail), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, e: Exception):
+        log.exception("internal error while serving a request")
+        return error_response(f"internal server error ({type(e).__name__}); see the server log", 500,
+                              "server_error")
 
     app.include_router(native.router)
     app.include_router(openai_api.router)

@@ -111,6 +111,11 @@ def check_n(n: Any) -> int:
     return n
 
 
+def done_ids(req: Request) -> list[int]:
+    """The request's output tokens read back so far (tokens still on the device are not shown)."""
+    return list(req.done_ids)
+
+
 class TextView:
     """The text of a request's output as a client sees it: decoded, cut before the first stop string,
     holding back a partial UTF-8 character and, while running, a tail that could begin a stop string."""
@@ -123,13 +128,13 @@ class TextView:
 
     def stop_check(self, req: Request) -> bool:
         """The engine's hook: True when the tail of the output contains a stop string."""
-        tail = self.tokenizer.decode(req.output_ids[-self.window:], skip_special_tokens=self.skip)
+        tail = self.tokenizer.decode(done_ids(req)[-self.window:], skip_special_tokens=self.skip)
         return any(s in tail for s in self.stop)
 
     def text(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=self.skip)
+        text = self.tokenizer.decode(done_ids(req), skip_special_tokens=self.skip)
         cuts = [(text.find(s), s) for s in self.stop if s in text]
         if cuts:
             at, self.matched = min(cuts)
@@ -145,13 +150,14 @@ def finish_reason(req: Request, view: TextView | None) -> dict[str, Any] | None:
     """SGLang's meta_info.finish_reason: {"type": "stop"|"length"|"abort", "matched"/"length"/"message"}."""
     if not req.finished:
         return None
+    ids = done_ids(req)
     if req.finish_reason == "length":
-        return {"type": "length", "length": len(req.output_ids)}
+        return {"type": "length", "length": len(ids)}
     if req.finish_reason == "abort":
         return {"type": "abort", "message": req.error or "the request was aborted"}
     if view is not None and view.matched is not None:
         return {"type": "stop", "matched": view.matched}
-    return {"type": "stop", "matched": req.output_ids[-1] if req.output_ids else None}
+    return {"type": "stop", "matched": ids[-1] if ids else None}
 
 
 def openai_finish(req: Request) -> str | None:

@@ -78,7 +78,7 @@ class ServerMetrics:
 
     def observe_finish(self, rank: int, req: Request) -> None:
         label = str(rank)
-        if req.finish_reason == "abort":
+        if not req.finished or req.finish_reason == "abort":
             self.num_aborted.labels(label).inc()
             return
         self.num_requests.labels(label).inc()

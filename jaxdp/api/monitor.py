@@ -73,6 +73,9 @@ class Monitor:
         steps, records = stats.steps, list(stats.records)  # list() of a deque runs in C: a consistent copy
         new = min(steps - self._steps_seen[i], len(records))
         self._steps_seen[i] = steps
+        if new <= 0 and self.metrics is not None and time.perf_counter() - self._since[i] > 5:
+            for rank in range(offset, offset + engine.layout.dp):  # idle: no throughput to report
+                self.metrics.gen_throughput[rank] = 0.0
         for rec in records[len(records) - new:] if new > 0 else []:
             if rec.kind == "decode":
                 self._decode_steps[i] += 1

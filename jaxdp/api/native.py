@@ -20,8 +20,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdp.api.app import Job, ServerContext, job_error, run_jobs
-from jaxdp.api.common import (ApiError, check_n, error_response, field, finish_reason, read_json, sampling_params,
-                              sse, watch_disconnect)
+from jaxdp.api.common import (
+    ApiError,
+    check_n,
+    done_ids,
+    error_response,
+    field,
+    finish_reason,
+    read_json,
+    sampling_params,
+    sse,
+    watch_disconnect,
+)
 from jaxdp.engine import BadRequest, SamplingParams
 
 log = logging.getLogger("jaxdp.serve")
@@ -83,18 +93,19 @@ def _params(body: dict, count: int) -> tuple[list[SamplingParams], int, bool]:
 
 def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
     req = job.req
+    ids = done_ids(req)
     end = req.finished_at if req.finished_at is not None else time.perf_counter()
     meta: dict[str, Any] = {
         "id": req.rid, "finish_reason": finish_reason(req, job.view), "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
+        "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
         "e2e_latency": end - req.created, "dp_rank": req.dp_rank,
     }
     if with_logprobs:
         tok = ctx.tokenizer
         meta["output_token_logprobs"] = [
             [lp, t, tok.decode([t], skip_special_tokens=False) if tok else None]
-            for lp, t in zip(req.output_logprobs, req.output_ids, strict=False)]
-    return {"text": job.view.text(req), "output_ids": list(req.output_ids), "meta_info": meta}
+            for lp, t in zip(req.output_logprobs, ids, strict=False)]
+    return {"text": job.view.text(req), "output_ids": ids, "meta_info": meta}
 
 
 @router.post("/generate")

@@ -19,7 +19,17 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
 from jaxdp.api.app import Job, ServerContext, job_error, run_jobs
-from jaxdp.api.common import ApiError, check_n, field, openai_finish, read_json, sampling_params, sse, watch_disconnect
+from jaxdp.api.common import (
+    ApiError,
+    check_n,
+    done_ids,
+    field,
+    openai_finish,
+    read_json,
+    sampling_params,
+    sse,
+    watch_disconnect,
+)
 from jaxdp.api.native import pinned_rank
 
 router = APIRouter()
@@ -91,7 +101,7 @@ def _chat_prompt(ctx: ServerContext, messages: Any) -> list[int]:
 
 def _logprobs_completion(ctx: ServerContext, job: Job) -> dict:
     tok, req = ctx.tokenizer, job.req
-    tokens = [tok.decode([t], skip_special_tokens=False) if tok else str(t) for t in req.output_ids]
+    tokens = [tok.decode([t], skip_special_tokens=False) if tok else str(t) for t in done_ids(req)]
     lps = list(req.output_logprobs)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps,
                                                                                                  strict=False)],
@@ -101,7 +111,7 @@ def _logprobs_completion(ctx: ServerContext, job: Job) -> dict:
 def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0) -> dict:
     tok, req = ctx.tokenizer, job.req
     content = []
-    for t, lp in list(zip(req.output_ids, req.output_logprobs, strict=False))[start:]:
+    for t, lp in list(zip(done_ids(req), req.output_logprobs, strict=False))[start:]:
         text = tok.decode([t], skip_special_tokens=False) if tok else str(t)
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
     return {"content": content}
@@ -112,7 +122,7 @@ def _usage(jobs: list[Job]) -> dict:
     for job in jobs:
         firsts.setdefault(job.prompt_index, job.req)
     prompt = sum(len(r.prompt_ids) for r in firsts.values())
-    completion = sum(len(j.req.output_ids) for j in jobs)
+    completion = sum(len(done_ids(j.req)) for j in jobs)
     cached = sum(r.cached_tokens for r in firsts.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -159,7 +169,7 @@ async def _handle(http: HttpRequest, chat: bool):
             choice["text"] = text
             choice["logprobs"] = _logprobs_completion(ctx, job) if want_logprobs else None
         if ctx.tokenizer is None:
-            choice["token_ids"] = list(req.output_ids)
+            choice["token_ids"] = done_ids(req)
         choices.append(choice)
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs)}
@@ -197,10 +207,10 @@ async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, wan
             choice["text"] = delta
             choice["logprobs"] = None
         if ctx.tokenizer is None:
-            choice["token_ids"] = list(req.output_ids[sent_tokens[i]:])
+            choice["token_ids"] = done_ids(req)[sent_tokens[i]:]
         if finish is not None:
             choice["matched_stop"] = job.view.matched
-        sent_tokens[i] = len(req.output_ids)
+        sent_tokens[i] = len(done_ids(req))
         yield chunk([choice])
     if usage:
         yield chunk([], usage=_usage(jobs))

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from jaxdp.api.common import done_ids
 from jaxdp.engine import BadRequest, Engine, Request, SamplingParams
 from jaxdp.engine.controller import Controller
 
@@ -46,7 +47,7 @@ class ReplicaSet:
         self.counters = [RankCounters() for _ in self.ranks]
         # (rank, seconds since the last update, new tokens, first update of the request)
         self.on_token: list[Callable[[int, float, int, bool], None]] = []
-        self.on_finish: list[Callable[[int, Request], None]] = []
+        self.on_finish: list[Callable[[int, Request], None]] = []  # finished, or abandoned by its client
         self._rids = 0
 
     # ---- facts about the ranks ---------------------------------------------------------------------
@@ -97,8 +98,9 @@ class ReplicaSet:
     def choose_rank(self, pinned: int | None = None) -> int:
         if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int)):
             raise BadRequest(f"routed_dp_rank must be an integer, got {pinned!r}")
+        loads = self.loads() if pinned is None else []
         with self._lock:
-            return self.controller.assign(self.loads() if pinned is None else [], pinned)
+            return self.controller.assign(loads, pinned)
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                      rank: int | None = None) -> Request:
@@ -113,7 +115,13 @@ class ReplicaSet:
         if len(prompt_ids) + 1 > engine.context_len:
             raise BadRequest(f"the prompt has {len(prompt_ids)} tokens but rank {g} holds at most "
                              f"{engine.context_len} (context length / KV pool); shorten the prompt")
-        req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
+        for attempt in range(3):  # the engine reads its queues, which its loop thread may be changing
+            try:
+                req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
         req.dp_rank = g  # the global rank, for meta_info and metrics
         with self._lock:
             self._live[rid] = (g, req)
@@ -127,7 +135,7 @@ class ReplicaSet:
         try:
             async with contextlib.aclosing(engine.stream(req)) as updates:
                 async for r in updates:
-                    now, n = time.perf_counter(), len(r.output_ids)
+                    now, n = time.perf_counter(), len(done_ids(r))
                     if seen == 0 and n > 0:
                         with self._lock:
                             c = self.counters[g]
@@ -142,9 +150,8 @@ class ReplicaSet:
         finally:
             with self._lock:
                 self._live.pop(req.rid, None)
-            if req.finished:
-                for cb in self.on_finish:
-                    cb(g, req)
+            for cb in self.on_finish:  # an unfinished request here is one whose client went away
+                cb(g, req)
 
     def take_counters(self, rank: int) -> RankCounters:
         """The rank's prefill counters since the last call (the log poller's)."""
@@ -174,7 +181,7 @@ class ReplicaSet:
             e.start()
 
     def alive(self) -> bool:
-        return all(e._thread is not None and e._thread.is_alive() for e in self.engines)
+        return all(e.is_running for e in self.engines)
 
     def flush_cache(self) -> bool:
         return all(e.flush_cache() for e in self.engines)
@@ -184,8 +191,9 @@ class ReplicaSet:
             e.shutdown()
 
     # ---- state, for /get_load, /get_server_info, metrics and logs ---------------------------------
-    def rank_state(self, rank: int) -> dict:
+    def rank_state(self, rank: int, loads: list[tuple[float, int]] | None = None) -> dict:
         s = self.scheduler(rank)
+        loads = loads or self.loads()
         running, waiting = list(s.running), list(s.waiting)
         pool, cache = s.pool, s.cache
         return {
@@ -201,10 +209,12 @@ class ReplicaSet:
             "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
             "retracted_reqs": s.retracted_total,
             "context_length": self.ranks[rank][0].context_len,
+            "controller_load": loads[rank][0],  # what total_tokens compares: tokens / pool
         }
 
     def states(self) -> list[dict]:
-        return [self.rank_state(r) for r in range(self.num_ranks)]
+        loads = self.loads()
+        return [self.rank_state(r, loads) for r in range(self.num_ranks)]
 
 
 def _retry(fn, default, tries: int = 3):

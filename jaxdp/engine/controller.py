@@ -22,8 +22,8 @@ class Controller:
         self.method = method
         self._next = 0
 
-    def assign(self, loads: Sequence[tuple[int, int]], pinned: int | None = None) -> int:
-        """loads: (tokens, requests) per rank. Returns the rank for a new request."""
+    def assign(self, loads: Sequence[tuple[int, int]] | None, pinned: int | None = None) -> int:
+        """loads: (tokens, requests) per rank (needed unless pinned). Returns the rank for a new request."""
         if pinned is not None:
             if not isinstance(pinned, int) or not 0 <= pinned < self.num_ranks:
                 raise BadRequest(f"routed_dp_rank {pinned!r} is out of range; this server has DP ranks "

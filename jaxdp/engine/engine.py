@@ -98,6 +98,8 @@ class Engine:
         self.stats = StepStats(dp)
         self.exchange = LocalExchange()
         self._inflight: _InFlight | None = None
+        self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
+        self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -152,8 +154,11 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         if rid in self.requests and not self.requests[rid].finished:
             raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
-        loads = [(s.num_tokens, len(s.running) + len(s.waiting)) for s in self.schedulers]
         req = Request(rid, [int(t) for t in prompt_ids], params)
+        loads = None
+        if rank is None:  # requests assigned but not yet queued count too, so a burst spreads out
+            loads = [(s.num_tokens + self._pending[r][0], len(s.running) + len(s.waiting) + self._pending[r][1])
+                     for r, s in enumerate(self.schedulers)]
         req.rank = self.controller.assign(loads, rank)
         self.model_cfg.check_context(len(prompt_ids) + params.max_new_tokens)
         self.schedulers[req.rank].check(req)
@@ -165,6 +170,9 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         """Queue a request made by `make_request` (thread-safe); the loop admits it on its next iteration."""
+        with self._pending_lock:
+            self._pending[req.rank][0] += len(req.prompt_ids)
+            self._pending[req.rank][1] += 1
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -181,6 +189,9 @@ class Engine:
                 return
             now = time.perf_counter()
             if cmd == "add":
+                with self._pending_lock:
+                    self._pending[arg.rank][0] -= len(arg.prompt_ids)
+                    self._pending[arg.rank][1] -= 1
                 try:
                     self.schedulers[arg.rank].add(arg)
                     self.requests[arg.rid] = arg
@@ -213,7 +224,9 @@ class Engine:
         plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
         local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
                           bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
+        ta = time.perf_counter()
         agreement = agree_on_step(self.exchange.all_gather(local))
+        agree_s = time.perf_counter() - ta
         if not agreement.run:
             if self._inflight is None:
                 return False
@@ -243,7 +256,7 @@ class Engine:
                                          width=self.runner.token_carry)
         t2 = time.perf_counter()
         current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                            host_s=t1 - t0, dispatch_s=t2 - t1)
+                            host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
         previous, self._inflight = self._inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
@@ -262,7 +275,7 @@ class Engine:
                 self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
-                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, compiled=0,
+                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
                           new_tokens=sum(sum(p.sample) for p in f.plans if p))
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
@@ -334,6 +347,11 @@ class Engine:
             self._drain_inbox()
         return fut.wait()
 
+    @property
+    def is_running(self) -> bool:
+        """The background loop is alive (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop the background loop (requests in flight stay queued)."""
         self._stop = True
@@ -361,6 +379,7 @@ class _InFlight:
     account: object
     host_s: float
     dispatch_s: float
+    agree_s: float
 
 
 class _Result:

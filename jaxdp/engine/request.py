@@ -70,6 +70,14 @@ class Request:
     finished_at: float | None = None
 
     @property
+    def done_ids(self) -> list[int]:
+        """Output tokens read back so far (a negative entry is a token still on the device)."""
+        for i, t in enumerate(self.output_ids):
+            if t < 0:
+                return self.output_ids[:i]
+        return self.output_ids
+
+    @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

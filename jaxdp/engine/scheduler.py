@@ -64,7 +64,8 @@ class Scheduler:
     @property
     def num_tokens(self) -> int:
         """Tokens held by this rank's requests (the total_tokens balancing signal)."""
-        return sum(r.num_tokens for r in self.running) + sum(len(r.prompt_ids) for r in self.waiting)
+        running, waiting = list(self.running), list(self.waiting)  # snapshots: other threads read this
+        return sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting)
 
     @property
     def token_usage(self) -> float:
@@ -208,6 +209,7 @@ class Scheduler:
         if req.pages:
             self.cache.insert(req.all_ids[: req.computed], req.pages, req.shared_pages)
             req.pages = []
+        req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
         req.state, req.finish_reason, req.finished_at = State.FINISHED, reason, now
         if req.on_update:
             req.on_update(req)

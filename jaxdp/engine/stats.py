@@ -43,6 +43,7 @@ class StepRecord:
     dispatch_s: float
     wait_s: float
     new_tokens: int
+    agree_s: float = 0.0  # time in the agreement (part of host_s; across hosts: the exchange)
 
     @property
     def step_s(self) -> float:
@@ -62,13 +63,14 @@ class StepStats:
         return compiles_total()
 
     def record(self, shape: StepShape, rows: list[int], agreement: Agreement, account: StepAccount | None, *,
-               host_s: float, dispatch_s: float, wait_s: float, compiled: int, new_tokens: int) -> None:
+               host_s: float, dispatch_s: float, wait_s: float, compiled: int, new_tokens: int,
+               agree_s: float = 0.0) -> None:
         needed = max(sum(rows), 1)
         mean = sum(rows) / len(rows)
         self.records.append(StepRecord(
             shape.kind, rows, shape.num_rows, shape.gather_mode, len(agreement.idle_ranks),
             shape.num_rows * len(rows) / needed, max(rows) / mean if mean else 1.0,
-            host_s, dispatch_s, wait_s, new_tokens))
+            host_s, dispatch_s, wait_s, new_tokens, agree_s))
         self.steps += 1
         self.tokens += new_tokens
         self.compiles_in_steps += compiled

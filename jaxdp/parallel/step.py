@@ -115,6 +115,12 @@ class StepRunner:
         self.state = self.cache = None
         self._compiled.clear()
 
+    def resize_pool(self, num_pages: int) -> None:
+        """A pool of `num_pages` per rank (after the weights are placed, to size it from free memory)."""
+        self.num_pages = num_pages
+        self._compiled.clear()
+        self.reset_cache()
+
     def reset_cache(self) -> None:
         """Zero every page (a fresh pool; the engine never needs this, experiments do)."""
         self.cache = self._empty_cache(self.cache_dtype)

@@ -1,0 +1,306 @@
+"""`python -m jaxdp.serve`: the OpenAI-compatible and SGLang-native HTTP server (FastAPI + uvicorn).
+
+    python -m jaxdp.serve --mesh dp=8                         # the embedded default model, 8 attention-DP ranks
+    python -m jaxdp.serve --model-path DIR --tp-size 8 --attn-dp-size 8 --port 30000
+    python -m jaxdp.serve --model-path DIR --dp-size 2 --load-balance-method total_tokens   # two replicas
+
+KV pool per rank: --max-total-tokens N gives it N tokens. Otherwise, on a GPU, every device may hold
+--mem-fraction-static of its memory (JAX's bytes_limit) for weights and KV cache: the pool is what that
+leaves after the weights (measured with memory_stats once they are sharded), the rest of the memory is
+for activations. On a CPU, where memory_stats is unavailable, the pool is --mem-fraction-static x 1 GiB
+per rank. --replica-num-pages A,B,... sizes each replica's pool on its own (to reproduce unequal
+replicas). User errors (bad flags, a model that does not fit, a port in use) end in one line
+`error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("jaxdp.serve")
+
+CPU_KV_BUDGET = 2**30  # bytes per rank on a CPU, times --mem-fraction-static
+
+
+class UserError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxdp.engine.controller import METHODS
+    from jaxdp.layout import add_layout_args
+
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
+    g = ap.add_argument_group("model")
+    g.add_argument("--model-path", default=None, metavar="PATH",
+                   help="checkpoint directory or preset (tiny, deepseek-v3, glm-5); default: the embedded model")
+    g.add_argument("--tokenizer-path", default=None, metavar="DIR",
+                   help="directory with tokenizer.json (default: --model-path)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: requests send input_ids and answers carry output_ids (text requests: 400)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME", help="the model name /v1/models reports")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weights and activations (auto: bfloat16 on a GPU, float32 on a CPU)")
+    g.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="longest prompt + output (default: the model's)")
+    g.add_argument("--random-seed", type=int, default=0, metavar="N", help="weights of a preset, and unseeded sampling")
+    g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
+                   help="MLA decode: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
+    g.add_argument("--moe-runner-backend", choices=["xla", "pallas"], default=None,
+                   help="NVFP4 expert GEMM: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
+    g.add_argument("--quantization", choices=["nvfp4"], default=None,
+                   help="hold the routed experts as NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself)")
+    g = ap.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every endpoint but /health needs 'Authorization: Bearer KEY'")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
+                   help="a Decode batch log line per rank every this many decode steps")
+    g = ap.add_argument_group("memory and scheduling")
+    g.add_argument("--mem-fraction-static", type=float, default=0.88, metavar="F",
+                   help="share of device memory for weights + KV cache (see the pool sizing above)")
+    g.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
+                   help="KV pool tokens per rank (overrides the above)")
+    g.add_argument("--replica-num-pages", default=None, metavar="A,B,...",
+                   help="KV pool pages per replica of --dp-size (unequal pools, for experiments)")
+    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page")
+    g.add_argument("--chunked-prefill-size", type=int, default=256, metavar="N",
+                   help="prompt tokens per step, all ranks together (divided among attention-DP ranks)")
+    g.add_argument("--max-running-requests", type=int, default=64, metavar="N",
+                   help="requests running at once, all ranks together (divided among attention-DP ranks)")
+    g.add_argument("--schedule-conservativeness", type=float, default=1.0, metavar="F",
+                   help="reservation for future tokens at admission (x0.3 under attention DP)")
+    g.add_argument("--load-balance-method", choices=METHODS, default="round_robin",
+                   help="which rank (or replica) a new request goes to")
+    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    g = ap.add_argument_group("compiled steps (CUDA graphs)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="BS",
+                   help="largest decode bucket per rank (SGLang's list up to it; default: the per-rank batch)")
+    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="BS",
+                   help="the decode buckets per rank, explicitly")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="compile each step shape on first use instead of all at start-up")
+    g.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/jaxdp/xla"), metavar="DIR",
+                   help="JAX's persistent compilation cache ('' to disable)")
+    add_layout_args(ap)
+    return ap
+
+
+def setup_logging(level: str) -> None:
+    from jaxdp.api.monitor import RankFormatter
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(RankFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for noisy in ("jax._src.xla_bridge", "jax._src.compiler", "jax._src.cache_key"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+
+
+def engine_config(args, num_pages: int):
+    from jaxdp.engine import EngineConfig
+    from jaxdp.parallel.accounting import decode_buckets
+
+    buckets = args.cuda_graph_bs
+    if buckets is None and args.cuda_graph_max_bs is not None:
+        buckets = decode_buckets(args.cuda_graph_max_bs)
+    for name in ("page_size", "chunked_prefill_size", "max_running_requests"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if buckets is not None and min(buckets) < 1:
+        raise UserError("--cuda-graph-bs sizes must be at least 1")
+    return EngineConfig(page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
+                        chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
+                        schedule_conservativeness=args.schedule_conservativeness, decode_buckets=buckets,
+                        disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
+                        enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed)
+
+
+def pool_pages(args, runner, replica: int, replicas: int) -> int:
+    """KV pages per rank for one replica (see the module docstring)."""
+    import jax
+
+    from jaxdp.layout import GiB
+
+    cfg, S = runner.cfg, args.page_size
+    if args.replica_num_pages:
+        sizes = [s.strip() for s in args.replica_num_pages.split(",")]
+        if len(sizes) != replicas or not all(s.isdigit() and int(s) > 0 for s in sizes):
+            raise UserError(f"--replica-num-pages {args.replica_num_pages} must give {replicas} positive page "
+                            f"counts, one per replica of --dp-size {replicas}")
+        return int(sizes[replica])
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens < S:
+            raise UserError(f"--max-total-tokens {args.max_total_tokens} is less than one page of {S} tokens")
+        return args.max_total_tokens // S
+    if not 0 < args.mem_fraction_static <= 1:
+        raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
+    page_bytes = cfg.num_layers * S * cfg.kv_cache_dim * jax.numpy.dtype(runner.cache_dtype).itemsize
+    devices = list(runner.mesh.devices.flat)
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
+    if not all(s and "bytes_limit" in s for s in stats):
+        return max(1, int(args.mem_fraction_static * CPU_KV_BUDGET) // page_bytes)
+    limit = min(s["bytes_limit"] for s in stats) * args.mem_fraction_static
+    used = max(s.get("bytes_in_use", 0) for s in stats)
+    pages = int(limit - used) // page_bytes
+    if pages < 2:
+        raise UserError(f"the weights take {used / GiB:.2f} GiB of the {limit / GiB:.2f} GiB that "
+                        f"--mem-fraction-static {args.mem_fraction_static} allows per device, leaving no room "
+                        "for the KV cache; raise --mem-fraction-static or spread the model over more devices")
+    return pages
+
+
+def build_backend(args, layout, tokenizer):
+    """Load the model once, then one StepRunner + Engine per replica on its own contiguous sub-mesh."""
+    import jax
+
+    from jaxdp.api.replicas import ReplicaSet
+    from jaxdp.backends import decode_kernel, moe_runner_backend
+    from jaxdp.engine import Engine
+    from jaxdp.model.loader import load_model
+    from jaxdp.parallel.step import StepRunner
+
+    devices = jax.devices()
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    layout.check_memory(devices[: layout.total_devices])
+    meshes = layout.replica_meshes(devices) if layout.replicas > 1 else [layout.make_mesh(devices[: layout.world])]
+    one = dataclasses.replace(layout, replicas=1)
+    t0 = time.perf_counter()
+    cfg, model = load_model(args.model_path, dtype, seed=args.random_seed, quantization=args.quantization)
+    one.validate(n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+    runners = [StepRunner(model, one, mesh, num_pages=1, page_size=args.page_size,
+                          decode_kernel=decode_kernel(args.attention_backend),
+                          moe_backend=moe_runner_backend(args.moe_runner_backend)) for mesh in meshes]
+    del model
+    gc.collect()
+    log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,
+             args.model_path, cfg.num_layers, layout.describe())
+    engines = []
+    for r, runner in enumerate(runners):
+        runner.resize_pool(pool_pages(args, runner, r, len(runners)))
+        for rank in range(one.dp):
+            where = f"replica {r}" if len(runners) > 1 else f"rank {rank}"
+            log.info("KV Cache is allocated (%s). dtype: %s, #tokens: %d, pages: %d x %d", where,
+                     jax.numpy.dtype(runner.cache_dtype).name, runner.num_pages * args.page_size, runner.num_pages,
+                     args.page_size, extra={"dp": r * one.dp + rank})
+        engines.append(Engine(runner, config=engine_config(args, runner.num_pages), tokenizer=tokenizer,
+                              seed=args.random_seed))
+    return ReplicaSet(engines, args.load_balance_method)
+
+
+def resolve_model(args):
+    from jaxdp.config import PRESETS
+    from jaxdp.model.loader import default_model_path
+    from jaxdp.tokenizer import Tokenizer
+
+    if args.model_path is None:
+        path = default_model_path()
+        if not (path / "config.json").exists():
+            raise UserError(f"the embedded default model is not installed at {path}; pass --model-path with a "
+                            "checkpoint directory or a preset (tiny, deepseek-v3, glm-5)")
+        args.model_path = str(path)
+    elif args.model_path not in PRESETS and not Path(args.model_path).is_dir():
+        raise UserError(f"--model-path {args.model_path} is neither a checkpoint directory nor a preset "
+                        f"({', '.join(sorted(PRESETS))})")
+    if args.skip_tokenizer_init:
+        return None
+    tok_dir = args.tokenizer_path or args.model_path
+    if args.tokenizer_path and not (Path(tok_dir) / "tokenizer.json").exists():
+        raise UserError(f"--tokenizer-path {tok_dir} has no tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tok_dir) if Path(tok_dir).is_dir() else None
+    if tokenizer is None:
+        log.warning("%s has no tokenizer: serving token ids only (text requests get a 400)", tok_dir)
+    return tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
+    from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
+
+    try:
+        check_port(args.host, args.port)
+        layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
+        ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
+        import jax
+
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        layout = layout_from_args(args, num_devices=len(jax.devices()))
+        tokenizer = resolve_model(args)
+        backend = build_backend(args, layout, tokenizer)
+    except (LayoutError, UserError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # out of device memory while loading: the model does not fit
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            print(f"error: the model does not fit in device memory ({str(e).splitlines()[0][:200]}); use more "
+                  "devices (--tp-size), a smaller --mem-fraction-static or --max-total-tokens", file=sys.stderr)
+            return 2
+        raise
+    return run_server(args, layout, backend, tokenizer)
+
+
+def run_server(args, layout, backend, tokenizer) -> int:
+    import uvicorn
+
+    from jaxdp.api.app import create_app
+    from jaxdp.api.metrics import ServerMetrics
+    from jaxdp.api.monitor import Monitor
+
+    metrics = ServerMetrics(backend)
+    monitor = Monitor(backend, metrics, decode_log_interval=args.decode_log_interval)
+    server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    server_args.update(layout=layout.describe(), mesh=layout.spec(), context_length=backend.context_len(),
+                       num_pages=[e.cfg.num_pages for e in backend.engines])
+    name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
+                                      else args.model_path)
+    app = create_app(backend, tokenizer=tokenizer, served_model_name=name, model_path=args.model_path,
+                     server_args=server_args, api_key=args.api_key, metrics=metrics)
+    backend.start()
+    monitor.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def announce():
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            log.info("The server is fired up and ready to roll! http://%s:%d (%d ranks)", args.host, args.port,
+                     backend.num_ranks)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    finally:
+        monitor.stop()
+        backend.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
