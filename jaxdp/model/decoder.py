@@ -95,23 +95,29 @@ class DeepseekV3(nnx.Module):
 
 def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, absorbed, decode_kernel,
                is_moe: bool):
+    """Run a stack of layers under lax.scan. The whole stack's cache is carried through the scan as one
+    pool of L * P pages (layer i owns pages i*P ..), so each layer scatters its new entries in place
+    instead of the scan copying the cache out as a new stacked array."""
     graphdef, state = nnx.split(stack)
     eps = stack.attn.cfg.rms_norm_eps
+    L, P, S, K = kv_LPSK.shape
 
-    def body(x_TD, xs):
-        layer_state, kv_PSK = xs
+    def body(carry, xs):
+        x_TD, kv_PSK = carry
+        layer_state, i = xs
         layer = nnx.merge(graphdef, layer_state)
         h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
-        a_TD, kv_PSK = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel)
+        a_TD, kv_PSK = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel,
+                                  page_offset=i * P, pages_per_layer=P)
         x_rows, h_rows = comm.attn_to_ffn(a_TD, x_TD, layer.ffn_norm[...], eps)
         if is_moe:
             y_rows, rows_E = comm.moe(h_rows, valid_T, layer.ffn)
         else:
             y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
-        return comm.ffn_to_attn(y_rows, x_rows), (kv_PSK, rows_E)
+        return (comm.ffn_to_attn(y_rows, x_rows), kv_PSK), rows_E
 
-    x_TD, (kv_LPSK, rows_LE) = jax.lax.scan(body, x_TD, (state, kv_LPSK))
-    return x_TD, kv_LPSK, rows_LE
+    (x_TD, kv), rows_LE = jax.lax.scan(body, (x_TD, kv_LPSK.reshape(L * P, S, K)), (state, jnp.arange(L)))
+    return x_TD, kv.reshape(L, P, S, K), rows_LE
 
 
 def empty_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> dict:

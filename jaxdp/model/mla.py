@@ -97,10 +97,18 @@ class MLA(nnx.Module):
         return jnp.einsum("thv,hvd->td", o_THV, self.w_o_HVD[...])
 
     # ---- the two attention paths -----------------------------------------------------------------
-    def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None):
-        """Write this step's tokens into the cache, attend, project out. Returns (out_TD, kv_PSK)."""
+    def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
+                 pages_per_layer: int | None = None):
+        """Write this step's tokens into the cache, attend, project out. Returns (out_TD, kv_PSK).
+
+        kv_PSK may hold the pages of every layer of a stack ([L * P, S, K], as the scan carries it, so
+        the step updates the cache in place); this layer's pages start at `page_offset`.
+        """
         q_nope_THN, q_rope_THR = self.queries(x_TD, batch.positions_T)
-        kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T))
+        if not isinstance(page_offset, int) or page_offset:  # this layer's pages start at page_offset
+            batch = dataclasses.replace(batch, page_table_BN=batch.page_table_BN + page_offset)
+        P = pages_per_layer or kv_PSK.shape[0]
+        kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T), page_offset, P)
         if absorbed:
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel)
         else:
@@ -140,9 +148,13 @@ class MLA(nnx.Module):
         return jnp.einsum("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
 
 
-def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array) -> jax.Array:
+def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,
+                pages_per_layer: int | None = None) -> jax.Array:
+    """Scatter the step's entries into their slots; a slot past the layer's pages (padding) is dropped."""
     P, S, K = kv_PSK.shape
-    flat = kv_PSK.reshape(P * S, K).at[slots_T].set(entry_TK.astype(kv_PSK.dtype), mode="drop")
+    valid = slots_T < (pages_per_layer or P) * S
+    idx = jnp.where(valid, slots_T + page_offset * S, P * S)
+    flat = kv_PSK.reshape(P * S, K).at[idx].set(entry_TK.astype(kv_PSK.dtype), mode="drop")
     return flat.reshape(P, S, K)
 
 
