@@ -26,7 +26,7 @@ from jaxdp.tokenizer import Tokenizer
 
 SKILLS = ("add", "sub", "mul", "count", "sort", "reverse")
 ARITHMETIC = ("add", "sub", "mul")
-SKILL_WEIGHTS = {"add": 0.25, "sub": 0.2, "mul": 0.25, "count": 0.1, "sort": 0.1, "reverse": 0.1}
+SKILL_WEIGHTS = {"add": 0.28, "sub": 0.22, "mul": 0.32, "count": 0.06, "sort": 0.06, "reverse": 0.06}
 HELD_OUT_PERMILLE = 100  # 10% of each skill's prompts are held out
 HELD_OUT_SEED = 1234  # the held-out sample an evaluation uses (the split itself does not depend on it)
 SEQ_LEN = 24  # token rows per training sequence (the longest example, chat-wrapped, is 23 tokens)
@@ -136,7 +136,7 @@ class PackShape:
     positions from 0), at most `max_seqs` of them, none longer than `max_len` (the page size)."""
 
     rows: int = 96
-    max_seqs: int = 16
+    max_seqs: int = 8
     max_len: int = SEQ_LEN
 
 

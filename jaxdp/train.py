@@ -47,6 +47,10 @@ from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
 
 log = logging.getLogger("jaxdp.train")
 
+# The shipped default model: the tiny preset, wider (its cost on a CPU is overhead-bound, so width is cheap)
+DEFAULT_OVERRIDES = ["hidden_size=256", "intermediate_size=512", "q_lora_rank=64", "kv_lora_rank=64",
+                     "qk_rope_head_dim=16"]
+
 
 def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
     """`hidden_size=128 num_layers=4` -> cfg.with_(...), each value parsed as the field's type."""
@@ -183,13 +187,15 @@ def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/default-model", help="output directory (hf/ holds the export)")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--config-overrides", nargs="*", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--config-overrides", nargs="*", default=DEFAULT_OVERRIDES, metavar="FIELD=VALUE",
+                    help=f"ModelConfig fields over the preset (default: {' '.join(DEFAULT_OVERRIDES)})")
     ap.add_argument("--groups", type=int, default=12, help="packed groups per batch (one flat step each)")
     ap.add_argument("--rows", type=int, default=96, help="token rows per packed group")
+    ap.add_argument("--max-seqs", type=int, default=8, help="sequences per packed group at most")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.05)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
-    shape = PackShape(rows=args.rows)
+    shape = PackShape(rows=args.rows, max_seqs=args.max_seqs)
     trainer = Trainer(cfg, args.seed, shape, optimizer)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("model: %d params; %s", n_params, cfg)
@@ -250,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     acc = quick_eval(trainer, tok, args.eval_n)
     export(trainer, tok_dir, hf_dir, args.export_dtype)
     replay = ["--steps", str(args.steps), "--seed", str(args.seed), "--preset", args.preset,
-              "--groups", str(args.groups), "--rows", str(args.rows), "--lr", str(args.lr),
+              "--groups", str(args.groups), "--rows", str(args.rows),
+              "--max-seqs", str(args.max_seqs), "--lr", str(args.lr),
               "--warmup", str(args.warmup), "--weight-decay", str(args.weight_decay),
               "--export-dtype", args.export_dtype]
     if args.config_overrides:
