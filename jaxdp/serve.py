@@ -7,7 +7,7 @@
 KV pool per rank: --max-total-tokens N gives it N tokens. Otherwise, on a GPU, every device may hold
 --mem-fraction-static of its memory (JAX's bytes_limit) for weights and KV cache: the pool is what that
 leaves after the weights (measured with memory_stats once they are sharded), the rest of the memory is
-for activations. On a CPU, where memory_stats is unavailable, the pool is --mem-fraction-static x 1 GiB
+for activations. On a CPU, where memory_stats is unavailable, the pool is --mem-fraction-static x 256 MiB
 per rank. --replica-num-pages A,B,... sizes each replica's pool on its own (to reproduce unequal
 replicas). User errors (bad flags, a model that does not fit, a port in use) end in one line
 `error: ...` and exit status 2.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 log = logging.getLogger("jaxdp.serve")
 
-CPU_KV_BUDGET = 2**30  # bytes per rank on a CPU, times --mem-fraction-static
+CPU_KV_BUDGET = 2**28  # bytes per rank on a CPU (256 MiB), times --mem-fraction-static
 
 
 class UserError(ValueError):

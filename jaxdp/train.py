@@ -48,8 +48,9 @@ from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
 log = logging.getLogger("jaxdp.train")
 
 # The shipped default model: the tiny preset, wider (its cost on a CPU is overhead-bound, so width is cheap)
+# max_position_embeddings only sets the context a server offers (the skills are short; rope is unscaled)
 DEFAULT_OVERRIDES = ["hidden_size=256", "intermediate_size=512", "q_lora_rank=64", "kv_lora_rank=64",
-                     "qk_rope_head_dim=16"]
+                     "qk_rope_head_dim=16", "max_position_embeddings=512"]
 
 
 def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:

@@ -152,6 +152,9 @@ def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page
                 pages_per_layer: int | None = None) -> jax.Array:
     """Scatter the step's entries into their slots; a slot past the layer's pages (padding) is dropped."""
     P, S, K = kv_PSK.shape
+    if slots_T.shape[0] == 1:  # XLA:CPU rewrites a one-row scatter into an update that copies the whole
+        slots_T = jnp.concatenate([slots_T, jnp.full((1,), P * S, slots_T.dtype)])  # cache; a 2nd (dropped)
+        entry_TK = jnp.concatenate([entry_TK, jnp.zeros_like(entry_TK)])  # row keeps it a scatter, in place
     valid = slots_T < (pages_per_layer or P) * S
     idx = jnp.where(valid, slots_T + page_offset * S, P * S)
     flat = kv_PSK.reshape(P * S, K).at[idx].set(entry_TK.astype(kv_PSK.dtype), mode="drop")
