@@ -1,0 +1,122 @@
+"""`python -m jaxdp.bench` against a live `jaxdp.serve --mesh dp=8` (tiny model, no tokenizer) on 8 CPU devices:
+a concurrency sweep writes its JSON and PNG, a skewed `--routed-dp-rank` pattern lands on the ranks it names
+(checked on the server's /metrics), and an unreachable server is one `error:` line with exit status 2. One
+server for the module, always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxdp.bench import main, rank_pattern
+
+SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda-graph-bs", "4",
+         "--decode-log-interval", "50", "--page-size", "16", "--max-total-tokens", "512"]
+RUN = ["--num-prompts", "8", "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log: Path = tmp_path_factory.mktemp("bench") / "server.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "jaxdp.serve", "--port", str(port), "--mesh", "dp=8", "--model-path", "tiny",
+           "--skip-tokenizer-init", *SMALL]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            if time.time() - t0 > 240:
+                raise RuntimeError(f"the server did not come up in 240 s:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def finished_per_rank(url: str) -> dict[int, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {int(r): float(v) for r, v in re.findall(r'^jaxdp:num_requests_total\{dp_rank="(\d+)"\} (\S+)$', text,
+                                                    flags=re.M)}
+
+
+def test_sweep_writes_json_and_plot(server, tmp_path, capsys):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = main(["--base-url", server, *RUN, "--sweep-concurrency", "1,4", "--output-file", str(out),
+               "--plot", str(png)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "Output token throughput (tok/s)" in printed and "Median TPOT (ms)" in printed
+    points = json.loads(out.read_text())["results"]
+    assert [p["max_concurrency"] for p in points] == [1, 4]
+    for p in points:
+        assert p["completed"] == 8 and p["failed"] == 0
+        assert p["request_throughput"] > 0 and p["output_throughput"] > 0 and p["input_throughput"] > 0
+        assert p["total_input_tokens"] == 64 and p["total_output_tokens"] == 32
+        assert p["ttft_ms"]["median"] > 0 and p["tpot_ms"]["median"] > 0 and p["e2e_latency_ms"]["p99"] > 0
+        assert p["itl_ms"]["mean"] > 0
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_skewed_pinning_lands_on_the_named_ranks(server, tmp_path):
+    before = finished_per_rank(server)
+    out = tmp_path / "pinned.json"
+    rc = main(["--base-url", server, *RUN, "--max-concurrency", "4", "--routed-dp-rank", "skewed:3,1",
+               "--warmup-requests", "0", "--output-file", str(out)])
+    assert rc == 0
+    assert json.loads(out.read_text())["results"][0]["requests_per_dp_rank"] == {"0": 6, "1": 2}
+    after = finished_per_rank(server)
+    delta = {r: after.get(r, 0) - before.get(r, 0) for r in range(8)}
+    assert delta == {0: 6, 1: 2, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0, 7: 0}
+
+
+def test_open_loop_openai_backend(server):
+    assert main(["--base-url", server, *RUN, "--backend", "openai", "--request-rate", "50",
+                 "--routed-dp-rank", "0,1,2,3"]) == 0
+
+
+def test_rank_patterns():
+    assert rank_pattern("none", 3) == [None] * 3
+    assert rank_pattern("0", 3) == [0, 0, 0]
+    assert rank_pattern("0,1,2", 5) == [0, 1, 2, 0, 1]
+    skewed = rank_pattern("skewed:40,8,8,8", 64)
+    assert [skewed.count(r) for r in range(4)] == [40, 8, 8, 8]
+
+
+def test_errors_exit_2(capsys):
+    port = free_port()
+    assert main(["--base-url", f"http://127.0.0.1:{port}", *RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot reach the server") and "\n" not in err
+    assert main(["--routed-dp-rank", "skewed:a,b"]) == 2
+    assert main(["--no-such-flag"]) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
