@@ -131,6 +131,18 @@ def job_error(job: Job) -> ApiError | None:
     return None
 
 
+async def complete_jobs(http, backend: ReplicaSet, jobs: list[Job]) -> None:
+    """Run non-streamed jobs to the end (aborting them if the client goes away); raise the first error."""
+    from jaxdp.api.common import watch_disconnect
+
+    async with watch_disconnect(http, backend, [j.req.rid for j in jobs]):
+        async for _ in run_jobs(backend, jobs):
+            pass
+    for job in jobs:
+        if (err := job_error(job)) is not None:
+            raise err
+
+
 class ApiKeyMiddleware:
     """Pure ASGI (no buffering of streamed answers): every path but /health needs the bearer key."""
 

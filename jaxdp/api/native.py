@@ -19,7 +19,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdp.api.app import Job, ServerContext, job_error, run_jobs
+from jaxdp.api.app import Job, ServerContext, complete_jobs, job_error, run_jobs
 from jaxdp.api.common import (
     ApiError,
     check_n,
@@ -30,7 +30,6 @@ from jaxdp.api.common import (
     read_json,
     sampling_params,
     sse,
-    watch_disconnect,
 )
 from jaxdp.engine import BadRequest, SamplingParams
 
@@ -125,12 +124,7 @@ async def generate(http: HttpRequest):
     if field(body, "stream", bool, False):
         return StreamingResponse(_stream(ctx, jobs, with_logprobs, is_batch or n > 1),
                                  media_type="text/event-stream")
-    async with watch_disconnect(http, ctx.backend, [j.req.rid for j in jobs]):
-        async for _ in run_jobs(ctx.backend, jobs):
-            pass
-    for job in jobs:
-        if (err := job_error(job)) is not None:
-            raise err
+    await complete_jobs(http, ctx.backend, jobs)
     out = [result(ctx, job, with_logprobs) for job in jobs]
     return JSONResponse(out if is_batch or n > 1 else out[0])
 

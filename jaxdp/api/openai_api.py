@@ -18,7 +18,7 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from jaxdp.api.app import Job, ServerContext, job_error, run_jobs
+from jaxdp.api.app import Job, ServerContext, complete_jobs, job_error, run_jobs
 from jaxdp.api.common import (
     ApiError,
     check_n,
@@ -28,7 +28,6 @@ from jaxdp.api.common import (
     read_json,
     sampling_params,
     sse,
-    watch_disconnect,
 )
 from jaxdp.api.native import pinned_rank
 
@@ -151,12 +150,7 @@ async def _handle(http: HttpRequest, chat: bool):
         options = field(body, "stream_options", dict, {}) or {}
         usage = bool(options.get("include_usage", False))
         return StreamingResponse(_stream(ctx, jobs, cid, chat, want_logprobs, usage), media_type="text/event-stream")
-    async with watch_disconnect(http, ctx.backend, [j.req.rid for j in jobs]):
-        async for _ in run_jobs(ctx.backend, jobs):
-            pass
-    for job in jobs:
-        if (err := job_error(job)) is not None:
-            raise err
+    await complete_jobs(http, ctx.backend, jobs)
     choices = []
     for i, job in enumerate(jobs):
         text, req = job.view.text(job.req), job.req
