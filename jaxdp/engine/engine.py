@@ -90,9 +90,7 @@ class Engine:
             self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg))
         self.controller = Controller(dp, c.load_balance_method)
         carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
-        if runner.token_carry < carry:  # the next step reads this many of the previous step's tokens
-            runner.token_carry = carry
-            runner._compiled.clear()
+        runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)

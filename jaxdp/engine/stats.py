@@ -58,10 +58,6 @@ class StepStats:
         self.tokens = 0
         self.compiles_in_steps = 0  # compiles that happened inside a serving step (after warm-up: a bug)
 
-    @property
-    def compiles(self) -> int:
-        return compiles_total()
-
     def record(self, shape: StepShape, rows: list[int], agreement: Agreement, account: StepAccount | None, *,
                host_s: float, dispatch_s: float, wait_s: float, compiled: int, new_tokens: int,
                agree_s: float = 0.0) -> None:

@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdp.model.layers import rms_norm
 
@@ -238,9 +237,3 @@ class MeshComm:
             me = jax.lax.axis_index("dp") * self.gather.tp + jax.lax.axis_index("tp")
             w_DV = jax.lax.dynamic_slice_in_dim(w_DV, me * n, n, axis=1)
         return lm_head_logits(h_BD, w_DV, self.lm_mode, self.gather.dp, self.gather.tp)
-
-
-def sum_len_rows(rows: list[int] | np.ndarray, quantum: int = 8) -> int:
-    """The exact buffer's row count, rounded up to a small quantum so few shapes compile."""
-    total = int(np.sum(rows))
-    return max(quantum, -(-total // quantum) * quantum)

@@ -115,6 +115,12 @@ class StepRunner:
         self.state = self.cache = None
         self._compiled.clear()
 
+    def ensure_token_carry(self, width: int) -> None:
+        """Let steps read at least `width` of the previous step's tokens (recompiles on change)."""
+        if self.token_carry < width:
+            self.token_carry = width
+            self._compiled.clear()
+
     def resize_pool(self, num_pages: int) -> None:
         """A pool of `num_pages` per rank (after the weights are placed, to size it from free memory)."""
         self.num_pages = num_pages
