@@ -3,6 +3,8 @@
     python -m jaxdp.serve --mesh dp=8                         # the embedded default model, 8 attention-DP ranks
     python -m jaxdp.serve --model-path DIR --tp-size 8 --attn-dp-size 8 --port 30000
     python -m jaxdp.serve --model-path DIR --dp-size 2 --load-balance-method total_tokens   # two replicas
+    python -m jaxdp.serve --mesh dp=16 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:5000  # on node 0,
+    python -m jaxdp.serve --mesh dp=16 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000  # on node 1
 
 KV pool per rank: --max-total-tokens N gives it N tokens. Otherwise, on a GPU, every device may hold
 --mem-fraction-static of its memory (JAX's bytes_limit) for weights and KV cache: the pool is what that
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -96,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile each step shape on first use instead of all at start-up")
     g.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/jaxdp/xla"), metavar="DIR",
                    help="JAX's persistent compilation cache ('' to disable)")
+    g = ap.add_argument_group("several nodes (one model world; serve/README.md)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes the mesh spans (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="this node (0 runs the HTTP API; the others run their ranks' loops and /health)")
+    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="node 0's address for JAX's distributed runtime, the same on every node ([::1]:5000 "
+                        "for IPv6)")
+    g.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
+                   help="a node that does not answer a step for this long is declared dead (default 60)")
+    g.add_argument("--dist-init-timeout", type=float, default=600.0, metavar="S",
+                   help="how long nodes wait for each other at start-up, compiles included (default 600)")
     add_layout_args(ap)
     return ap
 
@@ -158,7 +172,7 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
     if not 0 < args.mem_fraction_static <= 1:
         raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
     page_bytes = cfg.num_layers * S * cfg.kv_cache_dim * jax.numpy.dtype(runner.cache_dtype).itemsize
-    devices = list(runner.mesh.devices.flat)
+    devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]  # this node's
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if not all(s and "bytes_limit" in s for s in stats):
         return max(1, int(args.mem_fraction_static * CPU_KV_BUDGET) // page_bytes)
@@ -172,19 +186,27 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
     return pages
 
 
-def build_backend(args, layout, tokenizer):
+def build_backend(args, layout, tokenizer, dist=None):
     """Load the model once, then one StepRunner + Engine per replica on its own contiguous sub-mesh."""
     import jax
 
     from jaxdp.api.replicas import ReplicaSet
     from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.engine import Engine
+    from jaxdp.engine.hosts import HostExchange, world_devices
     from jaxdp.model.loader import load_model
     from jaxdp.parallel.step import StepRunner
 
-    devices = jax.devices()
+    devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    layout.check_memory(devices[: layout.total_devices])
+    if dist and dist.multi:  # each node checks the balance of its own devices
+        from jaxdp.layout import check_memory_balance, device_free_memory
+
+        here = [d for d in devices if d.process_index == jax.process_index()]
+        if (free := device_free_memory(here)) is not None:
+            check_memory_balance(free, [[str(d) for d in here]])
+    else:
+        layout.check_memory(devices[: layout.total_devices])
     meshes = layout.replica_meshes(devices) if layout.replicas > 1 else [layout.make_mesh(devices[: layout.world])]
     one = dataclasses.replace(layout, replicas=1)
     t0 = time.perf_counter()
@@ -198,15 +220,18 @@ def build_backend(args, layout, tokenizer):
     log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,
              args.model_path, cfg.num_layers, layout.describe())
     engines = []
+    hosts = None
+    if dist and dist.multi:
+        hosts = HostExchange(dist.nnodes, dist.node_rank, one.dp, dist.timeout_s, init_timeout_s=dist.init_timeout_s)
     for r, runner in enumerate(runners):
         runner.resize_pool(pool_pages(args, runner, r, len(runners)))
-        for rank in range(one.dp):
+        for rank in (hosts.local_ranks() if hosts else range(one.dp)):
             where = f"replica {r}" if len(runners) > 1 else f"rank {rank}"
             log.info("KV Cache is allocated (%s). dtype: %s, #tokens: %d, pages: %d x %d", where,
                      jax.numpy.dtype(runner.cache_dtype).name, runner.num_pages * args.page_size, runner.num_pages,
                      args.page_size, extra={"dp": r * one.dp + rank})
         engines.append(Engine(runner, config=engine_config(args, runner.num_pages), tokenizer=tokenizer,
-                              seed=args.random_seed))
+                              seed=args.random_seed, hosts=hosts))
     return ReplicaSet(engines, args.load_balance_method)
 
 
@@ -235,24 +260,67 @@ def resolve_model(args):
     return tokenizer
 
 
+def supervise_node(argv: list[str]) -> int:
+    """Nodes > 0 run as a child of this process: JAX's runtime aborts a node whose coordinator (node 0)
+    vanishes, and the parent then says in one line what that means. Signals are passed on to the child."""
+    child = subprocess.Popen([sys.executable, "-m", "jaxdp.serve", *argv], env={**os.environ, _CHILD: "1"},
+                             preexec_fn=_die_with_parent)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    code = child.wait()
+    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        print(f"error: this node was stopped by JAX's distributed runtime ({signal.Signals(-code).name}): node 0 "
+              "died or became unreachable; restart every node with the same --dist-init-addr", file=sys.stderr)
+        return 1
+    return code if code >= 0 else 128 - code
+
+
+_CHILD = "JAXDP_NODE_CHILD"
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the supervising parent dies (kill -9 of the node kills both)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.nnodes > 1 and args.node_rank > 0 and not os.environ.get(_CHILD):
+        return supervise_node(argv)
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
+    from jaxdp.engine.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
 
+    dist = DistConfig(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout, args.dist_init_timeout)
     try:
+        check_dist_args(args.nnodes, args.node_rank, args.dist_init_addr)
+        if dist.timeout_s <= 0 or dist.init_timeout_s <= 0:
+            raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
         check_port(args.host, args.port)
         layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
-        ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
+        if dist.multi:
+            if layout.replicas > 1:
+                raise UserError("--dp-size replicas do not span nodes; run one server per node behind a router, "
+                                "or one model world with --nnodes and attention DP")
+            ensure_host_devices(local_device_count(layout.world, dist.nnodes, layout.tp))
+            init_distributed(dist)  # before anything else starts JAX's backends
+        else:
+            ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
         import jax
 
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         layout = layout_from_args(args, num_devices=len(jax.devices()))
         tokenizer = resolve_model(args)
-        backend = build_backend(args, layout, tokenizer)
-    except (LayoutError, UserError, ValueError, FileNotFoundError) as e:
+        backend = build_backend(args, layout, tokenizer, dist)
+    except (LayoutError, UserError, DistError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # out of device memory while loading: the model does not fit
@@ -261,7 +329,56 @@ def main(argv: list[str] | None = None) -> int:
                   "devices (--tp-size), a smaller --mem-fraction-static or --max-total-tokens", file=sys.stderr)
             return 2
         raise
-    return run_server(args, layout, backend, tokenizer)
+    if dist.multi and dist.node_rank > 0:
+        return run_node(args, backend.engines[0])
+    code = run_server(args, layout, backend, tokenizer)
+    if dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
+        from jaxdp.engine.hosts import exit_now
+
+        time.sleep(1.0)  # the other nodes passed the "stopped" barrier; let them exit before the runtime goes
+        exit_now(code)
+    return code
+
+
+def run_node(args, engine) -> int:
+    """Nodes other than 0: the loop of this node's ranks, and /health; ends when node 0 ends or a node fails."""
+    import uvicorn
+    from fastapi import FastAPI, Response
+
+    from jaxdp.engine.hosts import PeerFailure, exit_now
+
+    app = FastAPI(title=f"jaxdp node {args.node_rank}")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.is_running else 503)
+
+    try:
+        engine.start()  # meets the other nodes once every node has compiled its steps
+    except PeerFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        exit_now(1)
+    ranks = engine.local_ranks
+    log.info("node %d serves ranks %d-%d; health at http://%s:%d/health", args.node_rank, ranks.start,
+             ranks.stop - 1, args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            log_level="warning")
+    threading.Thread(target=uvicorn.Server(config).run, name="health", daemon=True).start()
+    try:
+        while engine.is_running:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        exit_now(130)
+    if engine.failed and "node 0 shut down" in engine.failed:
+        log.info("node 0 shut down; node %d ends", args.node_rank)
+        try:
+            engine.hosts.barrier("stopped", engine.hosts.timeout_s)  # node 0 keeps the runtime up until here
+        except PeerFailure:
+            pass
+        exit_now(0)
+    print(f"error: node {args.node_rank}: {engine.failed or 'the engine loop ended'}", file=sys.stderr)
+    exit_now(1)
+    return 1
 
 
 def run_server(args, layout, backend, tokenizer) -> int:
@@ -294,8 +411,14 @@ def run_server(args, layout, backend, tokenizer) -> int:
                      backend.num_ranks)
 
     threading.Thread(target=announce, daemon=True).start()
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # uvicorn re-raises SIGTERM after its shutdown: end like Ctrl-C
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        log.info("shutting down")
     finally:
         monitor.stop()
         backend.shutdown()

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from servers import Server, free_port
 
 from jaxdp.model.loader import default_model_path
 
@@ -25,43 +22,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
 SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda-graph-bs", "4",
          "--decode-log-interval", "5", "--page-size", "16"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, args: list[str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "jaxdp.serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait(self, timeout: float = 240) -> Server:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not come up in {timeout} s:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +184,7 @@ def test_metrics_after_traffic(server):
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "dp_attention_rows", "gather_mode", "padding_ratio",
                  "dp_attention_token_imbalance_ratio", "dp_attention_idle_ranks", "step_device_wait_seconds_bucket",
+                 "step_agreement_seconds_bucket",
                  "compiles_total"):
         assert f"jaxdp:{name}" in text, name
     assert 'jaxdp:num_running_reqs{dp_rank="7"}' in text

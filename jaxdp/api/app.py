@@ -23,6 +23,7 @@ from jaxdp.api.common import ApiError, TextView, check_length, error_response
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.engine import BadRequest, Engine, Request, SamplingParams
+from jaxdp.engine.engine import EngineFailed
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -126,8 +127,8 @@ def job_error(job: Job) -> ApiError | None:
     """A request the engine refused or failed, as the error the client gets."""
     req = job.req
     if req.finish_reason == "abort" and req.error:
-        status = 500 if req.error.startswith("internal") else 400
-        return ApiError(req.error, status, "server_error" if status == 500 else "invalid_request_error")
+        status = req.error_status or (500 if req.error.startswith("internal") else 400)
+        return ApiError(req.error, status, "server_error" if status >= 500 else "invalid_request_error")
     return None
 
 
@@ -184,6 +185,10 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
     @app.exception_handler(BadRequest)
     async def bad_request(_request, e: BadRequest):
         return error_response(str(e))
+
+    @app.exception_handler(EngineFailed)
+    async def engine_failed(_request, e: EngineFailed):
+        return error_response(f"{e}; this server no longer serves requests", 503, "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, e: RequestValidationError):

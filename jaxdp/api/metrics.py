@@ -24,6 +24,7 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 
                0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 300, 600, 1200)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+AGREE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 RATIO_BUCKETS = (1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32)
 
 
@@ -66,6 +67,9 @@ class ServerMetrics:
                                 ["replica"], buckets=STEP_BUCKETS, registry=r)
         self.wait_s = Histogram(P + "step_device_wait_seconds", "Time the loop waits for a step's tokens (the "
                                 "slowest rank and the collectives)", ["replica"], buckets=STEP_BUCKETS, registry=r)
+        self.agree_s = Histogram(P + "step_agreement_seconds", "Time in the per-step agreement (across nodes: the "
+                                 "exchange through the distributed runtime)", ["replica"], buckets=AGREE_BUCKETS,
+                                 registry=r)
         r.register(_StateCollector(self))
         backend.on_token.append(self.observe_tokens)
         backend.on_finish.append(self.observe_finish)
@@ -104,6 +108,7 @@ class ServerMetrics:
         self.imbalance_hist.labels(rl).observe(rec.imbalance)
         self.host_s.labels(rl).observe(rec.host_s)
         self.wait_s.labels(rl).observe(rec.wait_s)
+        self.agree_s.labels(rl).observe(rec.agree_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -192,25 +192,12 @@ class ReplicaSet:
 
     # ---- state, for /get_load, /get_server_info, metrics and logs ---------------------------------
     def rank_state(self, rank: int, loads: list[tuple[float, int]] | None = None) -> dict:
-        s = self.scheduler(rank)
+        engine, local = self.ranks[rank]
         loads = loads or self.loads()
-        running, waiting = list(s.running), list(s.waiting)
-        pool, cache = s.pool, s.cache
-        return {
-            "dp_rank": rank, "replica": self.replica_of(rank),
-            "num_running_reqs": len(running), "num_queue_reqs": len(waiting),
-            "num_reqs": len(running) + len(waiting),
-            "num_tokens": sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting),
-            "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
-            "token_usage": _retry(lambda: s.token_usage, 0.0),
-            "max_total_num_tokens": pool.num_pages * pool.page_size,
-            "page_size": pool.page_size, "num_pages": pool.num_pages, "free_pages": pool.free,
-            "cached_pages": _retry(lambda: cache.size, 0),
-            "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
-            "retracted_reqs": s.retracted_total,
-            "context_length": self.ranks[rank][0].context_len,
-            "controller_load": loads[rank][0],  # what total_tokens compares: tokens / pool
-        }
+        return {"dp_rank": rank, "replica": self.replica_of(rank),
+                **_retry(lambda: engine.rank_state(local), {}),
+                "context_length": engine.context_len,
+                "controller_load": loads[rank][0]}  # what total_tokens compares: tokens / pool
 
     def states(self) -> list[dict]:
         loads = self.loads()

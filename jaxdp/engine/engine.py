@@ -7,6 +7,11 @@ ranks without work run an idle (all-padding) batch while any rank has work; noth
 idle. The compiled step is chosen from the busiest rank; tokens are sampled on the device.
 
 Use it offline (`generate`) or from a server (`start`, then `submit` / `stream` from other threads).
+
+Across several nodes (`hosts`, see `jaxdp.engine.hosts`) every node runs an Engine over the whole mesh; its
+loop schedules only its own ranks, the agreement's exchange carries the other nodes' proposals, and node 0
+(the one with the HTTP server) keeps a stand-in for each request it sent to another node, which the
+exchange keeps up to date with that node's tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import numpy as np
 from jaxdp.batch import build_rank_batch, stack_ranks
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import BadRequest, Request, SamplingParams
+from jaxdp.engine.request import BadRequest, Request, SamplingParams, State
 from jaxdp.engine.sampling import sample_tokens, sampling_arrays
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
@@ -36,6 +42,10 @@ from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
 log = logging.getLogger("jaxdp.engine")
+
+
+class EngineFailed(Exception):
+    """The engine cannot serve any more (another node died); the message says what happened (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -60,9 +70,12 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: str | StepRunner = "default", mesh: str = "dp=1", config: EngineConfig | None = None,
                  *, dtype: str = "float32", tokenizer=None, warmup: bool = True, attention_backend: str | None = None,
-                 moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0):
+                 moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0,
+                 hosts: HostExchange | None = None):
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
-        or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset)."""
+        or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
+        `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
+        over the whole mesh, and this engine schedules the ranks of its own node)."""
         self.cfg = config or EngineConfig()
         enable_compilation_cache(self.cfg.compilation_cache_dir)
         runner = model if isinstance(model, StepRunner) else make_runner(
@@ -94,7 +107,14 @@ class Engine:
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)
-        self.exchange = LocalExchange()
+        self.hosts = hosts
+        self.exchange = hosts if hosts is not None else LocalExchange()
+        self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
+        self.failed: str | None = None  # why the engine stopped serving (another node failed)
+        self.remote_state: dict[int, dict] = {}  # node 0: the other nodes' ranks' states, from the exchange
+        self._outgoing: dict[str, list] = {"new": [], "abort": []}  # node 0: for other nodes' ranks
+        self._origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
+        self._blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self._inflight: _InFlight | None = None
         self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
         self._pending_lock = threading.Lock()
@@ -127,8 +147,8 @@ class Engine:
         for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
             self.runner.compile(shape)
             dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
-            zeros = sampling_arrays([[] for _ in range(dp)], B, 0)
-            logits = jax.device_put(np.zeros((dp, B, V), np.float32), self.runner.batch_sharding)
+            zeros = {k: self.runner.put(v) for k, v in sampling_arrays([[] for _ in range(dp)], B, 0).items()}
+            logits = self.runner.put(np.zeros((dp, B, V), np.float32))
             jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS),
                                                 width=self.runner.token_carry))
         self.compiles_at_warmup = compiles_total()
@@ -139,6 +159,8 @@ class Engine:
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
                      rid: str | None = None, rank: int | None = None) -> Request:
         """A validated request (token ids, or text when the model has a tokenizer); raises BadRequest."""
+        if self.failed:
+            raise EngineFailed(self.failed)
         params = (params or SamplingParams()).validate()
         if isinstance(prompt_ids, str):
             if self.tokenizer is None:
@@ -180,6 +202,8 @@ class Engine:
         self._wake.set()
 
     def _drain_inbox(self) -> None:
+        if len(self.requests) > 4096:  # forget finished requests (their owners hold them; nothing here reads them)
+            self.requests = {rid: r for rid, r in self.requests.items() if not r.finished or rid in self._origin}
         while True:
             try:
                 cmd, arg = self._inbox.get_nowait()
@@ -190,6 +214,11 @@ class Engine:
                 with self._pending_lock:
                     self._pending[arg.rank][0] -= len(arg.prompt_ids)
                     self._pending[arg.rank][1] -= 1
+                if arg.rank not in self.local_ranks:  # node 0: another node's rank; a stand-in stays here
+                    self.requests[arg.rid] = arg
+                    self._outgoing["new"].append((arg.rid, arg.prompt_ids, dataclasses.asdict(arg.params),
+                                                  arg.rank))
+                    continue
                 try:
                     self.schedulers[arg.rank].add(arg)
                     self.requests[arg.rid] = arg
@@ -201,7 +230,11 @@ class Engine:
             elif cmd == "abort":
                 req = self.requests.get(arg)
                 if req is not None and not req.finished:
-                    self.schedulers[req.rank].abort(arg, now)
+                    if req.rank in self.local_ranks:
+                        self.schedulers[req.rank].abort(arg, now)
+                    else:  # the owning node frees the pages; the stand-in ends now
+                        self._outgoing["abort"].append(arg)
+                        _finish_stand_in(req, "abort", None, now)
             elif cmd == "flush":
                 arg.set_result(all(s.cache.flush() for s in self.schedulers) if not self.busy else False)
 
@@ -223,7 +256,12 @@ class Engine:
         local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
                           bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
-        agreement = agree_on_step(self.exchange.all_gather(local))
+        self._blocked = (ta, "exchanging the step's proposals")
+        proposals, messages = self.exchange.exchange(local, self._message())
+        self._blocked = None
+        if self.hosts is not None:
+            self._receive(messages)
+        agreement = agree_on_step(proposals)
         agree_s = time.perf_counter() - ta
         if not agreement.run:
             if self._inflight is None:
@@ -231,14 +269,16 @@ class Engine:
             self._book(self._inflight, t0)
             self._inflight = None
             return True
-        rows = [p.rows if p else 0 for p in plans]
+        rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
         shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
         c = self.cfg
         batches = [build_rank_batch(p.pieces if p else [], num_rows=shape.num_rows, num_seqs=shape.num_seqs,
                                     pages_per_seq=self.pages_per_seq, page_size=c.page_size,
                                     num_pages=c.num_pages) for p in plans]
         stacked = stack_ranks(batches)
-        params = sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed)
+        stacked["rows_R"] = np.asarray(rows, np.int32)
+        params = {k: self.runner.put(v) for k, v in
+                  sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed).items()}
         for plan in plans:  # each sampled row's token goes to the end of its request's outputs
             if plan:
                 plan.out_pos = [len(r.output_ids) if smp else -1 for r, smp in zip(plan.reqs, plan.sample,
@@ -266,7 +306,10 @@ class Engine:
 
     def _book(self, f: _InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
-        tokens, logprobs = np.asarray(f.tokens), np.asarray(f.logprobs)  # waits for the step to finish
+        self._blocked = (t0, "waiting for a step that runs on every node")
+        tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
+        logprobs = self.runner.local_values(f.logprobs)
+        self._blocked = None
         t1 = time.perf_counter()
         for r, plan in enumerate(f.plans):
             if plan:
@@ -301,6 +344,9 @@ class Engine:
     # ---- background loop and streaming -----------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            if self.hosts is not None:  # nodes finish compiling at different times: meet before the first step
+                self.hosts.barrier("ready", self.hosts.init_timeout_s)
+                threading.Thread(target=self._watchdog, name="jaxdp-watchdog", daemon=True).start()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="jaxdp-engine", daemon=True)
             self._thread.start()
@@ -309,7 +355,17 @@ class Engine:
         while not self._stop:
             try:
                 ran = self.step()
-            except Exception:  # a bug, not a user error: fail every request loudly instead of hanging
+            except PeerStopped as e:
+                self._fail(str(e), level=logging.INFO)
+                return
+            except PeerFailure as e:
+                self._fail(str(e))
+                return
+            except Exception as e:
+                if self.hosts is not None and self.failed is None:  # a collective with a dead node fails here
+                    self._fail(f"a step across the nodes failed ({_first_line(e)}); another node died or stopped")
+                    return
+                # a bug, not a user error: fail every request loudly instead of hanging
                 log.exception("engine step failed; aborting all requests")
                 now = time.perf_counter()
                 for s in self.schedulers:
@@ -317,9 +373,118 @@ class Engine:
                         req.error = "internal error in the engine step; see the server log"
                         s.finish(req, "abort", now)
                 ran = False
+            if self.failed:
+                return
             if not ran:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+        if self.hosts is not None and self.hosts.node_rank == 0 and not self.failed:
+            self._say_stop()
+
+    # ---- several nodes ---------------------------------------------------------------------------
+    def _message(self) -> dict:
+        """What this node tells the others this iteration (nothing on a single host)."""
+        if self.hosts is None:
+            return {}
+        if self.hosts.node_rank == 0:
+            out, self._outgoing = self._outgoing, {"new": [], "abort": []}
+            return out
+        updates = []
+        for rid, sent in list(self._origin.items()):
+            req = self.requests.get(rid)
+            if req is None:
+                del self._origin[rid]
+                continue
+            ids = req.done_ids
+            if len(ids) > sent or req.finished:
+                lps = req.output_logprobs[sent:] if req.params.return_logprob else []
+                updates.append((rid, ids[sent:], lps, req.cached_tokens,
+                                req.finish_reason if req.finished else None, req.error))
+                if req.finished:
+                    del self._origin[rid]
+                    del self.requests[rid]
+                else:
+                    self._origin[rid] = len(ids)
+        states = {r: self.schedulers[r].state() for r in self.local_ranks}
+        return {"updates": updates, "states": states}
+
+    def _receive(self, messages: list[dict]) -> None:
+        now = time.perf_counter()
+        if self.hosts.node_rank != 0:
+            msg = messages[0]
+            if msg.get("stop"):
+                raise PeerStopped("node 0 shut down; this node ends too")
+            for rid, prompt_ids, params, rank in msg.get("new", ()):
+                if rank not in self.local_ranks:
+                    continue
+                req = Request(rid, prompt_ids, SamplingParams(**params), rank=rank)
+                if req.params.stop and self.tokenizer is not None:
+                    req.stop_check = stop_string_check(self.tokenizer, req.params.stop)
+                self._origin[rid] = 0
+                self.submit(req)
+            for rid in msg.get("abort", ()):
+                if rid in self._origin:
+                    self.abort(rid)
+            return
+        for node, msg in enumerate(messages):
+            if node == 0:
+                continue
+            self.remote_state.update(msg.get("states", {}))
+            for rid, ids, lps, cached, finish, error in msg.get("updates", ()):
+                req = self.requests.get(rid)
+                if req is None or req.finished:
+                    continue
+                req.output_ids.extend(ids)
+                req.output_logprobs.extend(lps)
+                req.cached_tokens = cached
+                if ids and req.first_token_at is None:
+                    req.first_token_at = now
+                if finish:
+                    _finish_stand_in(req, finish, error, now)
+                else:
+                    req.state = State.RUNNING
+                    if ids and req.on_update:
+                        req.on_update(req)
+
+    def _say_stop(self) -> None:
+        """Node 0 leaving in order: the others read "stop" in the next exchange and end."""
+        try:
+            empty = [Proposal(0, False, False)] * self.layout.dp
+            self.exchange.exchange(empty, {"stop": True, "new": [], "abort": []})
+            self.hosts.barrier("stopped", self.hosts.timeout_s)  # they have read it: the coordinator may go
+        except PeerFailure:
+            pass
+
+    def _fail(self, message: str, level: int = logging.ERROR) -> None:
+        """Stop serving: every unfinished request ends with the message, new ones get it (HTTP 503)."""
+        if self.failed:
+            return
+        self.failed = message
+        log.log(level, "%s", message if level != logging.ERROR else f"{message}; this engine stops serving")
+        now = time.perf_counter()
+        for req in list(self.requests.values()):
+            if not req.finished:
+                req.error_status = 503
+                _finish_stand_in(req, "abort", message, now)
+        self._stop = True
+        self._wake.set()
+
+    def _watchdog(self) -> None:
+        """A wait on another node that outlives the timeout (a stalled node, a collective that never
+        ends) fails the engine, although the loop thread itself stays stuck in that wait."""
+        while not self._stop and not self.failed:
+            blocked = self._blocked
+            if blocked is not None and time.perf_counter() - blocked[0] > self.hosts.timeout_s:
+                self._fail(f"no answer from the other nodes for {self.hosts.timeout_s:.0f} s while {blocked[1]}; "
+                           "a node died or stalled")
+                return
+            time.sleep(0.2)
+
+    def rank_state(self, rank: int) -> dict:
+        """The scheduler's figures of a rank of this engine (another node's: as of the last exchange)."""
+        if rank in self.local_ranks:
+            return self.schedulers[rank].state()
+        return self.remote_state.get(rank) or self.schedulers[rank].state()
 
     async def stream(self, req: Request) -> AsyncIterator[Request]:
         """Yield the request after every new token and once when it finishes (the loop must be running)."""
@@ -347,8 +512,8 @@ class Engine:
 
     @property
     def is_running(self) -> bool:
-        """The background loop is alive (what /health reports)."""
-        return self._thread is not None and self._thread.is_alive()
+        """The background loop is alive and serving (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive() and not self.failed
 
     def stop(self) -> None:
         """Stop the background loop (requests in flight stay queued)."""
@@ -378,6 +543,20 @@ class _InFlight:
     host_s: float
     dispatch_s: float
     agree_s: float
+
+
+def _finish_stand_in(req: Request, reason: str, error: str | None, now: float) -> None:
+    """End a request outside a scheduler (a stand-in for another node's, or on failure)."""
+    req.output_ids = list(req.done_ids)
+    req.finish_reason, req.error = reason, error if error is not None else req.error
+    req.state, req.finished_at = State.FINISHED, now
+    if req.on_update:
+        req.on_update(req)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 class _Result:

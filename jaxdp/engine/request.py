@@ -63,6 +63,7 @@ class Request:
     retractions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why an aborted request was refused
+    error_status: int | None = None  # the HTTP status of that error when not a 400 (503: the engine failed)
     stop_check: Callable[[Request], bool] | None = None  # stop strings, checked by the API layer
     on_update: Callable[[Request], None] | None = None  # called after each token and at the end
     created: float = dataclasses.field(default_factory=time.perf_counter)

@@ -72,6 +72,29 @@ class Scheduler:
         used = self.pool.num_pages - self.pool.free - self.cache.evictable()
         return used / self.pool.num_pages
 
+    def state(self) -> dict:
+        """This rank's figures for /get_load, /get_server_info, metrics and logs (plain numbers, so another
+        node can send them to node 0). Other threads read this while the loop changes it: retried."""
+        for _ in range(3):
+            try:
+                running, waiting = list(self.running), list(self.waiting)
+                pool, cache = self.pool, self.cache
+                return {
+                    "num_running_reqs": len(running), "num_queue_reqs": len(waiting),
+                    "num_reqs": len(running) + len(waiting),
+                    "num_tokens": sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting),
+                    "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
+                    "token_usage": self.token_usage,
+                    "max_total_num_tokens": pool.num_pages * pool.page_size,
+                    "page_size": pool.page_size, "num_pages": pool.num_pages, "free_pages": pool.free,
+                    "cached_pages": cache.size,
+                    "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
+                    "retracted_reqs": self.retracted_total,
+                }
+            except RuntimeError:  # a dict resized mid-read
+                continue
+        raise RuntimeError("the scheduler kept changing while its state was read")
+
     def _available(self) -> int:
         return self.pool.free + self.cache.evictable()
 

@@ -96,11 +96,12 @@ class Agreement:
 
 class LocalExchange:
     """How ranks learn each other's proposals. On one host every rank's scheduler lives in this process,
-    so the exchange is the list itself; across hosts an implementation all-gathers the few integers per
-    rank through the distributed runtime behind the same method, and the schedulers do not change."""
+    so the exchange is the list itself. Across hosts `jaxdp.engine.hosts.HostExchange` posts this node's
+    ranks' proposals (and a small message riding along) to the distributed runtime and reads the other
+    nodes', behind the same method; the schedulers do not change."""
 
-    def all_gather(self, local: list[Proposal]) -> list[Proposal]:
-        return list(local)
+    def exchange(self, proposals: list[Proposal], message: dict) -> tuple[list[Proposal], list[dict]]:
+        return list(proposals), [message]
 
 
 def agree_on_step(proposals: list[Proposal]) -> Agreement:

@@ -110,6 +110,29 @@ class StepRunner:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P("dp"))
 
+    @property
+    def multi_process(self) -> bool:
+        """The mesh spans processes (several nodes): each process feeds and reads only its own devices."""
+        return any(d.process_index != jax.process_index() for d in self.mesh.devices.flat)
+
+    def put(self, x: np.ndarray, spec: P | None = None) -> jax.Array:
+        """A host array onto the mesh. Across processes each one supplies only its own devices' part (the
+        rows of its DP ranks; the other ranks' rows of `x` are never read)."""
+        sharding = NamedSharding(self.mesh, P("dp") if spec is None else spec)
+        if not self.multi_process:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    def local_values(self, x: jax.Array) -> np.ndarray:
+        """A step output [dp, ...] back on the host; across processes only this process's ranks' rows are
+        filled (the rest are zeros)."""
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        out = np.zeros(x.shape, x.dtype)
+        for shard in x.addressable_shards:
+            out[shard.index] = np.asarray(shard.data)
+        return out
+
     def close(self) -> None:
         """Free the weights, the caches and the executables."""
         self.state = self.cache = None
@@ -189,11 +212,10 @@ class StepRunner:
         prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
         negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
         self.compile(shape)
-        sh = NamedSharding(self.mesh, P("dp"))
-        batch = {k: jax.device_put(stacked[k], sh) for k in BATCH_FIELDS}
-        rows = jax.device_put(stacked["rows_R"], NamedSharding(self.mesh, P()))
+        batch = {k: self.put(stacked[k]) for k in BATCH_FIELDS}
+        rows = self.put(np.asarray(stacked["rows_R"], np.int32), P())
         if prev_tokens is None:
-            prev_tokens = jax.device_put(np.zeros((self.layout.dp, self.token_carry), np.int32), sh)
+            prev_tokens = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
         logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
