@@ -212,9 +212,10 @@ class FakeStore:
                 raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
             return self.data[key]
 
-    def key_value_delete(self, key):
+    def key_value_delete(self, key):  # a key, or a directory and everything under it
         with self.cond:
-            self.data.pop(key, None)
+            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
+                del self.data[k]
 
 
 def test_exchange_gives_every_node_the_same_proposals_and_messages():
@@ -224,7 +225,7 @@ def test_exchange_gives_every_node_the_same_proposals_and_messages():
     def node(k):
         ex = HostExchange(nodes, k, dp, timeout_s=5, client=store)
         out = []
-        for step in range(20):
+        for step in range(200):
             local = [Proposal(0, False, False)] * dp
             for r in ex.local_ranks():
                 local[r] = Proposal(10 * step + r, r % 2 == 0, True)
@@ -236,14 +237,15 @@ def test_exchange_gives_every_node_the_same_proposals_and_messages():
         t.start()
     for t in threads:
         t.join(30)
-    for step in range(20):
+    for step in range(200):
         proposals = [results[k][step][0] for k in range(nodes)]
         assert all(p == proposals[0] for p in proposals)
         assert [p.rows for p in proposals[0]] == [10 * step + r for r in range(dp)]
         for k in range(nodes):
             assert [m["from"] for m in results[k][step][1]] == list(range(nodes))
-    assert len(store.data) <= nodes  # the keys of finished steps are deleted
-    assert all(pickle.loads(v)[1]["step"] == 19 for v in store.data.values())
+    # the keys of finished iterations are deleted, a directory of BLOCK at a time
+    assert len(store.data) <= 2 * HostExchange.BLOCK * nodes
+    assert max(pickle.loads(v)[1]["step"] for v in store.data.values()) == 199
 
 
 def test_a_silent_node_fails_the_exchange_within_the_timeout():

@@ -375,7 +375,8 @@ class Engine:
                 ran = False
             if self.failed:
                 return
-            if not ran:
+            if not ran and (self.hosts is None or self.hosts.node_rank == 0):
+                # idle: wait for a request (other nodes wait inside the next exchange, for node 0)
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
         if self.hosts is not None and self.hosts.node_rank == 0 and not self.failed:

@@ -173,7 +173,7 @@ class HostExchange:
 
     `exchange(proposals, message)`: every node posts its own ranks' proposals and a message under the
     iteration's key, then reads every other node's; all return the same full list of proposals and all
-    messages. Keys of the previous iteration are deleted once every node has moved past it.
+    messages. Keys live in directories of BLOCK iterations, which node 0 deletes once every node is past.
     """
 
     def __init__(self, nnodes: int, node_rank: int, dp: int, timeout_s: float, *, init_timeout_s: float = 300.0,
@@ -196,8 +196,10 @@ class HostExchange:
     def owner(self, rank: int) -> int:
         return rank // self.per_node
 
+    BLOCK = 64  # iterations per key directory; node 0 deletes a finished directory in one call
+
     def _key(self, seq: int, node: int) -> str:
-        return f"{self.prefix}/x{seq}/n{node}"
+        return f"{self.prefix}/b{seq // self.BLOCK}/x{seq}/n{node}"
 
     def exchange(self, proposals: list, message: dict) -> tuple[list, list[dict]]:
         t0 = time.perf_counter()
@@ -217,9 +219,10 @@ class HostExchange:
             r = self.local_ranks(node)
             full[r.start:r.stop] = theirs
             messages[node] = msg
-        if self.seq > 0:
+        # every node has posted this iteration, so every node has read all keys of the ones before it
+        if self.node_rank == 0 and self.seq % self.BLOCK == 0 and self.seq > 0:
             try:
-                self.client.key_value_delete(self._key(self.seq - 1, self.node_rank))
+                self.client.key_value_delete(f"{self.prefix}/b{self.seq // self.BLOCK - 1}")
             except Exception:  # the coordinator is going away; the next exchange reports it
                 pass
         self.seq += 1
