@@ -2,8 +2,8 @@
 
 Completions through node 0 equal the single-process dp=8 server's greedy outputs, for requests pinned to
 ranks 0-3 (node 0) and 4-7 (node 1), over IPv4 and over IPv6 (`--dist-init-addr [::1]:PORT`). Killing node 1
-mid-load makes node 0 fail its requests and refuse new ones (503) within `--dist-timeout`; stopping node 0
-ends node 1. Start-up mistakes end in one line. The exchange itself is checked against a fake key-value
+mid-load, or stalling it (SIGSTOP), makes node 0 fail its requests and refuse new ones (503) within
+`--dist-timeout`; stopping node 0 ends node 1. Start-up mistakes end in one line. The exchange itself is checked against a fake key-value
 store (every node reaches the same proposals; a silent node raises PeerFailure within the timeout).
 """
 
@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -137,6 +139,38 @@ def test_two_nodes_match_single_process_and_survive_a_dead_node(tmp_path, refere
         assert r.status_code == 503 and "node 1" in r.json()["error"]["message"]
         assert cluster.node0.proc.poll() is None  # node 0 keeps answering (503), it does not hang or crash
         assert "node 1 did not answer" in cluster.node0.log.read_text()
+
+
+def test_a_stalled_node_fails_node_0_within_the_timeout(tmp_path):
+    """SIGSTOP on node 1 (no socket closes, no process exits): node 0's watchdog ends the wait."""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    if not children.exists():
+        pytest.skip("needs /proc/PID/task/PID/children (Linux)")
+    with Cluster(tmp_path, "127.0.0.1") as cluster:
+        parent = cluster.node1.proc.pid  # node 1 runs as the child of a small supervisor
+        node1 = int(Path(f"/proc/{parent}/task/{parent}/children").read_text().split()[0])
+        body = {"text": "2+2=", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+                "routed_dp_rank": 6}
+
+        async def stall():
+            async with httpx.AsyncClient(timeout=120) as c:
+                task = asyncio.create_task(c.post(cluster.node0.url + "/generate", json=body))
+                await asyncio.sleep(1.5)
+                t0 = time.monotonic()
+                os.kill(node1, signal.SIGSTOP)
+                while (await c.get(cluster.node0.url + "/health")).status_code == 200:
+                    await asyncio.sleep(0.1)
+                return time.monotonic() - t0, await asyncio.wait_for(task, timeout=3 * TIMEOUT)
+
+        try:
+            unhealthy_after, answer = asyncio.run(stall())
+        finally:
+            os.kill(node1, signal.SIGCONT)
+        assert unhealthy_after < TIMEOUT + 5, unhealthy_after
+        assert answer.status_code == 503 and "no answer from the other nodes" in answer.json()["error"]["message"]
+        # node 1, running again, finds node 0 gone from the exchange and ends by itself with a message
+        assert cluster.node1.proc.wait(timeout=3 * TIMEOUT) == 1
+        assert "error: node 1:" in cluster.node1.log.read_text()
 
 
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")

@@ -289,9 +289,12 @@ class Engine:
         t1 = time.perf_counter()
         compiles_before = compiles_total()
         prev = self._inflight.tokens if self._inflight is not None else None
+        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
+        self._blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
         logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
         tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS),
                                          width=self.runner.token_carry)
+        self._blocked = None
         t2 = time.perf_counter()
         current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
                             host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
