@@ -1,5 +1,6 @@
-"""SGLang's native endpoints: /generate, /health, /health_generate, /get_server_info, /get_load,
-/get_model_info, /flush_cache, /metrics.
+"""SGLang's native endpoints: /generate, /health, /health_generate, /ready, /server_info, /get_load,
+/model_info, /flush_cache, /metrics (and the older names /get_server_info and /get_model_info, which
+SGLang keeps as deprecated aliases; sglang.bench_serving asks for /server_info and /model_info).
 
 /generate takes `text` or `input_ids` (one prompt or a batch), `sampling_params`, `stream`, `rid`,
 `return_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
@@ -10,7 +11,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -162,8 +165,15 @@ async def health_generate(http: HttpRequest):
     return Response(status_code=200)
 
 
+@router.get("/ready")
+async def ready(http: HttpRequest):
+    """SGLang's readiness probe: 200 once the server takes requests (here: while the backend is alive)."""
+    return Response(status_code=200 if http.app.state.ctx.backend.alive() else 503)
+
+
+@router.get("/server_info")
 @router.get("/get_server_info")
-async def get_server_info(http: HttpRequest):
+async def server_info(http: HttpRequest):
     ctx: ServerContext = http.app.state.ctx
     b = ctx.backend
     engines = [{"replica": i, "layout": e.layout.describe(), "mesh": e.layout.spec(),
@@ -182,11 +192,28 @@ async def get_load(http: HttpRequest):
             for s in http.app.state.ctx.backend.states()]
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
-async def get_model_info(http: HttpRequest):
+async def model_info(http: HttpRequest):
+    """SGLang's model info; sglang.bench_serving reads tokenizer_path (or model_path) when run without
+    --tokenizer, so it names the checkpoint directory only when that directory holds the tokenizer."""
     ctx: ServerContext = http.app.state.ctx
-    return {"model_path": ctx.model_path, "tokenizer_path": ctx.model_path if ctx.tokenizer else None,
-            "is_generation": True}
+    config = _hf_config(ctx.model_path)
+    return {"model_path": ctx.model_path, "served_model_name": ctx.served_model_name,
+            "tokenizer_path": ctx.model_path if ctx.tokenizer else None, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": config.get("model_type"), "architectures": config.get("architectures")}
+
+
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} for a preset or a directory without one)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

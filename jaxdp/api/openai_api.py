@@ -24,6 +24,7 @@ from jaxdp.api.common import (
     check_n,
     done_ids,
     field,
+    finish_reason,
     openai_finish,
     read_json,
     sampling_params,
@@ -116,6 +117,12 @@ def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0) -> dict:
     return {"content": content}
 
 
+def _matched_stop(job: Job) -> str | int | None:
+    """SGLang's matched_stop: the stop string, or the stop token id (EOS included) that ended the choice."""
+    reason = finish_reason(job.req, job.view)
+    return reason.get("matched") if reason else None
+
+
 def _usage(jobs: list[Job]) -> dict:
     firsts = {}
     for job in jobs:
@@ -154,8 +161,7 @@ async def _handle(http: HttpRequest, chat: bool):
     choices = []
     for i, job in enumerate(jobs):
         text, req = job.view.text(job.req), job.req
-        choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(req),
-                                  "matched_stop": job.view.matched}
+        choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(req), "matched_stop": _matched_stop(job)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = _logprobs_chat(ctx, job) if want_logprobs else None
@@ -203,7 +209,7 @@ async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, wan
         if ctx.tokenizer is None:
             choice["token_ids"] = done_ids(req)[sent_tokens[i]:]
         if finish is not None:
-            choice["matched_stop"] = job.view.matched
+            choice["matched_stop"] = _matched_stop(job)
         sent_tokens[i] = len(done_ids(req))
         yield chunk([choice])
     if usage:
