@@ -1,16 +1,17 @@
 """Several nodes: two processes with 4 CPU devices each on loopback form one `--mesh dp=8` model world.
 
 Completions through node 0 equal the single-process dp=8 server's greedy outputs, for requests pinned to
-ranks 0-3 (node 0) and 4-7 (node 1), over IPv4 and over IPv6 (`--dist-init-addr [::1]:PORT`). Killing node 1
-mid-load, or stalling it (SIGSTOP), makes node 0 fail its requests and refuse new ones (503) within
-`--dist-timeout`; stopping node 0 ends node 1. Start-up mistakes end in one line. The exchange itself is
-checked against a fake key-value store (every node reaches the same proposals; a silent node raises
-PeerFailure within the timeout).
+ranks 0-3 (node 0) and 4-7 (node 1), over IPv4 and over IPv6 (`--dist-init-addr [::1]:PORT`), and under
+dp=4,tp=2 (two whole TP groups per node). Killing node 1 mid-load, or stalling it (SIGSTOP), makes node 0
+fail its requests and refuse new ones (503) within `--dist-timeout`; stopping node 0 ends node 1.
+Start-up mistakes end in one line. The exchange itself is checked against a fake key-value store (every
+node reaches the same proposals; a silent node raises PeerFailure within the timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
 import signal
@@ -61,9 +62,9 @@ def generate(server, prompt: str, rank: int | None = None, max_new_tokens: int =
 class Cluster:
     """Node 0 (HTTP) and node 1 (its ranks' loop and /health) of one dp=8 model world."""
 
-    def __init__(self, tmp, host: str):
+    def __init__(self, tmp, host: str, mesh: str = "dp=8"):
         addr = f"[{host}]:{free_port()}" if ":" in host else f"{host}:{free_port()}"
-        common = ["--mesh", "dp=8", "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(TIMEOUT), *ARGS]
+        common = ["--mesh", mesh, "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(TIMEOUT), *ARGS]
         self.node0 = Server([*common, "--node-rank", "0"], tmp / "node0.log", env=NODE_ENV)
         self.node1 = Server([*common, "--node-rank", "1"], tmp / "node1.log", env=NODE_ENV)
 
@@ -142,16 +143,21 @@ def test_two_nodes_match_single_process_and_survive_a_dead_node(tmp_path, refere
         assert "node 1 did not answer" in cluster.node0.log.read_text()
 
 
-def test_a_stalled_node_fails_node_0_within_the_timeout(tmp_path):
-    """SIGSTOP on node 1 (no socket closes, no process exits): node 0's watchdog ends the wait."""
+def test_tp_groups_stay_on_a_node_and_a_stalled_node_fails_node_0_within_the_timeout(tmp_path, reference):
+    """dp=4,tp=2 over two nodes (each node two whole TP groups) gives the same answers; then SIGSTOP on
+    node 1 (no socket closes, no process exits): node 0's watchdog ends the wait."""
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     if not children.exists():
         pytest.skip("needs /proc/PID/task/PID/children (Linux)")
-    with Cluster(tmp_path, "127.0.0.1") as cluster:
+    with Cluster(tmp_path, "127.0.0.1", mesh="dp=4,tp=2") as cluster:
+        info = httpx.get(cluster.node0.url + "/get_server_info", timeout=10).json()
+        assert "dp=4 x tp=2" in json.dumps(info)
+        for i, p in enumerate(PROMPTS[:4]):  # ranks 0-1 on node 0, 2-3 on node 1
+            assert generate(cluster.node0, p, rank=i)["output_ids"] == reference[p], (p, i)
         parent = cluster.node1.proc.pid  # node 1 runs as the child of a small supervisor
         node1 = int(Path(f"/proc/{parent}/task/{parent}/children").read_text().split()[0])
         body = {"text": "2+2=", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
-                "routed_dp_rank": 6}
+                "routed_dp_rank": 3}
 
         async def stall():
             async with httpx.AsyncClient(timeout=120) as c:
