@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--groups", type=int, default=12, help="packed groups per batch (one flat step each)")
     ap.add_argument("--rows", type=int, default=96, help="token rows per packed group")
     ap.add_argument("--max-seqs", type=int, default=8, help="sequences per packed group at most")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--eval-every", type=int, default=0, help="held-out check every N steps (0: at the end)")
