@@ -115,6 +115,7 @@ class Engine:
         self._outgoing: dict[str, list] = {"new": [], "abort": []}  # node 0: for other nodes' ranks
         self._origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
         self._blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
+        self._states_sent = 0.0  # other nodes: when the ranks' states last went to node 0
         self._inflight: _InFlight | None = None
         self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
         self._pending_lock = threading.Lock()
@@ -409,8 +410,12 @@ class Engine:
                     del self.requests[rid]
                 else:
                     self._origin[rid] = len(ids)
-        states = {r: self.schedulers[r].state() for r in self.local_ranks}
-        return {"updates": updates, "states": states}
+        msg = {"updates": updates}
+        now = time.perf_counter()
+        if now - self._states_sent >= 0.25:  # rank states for /get_load and metrics: four times a second is enough
+            msg["states"] = {r: self.schedulers[r].state() for r in self.local_ranks}
+            self._states_sent = now
+        return msg
 
     def _receive(self, messages: list[dict]) -> None:
         now = time.perf_counter()
