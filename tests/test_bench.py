@@ -6,17 +6,11 @@ server for the module, always stopped."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
+from servers import Server, free_port
 
 from jaxdp.bench import main, rank_pattern
 
@@ -25,42 +19,14 @@ SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda
 RUN = ["--num-prompts", "8", "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log: Path = tmp_path_factory.mktemp("bench") / "server.log"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jaxdp.serve", "--port", str(port), "--mesh", "dp=8", "--model-path", "tiny",
-           "--skip-tokenizer-init", *SMALL]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(["--mesh", "dp=8", "--model-path", "tiny", "--skip-tokenizer-init", *SMALL],
+                    tmp_path_factory.mktemp("bench") / "server.log")
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            if time.time() - t0 > 240:
-                raise RuntimeError(f"the server did not come up in 240 s:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
+        yield server.wait().url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        server.stop()
 
 
 def finished_per_rank(url: str) -> dict[int, float]:

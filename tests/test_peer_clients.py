@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from servers import Server
 
 from jaxdp.model.loader import default_model_path
 
@@ -31,41 +29,13 @@ SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda
 pytestmark = pytest.mark.skipif(not HAVE_DEFAULT, reason="needs the embedded default model (text prompts)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    log: Path = tmp_path_factory.mktemp("peer") / "server.log"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jaxdp.serve", "--port", str(port), "--mesh", "dp=8", *SMALL]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(["--mesh", "dp=8", *SMALL], tmp_path_factory.mktemp("peer") / "server.log")
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            if time.time() - t0 > 240:
-                raise RuntimeError(f"the server did not come up in 240 s:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield base
+        yield server.wait().url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        server.stop()
 
 
 def stream_lines(url: str, path: str, body: dict) -> list[bytes]:
