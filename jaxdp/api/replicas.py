@@ -195,23 +195,13 @@ class ReplicaSet:
         engine, local = self.ranks[rank]
         loads = loads or self.loads()
         return {"dp_rank": rank, "replica": self.replica_of(rank),
-                **_retry(lambda: engine.rank_state(local), {}),
+                **engine.rank_state(local),  # (Scheduler.state retries a read the loop disturbs)
                 "context_length": engine.context_len,
                 "controller_load": loads[rank][0]}  # what total_tokens compares: tokens / pool
 
     def states(self) -> list[dict]:
         loads = self.loads()
         return [self.rank_state(r, loads) for r in range(self.num_ranks)]
-
-
-def _retry(fn, default, tries: int = 3):
-    """Read a figure the engine thread may be changing (a dict resized mid-iteration): try again."""
-    for _ in range(tries):
-        try:
-            return fn()
-        except RuntimeError:
-            continue
-    return default
 
 
 async def wait_all(backend: ReplicaSet, reqs: list[Request]) -> list[Request]:

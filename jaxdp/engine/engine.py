@@ -8,7 +8,7 @@ idle. The compiled step is chosen from the busiest rank; tokens are sampled on t
 
 Use it offline (`generate`) or from a server (`start`, then `submit` / `stream` from other threads).
 
-Across several nodes (`hosts`, see `jaxdp.engine.hosts`) every node runs an Engine over the whole mesh; its
+Across several nodes (`hosts`, see `jaxdp.engine.hosts` and `.nodes`) every node runs an Engine over the mesh; its
 loop schedules only its own ranks, the agreement's exchange carries the other nodes' proposals, and node 0
 (the one with the HTTP server) keeps a stand-in for each request it sent to another node, which the
 exchange keeps up to date with that node's tokens.
@@ -32,8 +32,9 @@ from jaxdp.batch import build_rank_batch, stack_ranks
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
+from jaxdp.engine.nodes import NodeLink, end_request
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import BadRequest, Request, SamplingParams, State
+from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.sampling import sample_tokens, sampling_arrays
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
@@ -110,12 +111,9 @@ class Engine:
         self.hosts = hosts
         self.exchange = hosts if hosts is not None else LocalExchange()
         self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
+        self.link = NodeLink(self, hosts) if hosts is not None else None  # what rides on the exchange
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
-        self.remote_state: dict[int, dict] = {}  # node 0: the other nodes' ranks' states, from the exchange
-        self._outgoing: dict[str, list] = {"new": [], "abort": []}  # node 0: for other nodes' ranks
-        self._origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
-        self._blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
-        self._states_sent = 0.0  # other nodes: when the ranks' states last went to node 0
+        self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self._inflight: _InFlight | None = None
         self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
         self._pending_lock = threading.Lock()
@@ -204,7 +202,8 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         if len(self.requests) > 4096:  # forget finished requests (their owners hold them; nothing here reads them)
-            self.requests = {rid: r for rid, r in self.requests.items() if not r.finished or rid in self._origin}
+            keep = self.link.origin if self.link else {}  # finished, but not yet reported to node 0
+            self.requests = {rid: r for rid, r in self.requests.items() if not r.finished or rid in keep}
         while True:
             try:
                 cmd, arg = self._inbox.get_nowait()
@@ -215,27 +214,21 @@ class Engine:
                 with self._pending_lock:
                     self._pending[arg.rank][0] -= len(arg.prompt_ids)
                     self._pending[arg.rank][1] -= 1
-                if arg.rank not in self.local_ranks:  # node 0: another node's rank; a stand-in stays here
-                    self.requests[arg.rid] = arg
-                    self._outgoing["new"].append((arg.rid, arg.prompt_ids, dataclasses.asdict(arg.params),
-                                                  arg.rank))
+                if arg.rank not in self.local_ranks:  # node 0: another node's rank
+                    self.link.forward(arg)
                     continue
                 try:
                     self.schedulers[arg.rank].add(arg)
                     self.requests[arg.rid] = arg
                 except BadRequest as e:
-                    arg.finish_reason, arg.error = "abort", str(e)
-                    arg.state, arg.finished_at = arg.state.FINISHED, now
-                    if arg.on_update:
-                        arg.on_update(arg)
+                    end_request(arg, "abort", str(e), now)
             elif cmd == "abort":
                 req = self.requests.get(arg)
                 if req is not None and not req.finished:
                     if req.rank in self.local_ranks:
                         self.schedulers[req.rank].abort(arg, now)
-                    else:  # the owning node frees the pages; the stand-in ends now
-                        self._outgoing["abort"].append(arg)
-                        _finish_stand_in(req, "abort", None, now)
+                    else:
+                        self.link.forward_abort(req, now)
             elif cmd == "flush":
                 arg.set_result(all(s.cache.flush() for s in self.schedulers) if not self.busy else False)
 
@@ -257,11 +250,11 @@ class Engine:
         local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
                           bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
-        self._blocked = (ta, "exchanging the step's proposals")
-        proposals, messages = self.exchange.exchange(local, self._message())
-        self._blocked = None
-        if self.hosts is not None:
-            self._receive(messages)
+        self.blocked = (ta, "exchanging the step's proposals")
+        proposals, messages = self.exchange.exchange(local, self.link.message() if self.link else {})
+        self.blocked = None
+        if self.link:
+            self.link.receive(messages)
         agreement = agree_on_step(proposals)
         agree_s = time.perf_counter() - ta
         if not agreement.run:
@@ -291,11 +284,11 @@ class Engine:
         compiles_before = compiles_total()
         prev = self._inflight.tokens if self._inflight is not None else None
         self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
-        self._blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
+        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
         logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
         tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS),
                                          width=self.runner.token_carry)
-        self._blocked = None
+        self.blocked = None
         t2 = time.perf_counter()
         current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
                             host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
@@ -310,10 +303,10 @@ class Engine:
 
     def _book(self, f: _InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
-        self._blocked = (t0, "waiting for a step that runs on every node")
+        self.blocked = (t0, "waiting for a step that runs on every node")
         tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
         logprobs = self.runner.local_values(f.logprobs)
-        self._blocked = None
+        self.blocked = None
         t1 = time.perf_counter()
         for r, plan in enumerate(f.plans):
             if plan:
@@ -350,24 +343,25 @@ class Engine:
         if self._thread is None:
             if self.hosts is not None:  # nodes finish compiling at different times: meet before the first step
                 self.hosts.barrier("ready", self.hosts.init_timeout_s)
-                threading.Thread(target=self._watchdog, name="jaxdp-watchdog", daemon=True).start()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="jaxdp-engine", daemon=True)
             self._thread.start()
+            if self.link:
+                self.link.start_watchdog()
 
     def _loop(self) -> None:
         while not self._stop:
             try:
                 ran = self.step()
             except PeerStopped as e:
-                self._fail(str(e), level=logging.INFO)
+                self.fail(str(e), level=logging.INFO)
                 return
             except PeerFailure as e:
-                self._fail(str(e))
+                self.fail(str(e))
                 return
             except Exception as e:
-                if self.hosts is not None and self.failed is None:  # a collective with a dead node fails here
-                    self._fail(f"a step across the nodes failed ({_first_line(e)}); another node died or stopped")
+                if self.link and self.failed is None:  # a collective with a dead node fails here
+                    self.fail(f"a step across the nodes failed ({_first_line(e)}); another node died or stopped")
                     return
                 # a bug, not a user error: fail every request loudly instead of hanging
                 log.exception("engine step failed; aborting all requests")
@@ -383,88 +377,11 @@ class Engine:
                 # idle: wait for a request (other nodes wait inside the next exchange, for node 0)
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-        if self.hosts is not None and self.hosts.node_rank == 0 and not self.failed:
-            self._say_stop()
+        if self.link and self.link.is_node_0 and not self.failed:
+            self.link.say_stop()
 
-    # ---- several nodes ---------------------------------------------------------------------------
-    def _message(self) -> dict:
-        """What this node tells the others this iteration (nothing on a single host)."""
-        if self.hosts is None:
-            return {}
-        if self.hosts.node_rank == 0:
-            out, self._outgoing = self._outgoing, {"new": [], "abort": []}
-            return out
-        updates = []
-        for rid, sent in list(self._origin.items()):
-            req = self.requests.get(rid)
-            if req is None:
-                del self._origin[rid]
-                continue
-            ids = req.done_ids
-            if len(ids) > sent or req.finished:
-                lps = req.output_logprobs[sent:] if req.params.return_logprob else []
-                updates.append((rid, ids[sent:], lps, req.cached_tokens,
-                                req.finish_reason if req.finished else None, req.error))
-                if req.finished:
-                    del self._origin[rid]
-                    del self.requests[rid]
-                else:
-                    self._origin[rid] = len(ids)
-        msg = {"updates": updates}
-        now = time.perf_counter()
-        if now - self._states_sent >= 0.25:  # rank states for /get_load and metrics: four times a second is enough
-            msg["states"] = {r: self.schedulers[r].state() for r in self.local_ranks}
-            self._states_sent = now
-        return msg
-
-    def _receive(self, messages: list[dict]) -> None:
-        now = time.perf_counter()
-        if self.hosts.node_rank != 0:
-            msg = messages[0]
-            if msg.get("stop"):
-                raise PeerStopped("node 0 shut down; this node ends too")
-            for rid, prompt_ids, params, rank in msg.get("new", ()):
-                if rank not in self.local_ranks:
-                    continue
-                req = Request(rid, prompt_ids, SamplingParams(**params), rank=rank)
-                if req.params.stop and self.tokenizer is not None:
-                    req.stop_check = stop_string_check(self.tokenizer, req.params.stop)
-                self._origin[rid] = 0
-                self.submit(req)
-            for rid in msg.get("abort", ()):
-                if rid in self._origin:
-                    self.abort(rid)
-            return
-        for node, msg in enumerate(messages):
-            if node == 0:
-                continue
-            self.remote_state.update(msg.get("states", {}))
-            for rid, ids, lps, cached, finish, error in msg.get("updates", ()):
-                req = self.requests.get(rid)
-                if req is None or req.finished:
-                    continue
-                req.output_ids.extend(ids)
-                req.output_logprobs.extend(lps)
-                req.cached_tokens = cached
-                if ids and req.first_token_at is None:
-                    req.first_token_at = now
-                if finish:
-                    _finish_stand_in(req, finish, error, now)
-                else:
-                    req.state = State.RUNNING
-                    if ids and req.on_update:
-                        req.on_update(req)
-
-    def _say_stop(self) -> None:
-        """Node 0 leaving in order: the others read "stop" in the next exchange and end."""
-        try:
-            empty = [Proposal(0, False, False)] * self.layout.dp
-            self.exchange.exchange(empty, {"stop": True, "new": [], "abort": []})
-            self.hosts.barrier("stopped", self.hosts.timeout_s)  # they have read it: the coordinator may go
-        except PeerFailure:
-            pass
-
-    def _fail(self, message: str, level: int = logging.ERROR) -> None:
+    # ---- failure (several nodes) ------------------------------------------------------------------
+    def fail(self, message: str, level: int = logging.ERROR) -> None:
         """Stop serving: every unfinished request ends with the message, new ones get it (HTTP 503)."""
         if self.failed:
             return
@@ -474,26 +391,15 @@ class Engine:
         for req in list(self.requests.values()):
             if not req.finished:
                 req.error_status = 503
-                _finish_stand_in(req, "abort", message, now)
+                end_request(req, "abort", message, now)
         self._stop = True
         self._wake.set()
-
-    def _watchdog(self) -> None:
-        """A wait on another node that outlives the timeout (a stalled node, a collective that never
-        ends) fails the engine, although the loop thread itself stays stuck in that wait."""
-        while not self._stop and not self.failed:
-            blocked = self._blocked
-            if blocked is not None and time.perf_counter() - blocked[0] > self.hosts.timeout_s:
-                self._fail(f"no answer from the other nodes for {self.hosts.timeout_s:.0f} s while {blocked[1]}; "
-                           "a node died or stalled")
-                return
-            time.sleep(0.2)
 
     def rank_state(self, rank: int) -> dict:
         """The scheduler's figures of a rank of this engine (another node's: as of the last exchange)."""
         if rank in self.local_ranks:
             return self.schedulers[rank].state()
-        return self.remote_state.get(rank) or self.schedulers[rank].state()
+        return self.link.remote_state.get(rank) or self.schedulers[rank].state()
 
     async def stream(self, req: Request) -> AsyncIterator[Request]:
         """Yield the request after every new token and once when it finishes (the loop must be running)."""
@@ -552,15 +458,6 @@ class _InFlight:
     host_s: float
     dispatch_s: float
     agree_s: float
-
-
-def _finish_stand_in(req: Request, reason: str, error: str | None, now: float) -> None:
-    """End a request outside a scheduler (a stand-in for another node's, or on failure)."""
-    req.output_ids = list(req.done_ids)
-    req.finish_reason, req.error = reason, error if error is not None else req.error
-    req.state, req.finished_at = State.FINISHED, now
-    if req.on_update:
-        req.on_update(req)
 
 
 def _first_line(e: Exception) -> str:

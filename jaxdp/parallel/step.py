@@ -64,6 +64,8 @@ class StepRunner:
         self.token_carry = token_carry
         self.layout = layout
         self.mesh = mesh
+        # the mesh spans processes (several nodes): each process feeds and reads only its own devices
+        self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.num_pages, self.page_size = num_pages, page_size
         self.decode_kernel = decode_kernel
         self.expert_quantization = expert_quantization(model)
@@ -109,11 +111,6 @@ class StepRunner:
     @property
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P("dp"))
-
-    @property
-    def multi_process(self) -> bool:
-        """The mesh spans processes (several nodes): each process feeds and reads only its own devices."""
-        return any(d.process_index != jax.process_index() for d in self.mesh.devices.flat)
 
     def put(self, x: np.ndarray, spec: P | None = None) -> jax.Array:
         """A host array onto the mesh. Across processes each one supplies only its own devices' part (the
