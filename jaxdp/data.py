@@ -1,9 +1,14 @@
 """The default model's training data: small skills whose answers can be checked, generated here.
 
 Skills (prompt -> answer): `add` "37+48=" -> "85", `sub` "91-17=" -> "74" (never negative), `mul`
-"23*4=" -> "92" (a number below 100 times a digit, either order), `count` "count a abcab=" -> "2",
-`sort` "sort 3142=" -> "1234", `reverse` "reverse cat=" -> "tac". A prompt is shown plain ("37+48=")
-or wrapped in the chat template (`<bos><|user|>37+48=<|assistant|>`); the answer follows, then `<eos>`.
+"23*4=" -> "92" (a number below 100 times a digit, either order), `mul3` "123*4=" -> "492" (the same
+with 100..999), `count` "count a abcab=" -> "2", `sort` "sort 3142=" -> "1234", `reverse` "reverse
+cat=" -> "tac". A prompt is shown plain ("37+48=") or wrapped in the chat template
+(`<bos><|user|>37+48=<|assistant|>`); the answer follows, then `<eos>`. "Arithmetic", the figure the
+default model is held to, is add, sub and mul; `mul3` is there to teach `mul`: `mul` has 2,000 prompts,
+few enough that a small model memorises the training ones and misses the held-out ones (82% held-out
+with the loss near 0), while `mul3`'s 18,000 leave it no way but the digit-by-digit product, which
+`mul` then shares (99%).
 
 Everything is deterministic: training example i of seed s is drawn from its own generator
 (`np.random.default_rng([s, i])`), so the stream does not depend on the order it is read in. The split is
@@ -24,9 +29,9 @@ import numpy as np
 
 from jaxdp.tokenizer import Tokenizer
 
-SKILLS = ("add", "sub", "mul", "count", "sort", "reverse")
+SKILLS = ("add", "sub", "mul", "mul3", "count", "sort", "reverse")
 ARITHMETIC = ("add", "sub", "mul")
-SKILL_WEIGHTS = {"add": 0.28, "sub": 0.22, "mul": 0.32, "count": 0.06, "sort": 0.06, "reverse": 0.06}
+SKILL_WEIGHTS = {"add": 0.18, "sub": 0.14, "mul": 0.26, "mul3": 0.24, "count": 0.06, "sort": 0.06, "reverse": 0.06}
 HELD_OUT_PERMILLE = 100  # 10% of each skill's prompts are held out
 HELD_OUT_SEED = 1234  # the held-out sample an evaluation uses (the split itself does not depend on it)
 SEQ_LEN = 24  # token rows per training sequence (the longest example, chat-wrapped, is 23 tokens)
@@ -50,9 +55,17 @@ def _sub(rng: np.random.Generator) -> tuple[str, str]:
     return f"{a}-{b}=", str(a - b)
 
 
-def _mul(rng: np.random.Generator) -> tuple[str, str]:
-    a, d = int(rng.integers(0, 100)), int(rng.integers(0, 10))
+def _times_digit(rng: np.random.Generator, low: int, high: int) -> tuple[str, str]:
+    a, d = int(rng.integers(low, high)), int(rng.integers(0, 10))
     return (f"{a}*{d}=" if rng.random() < 0.5 else f"{d}*{a}="), str(a * d)
+
+
+def _mul(rng: np.random.Generator) -> tuple[str, str]:
+    return _times_digit(rng, 0, 100)
+
+
+def _mul3(rng: np.random.Generator) -> tuple[str, str]:
+    return _times_digit(rng, 100, 1000)
 
 
 def _count(rng: np.random.Generator) -> tuple[str, str]:
@@ -73,7 +86,7 @@ def _reverse(rng: np.random.Generator) -> tuple[str, str]:
 
 
 GENERATORS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
-    "add": _add, "sub": _sub, "mul": _mul, "count": _count, "sort": _sort, "reverse": _reverse,
+    "add": _add, "sub": _sub, "mul": _mul, "mul3": _mul3, "count": _count, "sort": _sort, "reverse": _reverse,
 }
 
 
@@ -91,10 +104,35 @@ def sample_problem(rng: np.random.Generator, skill: str, held_out: bool) -> Prob
             return Problem(skill, prompt, answer)
 
 
-def training_example(seed: int, index: int) -> tuple[Problem, bool]:
-    """Example `index` of the training stream of `seed`: (problem, whether it is chat-wrapped)."""
+def parse_mix(text: str) -> dict[str, float]:
+    """"add=0.2,mul=0.4,..." -> the skill weights, every skill named once, normalised to sum 1."""
+    mix: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or name not in SKILLS or weight < 0 or name in mix:
+            raise ValueError(f"--mix {text!r}: expected SKILL=WEIGHT for each of {', '.join(SKILLS)}, "
+                             f"weights >= 0 (at {item.strip()!r})")
+        mix[name] = weight
+    if set(mix) != set(SKILLS) or sum(mix.values()) <= 0:
+        raise ValueError(f"--mix {text!r}: name every skill once ({', '.join(SKILLS)}), weights summing above 0")
+    total = sum(mix.values())
+    return {s: mix[s] / total for s in SKILLS}
+
+
+def format_mix(mix: dict[str, float]) -> str:
+    return ",".join(f"{s}={mix[s]:g}" for s in SKILLS)
+
+
+def training_example(seed: int, index: int, mix: dict[str, float] | None = None) -> tuple[Problem, bool]:
+    """Example `index` of the training stream of `seed` and skill weights `mix` (default SKILL_WEIGHTS):
+    (problem, whether it is chat-wrapped)."""
+    mix = mix or SKILL_WEIGHTS
     rng = np.random.default_rng([seed, index])
-    skill = SKILLS[int(rng.choice(len(SKILLS), p=[SKILL_WEIGHTS[s] for s in SKILLS]))]
+    skill = SKILLS[int(rng.choice(len(SKILLS), p=[mix[s] for s in SKILLS]))]
     chat = bool(rng.random() < 0.5)
     return sample_problem(rng, skill, held_out=False), chat
 
@@ -163,13 +201,14 @@ def pack_group(seqs: list[tuple[list[int], list[float]]], shape: PackShape, pad_
     return out
 
 
-def train_batches(tok: Tokenizer, seed: int, groups_per_batch: int, shape: PackShape = PackShape()):
+def train_batches(tok: Tokenizer, seed: int, groups_per_batch: int, shape: PackShape = PackShape(),
+                  mix: dict[str, float] | None = None):
     """An endless, deterministic stream of training batches: each {key: [groups_per_batch, ...]} of packed
     groups (`pack_group`). Examples come from a grain `MapDataset` (example i of `seed`, see
     `training_example`) read in order and packed first-fit into consecutive groups."""
 
     def make(index: int) -> tuple[list[int], list[float]]:
-        problem, chat = training_example(seed, index)
+        problem, chat = training_example(seed, index, mix)
         return example_ids(tok, problem, chat)
 
     dataset = grain.MapDataset.range(0, 1 << 40).map(make)

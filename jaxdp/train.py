@@ -1,14 +1,15 @@
 """`python -m jaxdp.train`: train the embedded default model on the project's own skills data.
 
-The forward pass is the inference code itself: a batch of B sequences of T tokens is cut into groups of
-`--group` sequences, each group run as one flat extend step of the decoder (positions 0..T-1 per
-sequence, one page per sequence in a scratch latent cache, logits for every row, `absorbed=False`,
-`LocalComm`), the groups one after another with `lax.map`. AdamW with warmup and a cosine decay, data
-through grain (`jaxdp.data`), a tqdm bar and a JSON-lines loss log, orbax training checkpoints, and at
-the end an export in the Hugging Face format `--model-path` reads (`save_hf_checkpoint` plus the
-tokenizer files). Deterministic given `--seed` (initial weights and data stream).
+The forward pass is the inference code itself: a batch is `--groups` packed groups of `--rows` token
+rows (whole sequences back to back), each group one flat step of the decoder without a cache (a
+sequence's context is its own rows; logits for every row; `LocalComm(dense_experts=True)`, the routed
+experts as one dense product, since ragged_dot does not batch), the groups side by side with `vmap`.
+AdamW with warmup and a cosine decay, data through grain (`jaxdp.data`), a tqdm bar and a JSON-lines
+loss log, orbax training checkpoints, and at the end an export in the Hugging Face format
+`--model-path` reads (`save_hf_checkpoint` plus the tokenizer files). Deterministic given `--seed`
+(initial weights and data stream).
 
-    python -m jaxdp.train --steps 2400 --seed 0 --out runs/default-model
+    python -m jaxdp.train --seed 0 --out runs/default-model
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ from tqdm import tqdm
 from jaxdp.config import PRESETS, ModelConfig
 from jaxdp.data import (
     ARITHMETIC,
+    SKILL_WEIGHTS,
     SKILLS,
     PackShape,
+    format_mix,
     held_out_problems,
     pack_group,
+    parse_mix,
     prompt_text,
     train_batches,
 )
-from jaxdp.model.decoder import DeepseekV3, empty_kv_cache
+from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
 from jaxdp.parallel.local import LocalComm
 from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
@@ -70,23 +74,14 @@ def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
     return cfg.with_(**kw)
 
 
-def flat_logits(model: DeepseekV3, group: dict[str, jax.Array], page_size: int) -> jax.Array:
-    """Logits [R, V] of one packed group (`jaxdp.data.pack_group`), run as one flat extend step of the
-    decoder: sequence j lives in page j of a scratch latent cache; padding rows are invalid and write
-    nowhere."""
+def flat_logits(model: DeepseekV3, group: dict[str, jax.Array]) -> jax.Array:
+    """Logits [R, V] of one packed group (`jaxdp.data.pack_group`), run as one flat step of the decoder
+    without a cache: each sequence attends to its own rows; padding rows route to no expert."""
     max_seqs = group["seq_lens"].shape[0]
     R = group["tokens"].shape[0]
-    batch = AttnBatch(
-        positions_T=group["positions"],
-        seq_T=group["seq"],
-        slots_T=group["seq"] * page_size + group["positions"],  # padding (seq == max_seqs): out of range
-        page_table_BN=jnp.arange(max_seqs, dtype=jnp.int32)[:, None],
-        seq_lens_B=group["seq_lens"],
-    )
-    cache = empty_kv_cache(model.cfg, num_pages=max_seqs, page_size=page_size,
-                           dtype=model.embed_VD[...].dtype)
-    logits, _, _ = model(group["tokens"], group["seq"] < max_seqs, batch, cache,
-                         jnp.arange(R, dtype=jnp.int32), LocalComm(), absorbed=False)
+    batch = AttnBatch(positions_T=group["positions"], seq_T=group["seq"])
+    logits, _, _ = model(group["tokens"], group["seq"] < max_seqs, batch, None,
+                         jnp.arange(R, dtype=jnp.int32), LocalComm(dense_experts=True), absorbed=False)
     return logits
 
 
@@ -111,9 +106,9 @@ class Trainer:
         return nnx.merge(self.graphdef, state, self.rest)
 
     def _logits(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
-        """Logits [G, R, V] of a batch of G packed groups, the groups one after another."""
+        """Logits [G, R, V] of a batch of G packed groups, side by side."""
         model = self.model(params)
-        return jax.lax.map(lambda g: flat_logits(model, g, self.shape.max_len), batch)
+        return jax.vmap(lambda g: flat_logits(model, g))(batch)
 
     def _loss(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
         logits = self._logits(params, batch)
@@ -124,13 +119,12 @@ class Trainer:
     def _train_step(self, params, opt_state, batch):
         loss, grads = jax.value_and_grad(self._loss)(params, batch)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     def greedy(self, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
         """Greedy continuations, recomputing every sequence for each new token (evaluation in training):
-        each group holds rows // max_len sequences, sequence j at rows j * max_len onwards."""
-        L = self.shape.max_len
-        per_group = min(self.shape.rows // L, self.shape.max_seqs)
+        groups of 8 sequences packed back to back."""
+        L, per_group = self.shape.max_len, 8
         seqs = [list(p) for p in prompts]
         out: list[list[int]] = [[] for _ in prompts]
         active = [True] * len(prompts)
@@ -138,7 +132,7 @@ class Trainer:
             groups = []
             for start in range(0, len(seqs), per_group):
                 g = pack_group([(s, [0.0] * len(s)) for s in seqs[start:start + per_group]],
-                               PackShape(per_group * L, self.shape.max_seqs, L), pad_id)
+                               PackShape(per_group * L, per_group, L), pad_id)
                 groups.append(g)
             batch = {k: jnp.asarray(np.stack([g[k] for g in groups])) for k in groups[0]}
             logits = np.asarray(self.logits(self.params, batch))
@@ -188,18 +182,20 @@ def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/default-model", help="output directory (hf/ holds the export)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--config-overrides", nargs="*", default=DEFAULT_OVERRIDES, metavar="FIELD=VALUE",
                     help=f"ModelConfig fields over the preset (default: {' '.join(DEFAULT_OVERRIDES)})")
-    ap.add_argument("--groups", type=int, default=12, help="packed groups per batch (one flat step each)")
-    ap.add_argument("--rows", type=int, default=96, help="token rows per packed group")
-    ap.add_argument("--max-seqs", type=int, default=8, help="sequences per packed group at most")
+    ap.add_argument("--groups", type=int, default=24, help="packed groups per batch (one flat step each)")
+    ap.add_argument("--rows", type=int, default=48, help="token rows per packed group")
+    ap.add_argument("--max-seqs", type=int, default=4, help="sequences per packed group at most")
+    ap.add_argument("--mix", default=format_mix(SKILL_WEIGHTS),
+                    help="skill weights of the training stream, SKILL=WEIGHT for every skill (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--eval-every", type=int, default=0, help="held-out check every N steps (0: at the end)")
     ap.add_argument("--eval-n", type=int, default=100, help="held-out problems per skill for the checks")
     ap.add_argument("--ckpt-every", type=int, default=1000)
@@ -216,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer(tok_dir)
     try:
         cfg = parse_overrides(args.config_overrides, PRESETS[args.preset])
+        mix = parse_mix(args.mix)
     except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -232,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, args.seed, shape, optimizer)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("model: %d params; %s", n_params, cfg)
-    batches = train_batches(tok, args.seed, args.groups, shape)
+    batches = train_batches(tok, args.seed, args.groups, shape, mix)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     bar = tqdm(total=args.steps, desc="training", unit="step")
@@ -258,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     export(trainer, tok_dir, hf_dir, args.export_dtype)
     replay = ["--steps", str(args.steps), "--seed", str(args.seed), "--preset", args.preset,
               "--groups", str(args.groups), "--rows", str(args.rows),
-              "--max-seqs", str(args.max_seqs), "--lr", str(args.lr),
+              "--max-seqs", str(args.max_seqs), "--mix", args.mix, "--lr", str(args.lr),
               "--warmup", str(args.warmup), "--weight-decay", str(args.weight_decay),
               "--export-dtype", args.export_dtype]
     if args.config_overrides:

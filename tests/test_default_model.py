@@ -18,6 +18,7 @@ from jaxdp.data import (
     held_out_problems,
     is_held_out,
     pack_group,
+    parse_mix,
     train_batches,
     training_example,
 )
@@ -85,7 +86,7 @@ def test_held_out_never_trained_on():
 def test_answers_are_correct():
     for p in held_out_problems(30):
         expr = p.prompt[:-1]
-        if p.skill in ARITHMETIC:
+        if p.skill in (*ARITHMETIC, "mul3"):
             a, op, b = next(expr.partition(o) for o in "+-*" if o in expr)
             assert int(p.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         elif p.skill == "sort":
@@ -110,17 +111,82 @@ def test_pack_group_targets(tok):
     assert g["loss_mask"].sum() == 2 * len(answer) and list(g["seq_lens"]) == [n, n, 0, 0]
 
 
-def test_default_model_held_out_arithmetic():
-    """Greedy, through the compiled mesh step on one device, on held-out arithmetic.
+def test_mix_is_parsed_and_refused_in_one_sentence():
+    mix = parse_mix("add=2,sub=2,mul=4,mul3=0,count=1,sort=0.5,reverse=0.5")
+    assert list(mix) == list(SKILLS) and abs(sum(mix.values()) - 1) < 1e-12 and mix["mul"] == 0.4
+    full = "add=1,sub=1,mul=1,mul3=1,count=1,sort=1,reverse=1"
+    for bad in ("add=1", full.replace("reverse=1", "reverse=x"), full.replace("reverse", "rev"),
+                full.replace("1", "0"), "add=1," + full, full.replace("sort=1", "sort=-1")):
+        with pytest.raises(ValueError, match="--mix"):
+            parse_mix(bad)
+    problems = [training_example(0, i, {**{s: 0.0 for s in SKILLS}, "mul": 1.0})[0] for i in range(20)]
+    assert {p.skill for p in problems} == {"mul"}
 
-    The goal (issue 8) is 95%; the shipped model measures 84.3% with 100 problems per skill (add 96%,
-    sub 95%, mul 62%; see jaxdp/assets/default-model/README.md). Until a recipe that reaches the goal
-    within the 15-minute training budget ships, this guards the shipped figure against regressions."""
+
+def test_training_forward_is_the_serving_forward(tok):
+    """Training runs the decoder without a cache (each sequence attends to its own rows) and with the
+    routed experts as one dense product; the logits are those of the serving path (a flat extend step
+    over a paged cache, experts sorted and run with ragged_dot)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdp.config import PRESETS
+    from jaxdp.model.decoder import DeepseekV3, empty_kv_cache
+    from jaxdp.model.mla import AttnBatch
+    from jaxdp.parallel.local import LocalComm
+    from jaxdp.train import DEFAULT_OVERRIDES, flat_logits, parse_overrides
+
+    cfg = parse_overrides(DEFAULT_OVERRIDES, PRESETS["tiny"])
+    model = DeepseekV3(cfg, nnx.Rngs(3))
+    shape = PackShape(rows=96, max_seqs=8)
+    g = {k: jnp.asarray(v[0]) for k, v in next(train_batches(tok, 0, 1, shape)).items()}
+    got = np.asarray(flat_logits(model, g))
+    S = shape.max_len
+    batch = AttnBatch(g["positions"], g["seq"], g["seq"] * S + g["positions"],
+                      jnp.arange(shape.max_seqs)[:, None], g["seq_lens"])
+    want, _, _ = model(g["tokens"], g["seq"] < shape.max_seqs, batch, empty_kv_cache(cfg, shape.max_seqs, S),
+                       jnp.arange(shape.rows), LocalComm(), absorbed=False)
+    valid = np.asarray(g["seq"] < shape.max_seqs)
+    assert valid.sum() > 48
+    np.testing.assert_allclose(got[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
+
+
+def test_train_cli_end_to_end(tmp_path, capsys):
+    """A few steps of `python -m jaxdp.train` on a small shape: the loss log, an orbax checkpoint, the
+    summary, and an export the serving loader reads back with the trained weights."""
+    import jax
+    from flax import nnx
+
+    from jaxdp.model.loader import load_model
+    from jaxdp.train import main
+
+    out = tmp_path / "run"
+    argv = ["--steps", "4", "--groups", "2", "--eval-n", "2", "--ckpt-every", "2", "--out", str(out),
+            "--config-overrides", "hidden_size=64", "intermediate_size=96", "q_lora_rank=32", "kv_lora_rank=32"]
+    assert main(argv) == 0
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [4] and np.isfinite(log[0]["loss"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["args"][:2] == ["--steps", "4"] and set(summary["held_out_accuracy"]) >= set(SKILLS)
+    assert (out / "checkpoints" / "4").is_dir()
+    cfg, model = load_model(out / "hf", "float32")
+    assert cfg.hidden_size == 64 and Tokenizer(out / "hf").vocab_size == Tokenizer(default_model_path()).vocab_size
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
+    assert "exported to" in capsys.readouterr().out
+    assert main(["--out", str(tmp_path / "bad"), "--mix", "add=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mix") and err.count("\n") == 1
+
+
+def test_default_model_held_out_arithmetic():
+    """Greedy, through the compiled mesh step on one device, on held-out arithmetic: the issue's goal is
+    95% (the shipped model measures 99.3% with 100 problems per skill, see
+    jaxdp/assets/default-model/README.md)."""
     from jaxdp.eval import evaluate_local
 
     acc = evaluate_local("default", "dp=1", n=40, skills=ARITHMETIC)
-    assert acc["arithmetic"] >= 0.80, acc
-    assert acc["add"] >= 0.9 and acc["sub"] >= 0.9, acc
+    assert acc["arithmetic"] >= 0.95, acc
+    assert min(acc["add"], acc["sub"], acc["mul"]) >= 0.9, acc
 
 
 LAYOUTS = ["dp=8", "tp=8", "dp=2,tp=4", "dp=8,moe=ep"]
@@ -140,13 +206,18 @@ def test_default_model_answers_the_same_under_every_layout():
 
 @pytest.mark.slow
 def test_retrain_reproduces_accuracy(tmp_path):
-    """Retraining with the recorded command and seed gives the shipped accuracy within 1 point."""
+    """Retraining with the recorded command and seed gives the shipped accuracy within 1 point, and the
+    whole command (start-up, training, the final check, the export) takes under 15 minutes."""
+    import time
+
     from jaxdp.eval import evaluate_local
 
     record = json.loads((default_model_path() / "training.json").read_text())
     out = tmp_path / "run"
+    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "jaxdp.train", *record["args"], "--out", str(out)], check=True,
                    env={**os.environ, "XLA_FLAGS": ""})
+    assert time.perf_counter() - t0 < 15 * 60
     n = 100
     shipped = evaluate_local("default", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
     again = evaluate_local(out / "hf", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]

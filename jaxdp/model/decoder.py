@@ -74,18 +74,22 @@ class DeepseekV3(nnx.Module):
                  absorbed: bool, decode_kernel=None):
         """One step over the rows of this device.
 
-        kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}. Returns
-        (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache,
+        kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, or None: no cache, each sequence is
+        the step's rows alone (training; `batch` needs only positions_T and seq_T). Returns
+        (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache (None without one),
         rows received per expert summed over MoE layers [E_local]).
         """
         x_TD = self.embed_VD[...][tokens_T]
-        new_cache = dict(kv_cache)
+        new_cache = None if kv_cache is None else dict(kv_cache)
         expert_rows = jnp.zeros((0,), jnp.int32)
         for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
             if stack is None:
                 continue
-            x_TD, new_cache[name], rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv_cache[name], comm,
-                                                        absorbed, decode_kernel, is_moe=name == "moe")
+            kv = None if kv_cache is None else kv_cache[name]
+            x_TD, kv, rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv, comm, absorbed, decode_kernel,
+                                           is_moe=name == "moe")
+            if new_cache is not None:
+                new_cache[name] = kv
             if name == "moe":
                 expert_rows = rows_LE.sum(0)
         h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
@@ -97,10 +101,10 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
                is_moe: bool):
     """Run a stack of layers under lax.scan. The whole stack's cache is carried through the scan as one
     pool of L * P pages (layer i owns pages i*P ..), so each layer scatters its new entries in place
-    instead of the scan copying the cache out as a new stacked array."""
+    instead of the scan copying the cache out as a new stacked array. kv_LPSK None: no cache."""
     graphdef, state = nnx.split(stack)
     eps = stack.attn.cfg.rms_norm_eps
-    L, P, S, K = kv_LPSK.shape
+    L, P, S, K = kv_LPSK.shape if kv_LPSK is not None else (jax.tree.leaves(state)[0].shape[0], 0, 0, 0)
 
     def body(carry, xs):
         x_TD, kv_PSK = carry
@@ -116,8 +120,9 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
             y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
         return (comm.ffn_to_attn(y_rows, x_rows), kv_PSK), rows_E
 
-    (x_TD, kv), rows_LE = jax.lax.scan(body, (x_TD, kv_LPSK.reshape(L * P, S, K)), (state, jnp.arange(L)))
-    return x_TD, kv.reshape(L, P, S, K), rows_LE
+    kv = None if kv_LPSK is None else kv_LPSK.reshape(L * P, S, K)
+    (x_TD, kv), rows_LE = jax.lax.scan(body, (x_TD, kv), (state, jnp.arange(L)))
+    return x_TD, None if kv is None else kv.reshape(L, P, S, K), rows_LE
 
 
 def empty_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> dict:

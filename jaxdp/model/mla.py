@@ -3,11 +3,13 @@
 A token's cache entry is one vector per layer: the normalised kv latent (kv_lora_rank) followed by the
 roped shared key (qk_rope_head_dim), `K = kv_lora_rank + rope`. All heads read it.
 
-Two paths:
+Three paths:
 - `extend` (reading prompts): the latent of the context is expanded into per-head keys and values with
   W_UK / W_UV (kv_b_proj), then ordinary attention;
 - `decode`: the absorbed form. q_nope is projected into latent space (q . W_UK), attention runs over the
-  latent cache directly, W_UV is applied to the result.
+  latent cache directly, W_UV is applied to the result;
+- no cache (`kv_PSK=None`, training): each sequence's context is its own rows of the step, expanded as
+  in `extend`; nothing is written.
 Inside a shard_map the head axis of the weights is the device's slice of the heads; shapes are read
 from the arrays, never from the config.
 
@@ -36,13 +38,14 @@ class AttnBatch:
     positions_T: position of each token in its sequence; seq_T: which of the B sequences it belongs to
     (B for padding); slots_T: flat cache slot (page * page_size + offset) to write, out of range for
     padding; page_table_BN: pages of each sequence in order; seq_lens_B: context length after the step.
+    The last three concern the cache: a step without one (training) leaves them None.
     """
 
     positions_T: jax.Array
     seq_T: jax.Array
-    slots_T: jax.Array
-    page_table_BN: jax.Array
-    seq_lens_B: jax.Array
+    slots_T: jax.Array | None = None
+    page_table_BN: jax.Array | None = None
+    seq_lens_B: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -102,9 +105,13 @@ class MLA(nnx.Module):
         """Write this step's tokens into the cache, attend, project out. Returns (out_TD, kv_PSK).
 
         kv_PSK may hold the pages of every layer of a stack ([L * P, S, K], as the scan carries it, so
-        the step updates the cache in place); this layer's pages start at `page_offset`.
+        the step updates the cache in place); this layer's pages start at `page_offset`. With
+        kv_PSK None the step's rows are the whole context (training) and None comes back.
         """
         q_nope_THN, q_rope_THR = self.queries(x_TD, batch.positions_T)
+        if kv_PSK is None:
+            o_THV = self.attend_rows(q_nope_THN, q_rope_THR, self.latent(x_TD, batch.positions_T), batch)
+            return self.output(o_THV.astype(x_TD.dtype)), None
         if not isinstance(page_offset, int) or page_offset:  # this layer's pages start at page_offset
             batch = dataclasses.replace(batch, page_table_BN=batch.page_table_BN + page_offset)
         P = pages_per_layer or kv_PSK.shape[0]
@@ -115,14 +122,18 @@ class MLA(nnx.Module):
             o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch)
         return self.output(o_THV.astype(x_TD.dtype)), kv_PSK
 
+    def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
+        cfg = self.cfg
+        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], self.w_kv_b_LHX[...])
+        return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
+
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch) -> jax.Array:
         """Prompt path: expand the context's latent into per-head K and V; causal within each sequence."""
         cfg = self.cfg
         kv_BCK = gather_context(kv_PSK, batch.page_table_BN)
         B, C = kv_BCK.shape[:2]
-        latent_BCL, k_rope_BCR = kv_BCK[..., : cfg.kv_lora_rank], kv_BCK[..., cfg.kv_lora_rank :]
-        kv_BCHX = jnp.einsum("bcl,lhx->bchx", latent_BCL, self.w_kv_b_LHX[...])
-        k_nope_BCHN, v_BCHV = kv_BCHX[..., : cfg.qk_nope_head_dim], kv_BCHX[..., cfg.qk_nope_head_dim :]
+        k_nope_BCHN, v_BCHV, k_rope_BCR = self.expand(kv_BCK)
         s_THBC = jnp.einsum("thn,bchn->thbc", q_nope_THN, k_nope_BCHN, preferred_element_type=jnp.float32)
         s_THBC += jnp.einsum("thr,bcr->thbc", q_rope_THR, k_rope_BCR, preferred_element_type=jnp.float32)
         own_seq_TB = batch.seq_T[:, None] == jnp.arange(B)[None, :]
@@ -132,6 +143,17 @@ class MLA(nnx.Module):
         T, H = s_THBC.shape[:2]
         p_THBC = jax.nn.softmax(s_THBC.reshape(T, H, B * C), axis=-1).reshape(T, H, B, C)
         return jnp.einsum("thbc,bchv->thv", p_THBC.astype(v_BCHV.dtype), v_BCHV)
+
+    def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch) -> jax.Array:
+        """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t]."""
+        k_nope_THN, v_THV, k_rope_TR = self.expand(kv_TK)
+        s_THU = jnp.einsum("thn,uhn->thu", q_nope_THN, k_nope_THN, preferred_element_type=jnp.float32)
+        s_THU += jnp.einsum("thr,ur->thu", q_rope_THR, k_rope_TR, preferred_element_type=jnp.float32)
+        seq_T, pos_T = batch.seq_T, batch.positions_T
+        mask_TU = (seq_T[:, None] == seq_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])
+        s_THU = jnp.where(mask_TU[:, None], s_THU * self.cfg.softmax_scale, NEG_INF)
+        p_THU = jax.nn.softmax(s_THU, axis=-1)
+        return jnp.einsum("thu,uhv->thv", p_THU.astype(v_THV.dtype), v_THV)
 
     def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None):
         """Decode path: one token per sequence (T == B); attention over the latent cache itself."""

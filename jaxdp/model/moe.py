@@ -83,6 +83,16 @@ class MoE(nnx.Module):
         return routed_experts(x_TD, idx_TK, w_TK, self.w_gate_up_ED2I[...], self.w_down_EID[...],
                               expert_offset)
 
+    def experts_dense(self, x_TD, idx_TK, w_TK):
+        """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
+        same sum, no sorting, and it batches under vmap (training on a CPU, where ragged_dot is a masked
+        dense product anyway). Rows received per expert are still counted."""
+        if self.quantization is not None:
+            raise ValueError("dense experts need the unquantized weights")
+        E = self.num_local_experts
+        rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
+        return dense_experts(x_TD, idx_TK, w_TK, self.w_gate_up_ED2I[...], self.w_down_EID[...]), rows_E
+
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
 
@@ -139,6 +149,16 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
         return jax.lax.ragged_dot(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
 
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
+    """sum_e weight(row, e) * expert_e(row) over all E experts, weight 0 where e was not chosen ->
+    y_TD float32. idx_TK may hold the padding sentinel E (its one-hot row is all zeros)."""
+    E = w_gate_up_ED2I.shape[0]
+    w_TE = (jax.nn.one_hot(idx_TK, E, dtype=jnp.float32) * w_TK[..., None]).sum(1)
+    h_TE2I = jnp.einsum("td,edxi->texi", x_TD, w_gate_up_ED2I, preferred_element_type=jnp.float32)
+    h_TEI = jax.nn.silu(h_TE2I[:, :, 0]) * h_TE2I[:, :, 1] * w_TE[..., None]
+    return jnp.einsum("tei,eid->td", h_TEI.astype(x_TD.dtype), w_down_EID, preferred_element_type=jnp.float32)
 
 
 def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "xla"):

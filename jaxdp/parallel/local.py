@@ -12,6 +12,11 @@ from jaxdp.model.layers import rms_norm
 
 
 class LocalComm:
+    """dense_experts: compute the routed experts densely (`MoE.experts_dense`; training under vmap)."""
+
+    def __init__(self, dense_experts: bool = False):
+        self.dense_experts = dense_experts
+
     def attn_to_ffn(self, a_TD, x_TD, norm_w, eps):
         x_TD = x_TD + a_TD.astype(x_TD.dtype)
         return x_TD, rms_norm(x_TD, norm_w, eps)
@@ -21,7 +26,8 @@ class LocalComm:
 
     def moe(self, h_TD, valid_T, moe):
         idx_TK, w_TK = moe.route(h_TD, valid_T)
-        y_TD, rows_E = moe.experts(h_TD, idx_TK, w_TK)
+        experts = moe.experts_dense if self.dense_experts else moe.experts
+        y_TD, rows_E = experts(h_TD, idx_TK, w_TK)
         return y_TD + moe.shared_expert(h_TD).astype(jnp.float32), rows_E
 
     def dense_ffn(self, h_TD, valid_T, mlp):
