@@ -369,7 +369,7 @@ def run_node(args, engine) -> int:
             time.sleep(0.2)
     except KeyboardInterrupt:
         exit_now(130)
-    if engine.failed and "node 0 shut down" in engine.failed:
+    if engine.link.node_0_stopped:
         log.info("node 0 shut down; node %d ends", args.node_rank)
         try:
             engine.hosts.barrier("stopped", engine.hosts.timeout_s)  # node 0 keeps the runtime up until here
@@ -411,6 +411,7 @@ def run_server(args, layout, backend, tokenizer) -> int:
                      backend.num_ranks)
 
     threading.Thread(target=announce, daemon=True).start()
+
     def on_term(*_):
         raise KeyboardInterrupt
 

@@ -31,7 +31,7 @@ import numpy as np
 from jaxdp.batch import build_rank_batch, stack_ranks
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
-from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
+from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeLink, end_request
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
@@ -361,7 +361,7 @@ class Engine:
                 return
             except Exception as e:
                 if self.link and self.failed is None:  # a collective with a dead node fails here
-                    self.fail(f"a step across the nodes failed ({_first_line(e)}); another node died or stopped")
+                    self.fail(f"a step across the nodes failed ({first_line(e, 160)}); another node died or stopped")
                     return
                 # a bug, not a user error: fail every request loudly instead of hanging
                 log.exception("engine step failed; aborting all requests")
@@ -458,11 +458,6 @@ class _InFlight:
     host_s: float
     dispatch_s: float
     agree_s: float
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 class _Result:

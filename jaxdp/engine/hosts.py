@@ -136,9 +136,8 @@ def init_distributed(dist: DistConfig) -> None:
                                    heartbeat_timeout_seconds=max(10, int(dist.timeout_s)),
                                    shutdown_timeout_seconds=max(5, int(min(dist.timeout_s, 30))))
     except Exception as e:  # the runtime says DEADLINE_EXCEEDED / UNAVAILABLE in a long gRPC message
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise DistError(f"node {dist.node_rank} could not join the model world at {grpc_address(host, port)} "
-                        f"within {dist.init_timeout_s:.0f} s ({first}); check that node 0 runs and that every "
+                        f"within {dist.init_timeout_s:.0f} s ({first_line(e)}); check that node 0 runs and that every "
                         "node has the same --dist-init-addr and --nnodes") from None
     log.info("node %d/%d: joined in %.1f s; %d devices here, %d in all", dist.node_rank, dist.nnodes,
              time.perf_counter() - t0, jax.local_device_count(), jax.device_count())
@@ -186,8 +185,6 @@ class HostExchange:
         self.client = client or _client()
         self.prefix = prefix
         self.seq = 0
-        self.total_s = 0.0  # time spent in exchanges (all iterations, busy or idle)
-        self.count = 0
 
     def local_ranks(self, node: int | None = None) -> range:
         node = self.node_rank if node is None else node
@@ -202,7 +199,6 @@ class HostExchange:
         return f"{self.prefix}/b{seq // self.BLOCK}/x{seq}/n{node}"
 
     def exchange(self, proposals: list, message: dict) -> tuple[list, list[dict]]:
-        t0 = time.perf_counter()
         mine = self.local_ranks()
         self.client.key_value_set_bytes(self._key(self.seq, self.node_rank),
                                         pickle.dumps((proposals[mine.start:mine.stop], message)))
@@ -226,8 +222,6 @@ class HostExchange:
             except Exception:  # the coordinator is going away; the next exchange reports it
                 pass
         self.seq += 1
-        self.count += 1
-        self.total_s += time.perf_counter() - t0
         return full, messages
 
     def barrier(self, name: str, timeout_s: float) -> None:
@@ -236,6 +230,12 @@ class HostExchange:
             self.client.wait_at_barrier(f"{self.prefix}/{name}", int(timeout_s * 1000))
         except Exception as e:
             raise PeerFailure(f"not every node reached '{name}' within {timeout_s:.0f} s ({_short(e)})") from None
+
+
+def first_line(e: Exception, limit: int = 200) -> str:
+    """The first line of an error's message (a runtime error's is a long gRPC story)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
 def _short(e: Exception) -> str:

@@ -34,6 +34,7 @@ class NodeLink:
         self._outgoing: dict[str, list] = {"new": [], "abort": []}  # node 0: for other nodes' ranks
         self.origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
         self._states_sent = 0.0
+        self.node_0_stopped = False  # other nodes: node 0 said "stop" (an orderly end, not a failure)
 
     # ---- node 0 -------------------------------------------------------------------------------------
     def forward(self, req: Request) -> None:
@@ -110,6 +111,7 @@ class NodeLink:
 
     def _receive_from_node_0(self, msg: dict) -> None:
         if msg.get("stop"):
+            self.node_0_stopped = True
             raise PeerStopped("node 0 shut down; this node ends too")
         engine = self.engine
         for rid, prompt_ids, params, rank in msg.get("new", ()):
