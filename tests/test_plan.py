@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from jaxdp.gpus import GPUError, get_gpu, parse_memory
-from jaxdp.plan import main
+from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory
+from jaxdp.planner.plan import main
 
 GiB = 2**30
 ARTICLE = ["--model", "glm-5", "--gpus", "4", "--gpu", "B300", "--gpu-memory", "269GiB", "--mesh", "dp=4",
@@ -129,7 +129,7 @@ def test_gpu_presets_and_custom():
 def test_placement_rules_sglang_and_jaxdp():
     from jaxdp.config import get_config
     from jaxdp.layout import Layout
-    from jaxdp.weights import weights_per_device
+    from jaxdp.planner.weights import weights_per_device
 
     cfg = get_config("glm-5")
 

@@ -18,12 +18,12 @@ import sys
 from typing import Any
 
 from jaxdp.config import UnsupportedConfigError, get_config
-from jaxdp.gpus import PRESETS as GPU_PRESETS
-from jaxdp.gpus import GPUError, get_gpu, parse_memory, with_overrides
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
-from jaxdp.plan_report import ASSUMPTIONS, format_report, plot_situations
-from jaxdp.roofline import decode_roofline
-from jaxdp.weights import (
+from jaxdp.planner.gpus import PRESETS as GPU_PRESETS
+from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory, with_overrides
+from jaxdp.planner.report import ASSUMPTIONS, format_report, plot_situations
+from jaxdp.planner.roofline import decode_roofline
+from jaxdp.planner.weights import (
     EXPERT_DTYPES,
     KV_DTYPES,
     PLACEMENTS,
