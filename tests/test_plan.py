@@ -144,3 +144,13 @@ def test_placement_rules_sglang_and_jaxdp():
     dp = per_device(Layout(dp=4), "sglang")
     assert ep["shared expert"] == 4 * dp["shared expert"] and ep["dense layers"] == 4 * dp["dense layers"]
     assert ep["routed experts"] == dp["routed experts"]  # 64 whole experts = a quarter of each
+
+
+@pytest.mark.parametrize("module", ["jaxdp.plan", "jaxdp.planner"])
+def test_both_commands_run_the_planner(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--gpus", "4", "--mesh", "dp=4", "--gpu", "Z9"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown GPU" in out.stderr
