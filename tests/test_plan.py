@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from jaxdp.gpus import GPUError, get_gpu, parse_memory
-from jaxdp.plan import main
+from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory
+from jaxdp.planner.plan import main
 
 GiB = 2**30
 ARTICLE = ["--model", "glm-5", "--gpus", "4", "--gpu", "B300", "--gpu-memory", "269GiB", "--mesh", "dp=4",
@@ -129,7 +129,7 @@ def test_gpu_presets_and_custom():
 def test_placement_rules_sglang_and_jaxdp():
     from jaxdp.config import get_config
     from jaxdp.layout import Layout
-    from jaxdp.weights import weights_per_device
+    from jaxdp.planner.weights import weights_per_device
 
     cfg = get_config("glm-5")
 
@@ -144,3 +144,13 @@ def test_placement_rules_sglang_and_jaxdp():
     dp = per_device(Layout(dp=4), "sglang")
     assert ep["shared expert"] == 4 * dp["shared expert"] and ep["dense layers"] == 4 * dp["dense layers"]
     assert ep["routed experts"] == dp["routed experts"]  # 64 whole experts = a quarter of each
+
+
+@pytest.mark.parametrize("module", ["jaxdp.plan", "jaxdp.planner"])
+def test_both_commands_run_the_planner(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--gpus", "4", "--mesh", "dp=4", "--gpu", "Z9"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown GPU" in out.stderr

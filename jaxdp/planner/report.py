@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxdp.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
+from jaxdp.planner.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
 
 GiB = 2**30
 
