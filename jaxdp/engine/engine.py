@@ -74,14 +74,16 @@ class Engine:
                  moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0,
                  hosts: HostExchange | None = None):
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
-        or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
+        or a ready StepRunner (or a stand-in of its interface: `jaxdp.bench_engine.HostOnlyRunner`). `mesh`: a
+        --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
         self.cfg = config or EngineConfig()
         enable_compilation_cache(self.cfg.compilation_cache_dir)
-        runner = model if isinstance(model, StepRunner) else make_runner(
+        runner = model if not isinstance(model, str) else make_runner(
             model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
         self.runner = runner
+        self._sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
         self.model_cfg, self.layout = runner.cfg, runner.layout
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
         dp, c = self.layout.dp, self.cfg
@@ -148,7 +150,7 @@ class Engine:
             dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
             zeros = {k: self.runner.put(v) for k, v in sampling_arrays([[] for _ in range(dp)], B, 0).items()}
             logits = self.runner.put(np.zeros((dp, B, V), np.float32))
-            jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS),
+            jax.block_until_ready(self._sample(logits, *(zeros[k] for k in _SAMPLING_KEYS),
                                                 width=self.runner.token_carry))
         self.compiles_at_warmup = compiles_total()
         log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
@@ -286,7 +288,7 @@ class Engine:
         self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
         self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
         logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
-        tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS),
+        tokens, logprobs = self._sample(logits, *(params[k] for k in _SAMPLING_KEYS),
                                          width=self.runner.token_carry)
         self.blocked = None
         t2 = time.perf_counter()
