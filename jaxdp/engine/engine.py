@@ -28,14 +28,15 @@ from collections.abc import AsyncIterator
 import jax
 import numpy as np
 
-from jaxdp.batch import build_rank_batch, stack_ranks
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_step, fill_pieces
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeLink, end_request
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
-from jaxdp.engine.sampling import sample_tokens, sampling_arrays
+from jaxdp.engine.rows import RankRows, RowArrays, fill_sampling
+from jaxdp.engine.sampling import sample_tokens
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import StepStats, compiles_total
@@ -99,11 +100,13 @@ class Engine:
         self.context_len = context_len
         self.pages_per_seq = -(-context_len // c.page_size)
         sched_cfg = SchedulerConfig(chunk, self.max_running_per_rank, context_len, conservativeness,
-                                    self.model_cfg.eos_token_ids)
+                                    self.model_cfg.eos_token_ids, self.model_cfg.vocab_size, c.seed)
+        self.rows = RowArrays.zeros(dp, self.max_running_per_rank, self.pages_per_seq)  # the persistent batch
         self.schedulers = []
         for r in range(dp):
             pool = PagePool(c.num_pages, c.page_size)
-            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg))
+            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
+                                             RankRows(self.rows.rank(r), c.page_size)))
         self.controller = Controller(dp, c.load_balance_method)
         carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
         runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
@@ -117,6 +120,7 @@ class Engine:
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self._inflight: _InFlight | None = None
+        self._steps = itertools.count()
         self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
@@ -148,10 +152,10 @@ class Engine:
         for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
             self.runner.compile(shape)
             dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
-            zeros = {k: self.runner.put(v) for k, v in sampling_arrays([[] for _ in range(dp)], B, 0).items()}
+            idle = empty_step(dp, 1, B, 1, 0)
             logits = self.runner.put(np.zeros((dp, B, V), np.float32))
-            jax.block_until_ready(self._sample(logits, *(zeros[k] for k in _SAMPLING_KEYS),
-                                                width=self.runner.token_carry))
+            jax.block_until_ready(self._sample(logits, *(self.runner.put(idle[k]) for k in SAMPLING_KEYS),
+                                               width=self.runner.token_carry))
         self.compiles_at_warmup = compiles_total()
         log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
                  time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
@@ -219,11 +223,8 @@ class Engine:
                 if arg.rank not in self.local_ranks:  # node 0: another node's rank
                     self.link.forward(arg)
                     continue
-                try:
-                    self.schedulers[arg.rank].add(arg)
-                    self.requests[arg.rid] = arg
-                except BadRequest as e:
-                    end_request(arg, "abort", str(e), now)
+                self.schedulers[arg.rank].add(arg)
+                self.requests[arg.rid] = arg
             elif cmd == "abort":
                 req = self.requests.get(arg)
                 if req is not None and not req.finished:
@@ -249,8 +250,8 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
-        local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
-                          bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
+        local = [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
+                          bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
         self.blocked = (ta, "exchanging the step's proposals")
         proposals, messages = self.exchange.exchange(local, self.link.message() if self.link else {})
@@ -267,41 +268,67 @@ class Engine:
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
         shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
-        c = self.cfg
-        batches = [build_rank_batch(p.pieces if p else [], num_rows=shape.num_rows, num_seqs=shape.num_seqs,
-                                    pages_per_seq=self.pages_per_seq, page_size=c.page_size,
-                                    num_pages=c.num_pages) for p in plans]
-        stacked = stack_ranks(batches)
-        stacked["rows_R"] = np.asarray(rows, np.int32)
-        params = {k: self.runner.put(v) for k, v in
-                  sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed).items()}
-        for plan in plans:  # each sampled row's token goes to the end of its request's outputs
-            if plan:
-                plan.out_pos = [len(r.output_ids) if smp else -1 for r, smp in zip(plan.reqs, plan.sample,
-                                                                                    strict=True)]
-                for j, (r, smp) in enumerate(zip(plan.reqs, plan.sample, strict=True)):
-                    if smp:
-                        r.output_ids.append(-1 - j)
-        t1 = time.perf_counter()
         compiles_before = compiles_total()
-        prev = self._inflight.tokens if self._inflight is not None else None
-        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
-        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
-        logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
-        tokens, logprobs = self._sample(logits, *(params[k] for k in _SAMPLING_KEYS),
-                                         width=self.runner.token_carry)
-        self.blocked = None
-        t2 = time.perf_counter()
-        current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                            host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
+        step = next(self._steps)
+        try:
+            current = self._queue(step, plans, shape, rows, agreement, t0, agree_s)
+        except (PeerFailure, PeerStopped):
+            raise
+        except Exception as e:
+            if self.link:  # a step across the nodes: every node must run it; the loop fails the engine
+                raise
+            # not a user error (requests are validated, sampling clamps): only this step's requests fail
+            log.exception("engine step failed; failing the %d requests in it", sum(len(p.reqs) for p in plans if p))
+            self._fail_plans(plans, f"internal error in the engine step ({first_line(e, 120)}); see the server log")
+            current = None
+        else:
+            for r, plan in enumerate(plans):
+                if plan:
+                    self.schedulers[r].commit(plan, step)
         previous, self._inflight = self._inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
-        if not c.overlap:
+        if current is not None and not self.cfg.overlap:
             self._book(current, time.perf_counter())
             self._inflight = None
         self.stats.compiles_in_steps += compiles_total() - compiles_before
         return True
+
+    def _queue(self, step: int, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
+               t0: float, agree_s: float) -> _InFlight:
+        """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
+        c = self.cfg
+        out = empty_step(self.layout.dp, shape.num_rows, shape.num_seqs, self.pages_per_seq,
+                         c.num_pages * c.page_size)
+        for r, plan in enumerate(plans):
+            if plan is None:
+                continue
+            if plan.kind == "decode":
+                self.schedulers[r].rows.fill_decode(out, r, plan.rows)
+                continue
+            fill_pieces(out, r, plan.pieces, c.page_size)
+            for b, (req, smp) in enumerate(zip(plan.reqs, plan.sampling, strict=True)):
+                fill_sampling(out, r, b, *smp, len(req.output_ids))
+        out["rows_R"] = np.asarray(rows, np.int32)
+        params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
+        t1 = time.perf_counter()
+        prev = self._inflight.tokens if self._inflight is not None else None
+        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
+        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
+        logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
+        tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
+        self.blocked = None
+        t2 = time.perf_counter()
+        return _InFlight(step, plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
+                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
+
+    def _fail_plans(self, plans: list[RankPlan | None], message: str) -> None:
+        now = time.perf_counter()
+        for r, plan in enumerate(plans):
+            for req in plan.reqs if plan else ():
+                if not req.finished:
+                    req.error = message
+                    self.schedulers[r].finish(req, "abort", now)
 
     def _book(self, f: _InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
@@ -312,11 +339,11 @@ class Engine:
         t1 = time.perf_counter()
         for r, plan in enumerate(f.plans):
             if plan:
-                self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), t1)
+                self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
                           dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
-                          new_tokens=sum(sum(p.sample) for p in f.plans if p))
+                          new_tokens=sum(p.num_sampled for p in f.plans if p))
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0
@@ -450,6 +477,7 @@ class Engine:
 class _InFlight:
     """A step queued on the device whose tokens have not been read back yet."""
 
+    step: int
     plans: list
     tokens: jax.Array  # [dp, token_carry] on the device
     logprobs: jax.Array
@@ -474,5 +502,3 @@ class _Result:
         self._event.wait(timeout)
         return self._value
 
-
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "keys")

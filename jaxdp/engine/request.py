@@ -58,7 +58,9 @@ class Request:
     state: State = State.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)  # pages of the context, in order
     shared_pages: int = 0  # the first `shared_pages` pages belong to the prefix cache
-    computed: int = 0  # tokens whose latent is in the cache
+    computed: int = 0  # tokens whose latent is in the cache (written by a step that was booked)
+    scheduled: int = 0  # tokens whose latent a committed step writes (computed, plus steps in flight)
+    row: int = -1  # its row in its rank's persistent batch while it decodes
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     retractions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -72,11 +74,11 @@ class Request:
 
     @property
     def done_ids(self) -> list[int]:
-        """Output tokens read back so far (a negative entry is a token still on the device)."""
-        for i, t in enumerate(self.output_ids):
-            if t < 0:
-                return self.output_ids[:i]
-        return self.output_ids
+        """Output tokens read back so far (negative entries, always last, are tokens still on the device)."""
+        ids, k = self.output_ids, len(self.output_ids)
+        while k and ids[k - 1] < 0:
+            k -= 1
+        return ids if k == len(ids) else ids[:k]
 
     @property
     def all_ids(self) -> list[int]:
@@ -89,7 +91,7 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.state == State.WAITING and self.computed > 0
+        return self.state == State.WAITING and self.scheduled > 0
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,9 @@
 
 One jitted function over the step's logits [dp, B, V] (sharded over `dp`, so each rank samples its own
 rows) and per-row parameters. The key of a row is (seed, number of tokens generated so far): a request
-with a seed samples the same tokens whatever else runs beside it.
+with a seed samples the same tokens whatever else runs beside it. `sampling_row` turns a request's
+parameters into the values of its row, clamped to what the arrays and the vocabulary hold, so no value the
+API lets through can fail a step (a top_k past the vocabulary means all of it).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxdp.engine.request import Request
+from jaxdp.engine.request import SamplingParams
+
+_MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
 
 def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
@@ -24,8 +27,9 @@ def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
     probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(logits_V.shape[0])
-    keep = rank < jnp.where(top_k > 0, top_k, logits_V.shape[0])
+    V = logits_V.shape[0]
+    rank = jnp.arange(V)
+    keep = rank < jnp.where((top_k > 0) & (top_k < V), top_k, V)
     keep &= (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (always >= 1 token)
     keep &= probs >= min_p * probs[0]
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
@@ -47,19 +51,23 @@ def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys
     return tokens, logprobs
 
 
-def sampling_arrays(reqs_by_rank: list[list[Request]], num_seqs: int, engine_seed: int) -> dict[str, np.ndarray]:
-    """Per-row parameters of a step, padded to B rows per rank (padding rows are greedy)."""
-    dp = len(reqs_by_rank)
-    out = {"temperature": np.zeros((dp, num_seqs), np.float32), "top_p": np.ones((dp, num_seqs), np.float32),
-           "top_k": np.full((dp, num_seqs), -1, np.int32), "min_p": np.zeros((dp, num_seqs), np.float32),
-           "keys": np.zeros((dp, num_seqs, 2), np.uint32)}
-    for r, reqs in enumerate(reqs_by_rank):
-        for i, req in enumerate(reqs):
-            p = req.params
-            out["temperature"][r, i] = p.temperature
-            out["top_p"][r, i] = p.top_p
-            out["top_k"][r, i] = p.top_k
-            out["min_p"][r, i] = p.min_p
-            seed = p.seed if p.seed is not None else zlib.crc32(f"{engine_seed}:{req.rid}".encode())
-            out["keys"][r, i] = (seed & 0xFFFFFFFF, len(req.output_ids))
-    return out
+def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int) -> tuple:
+    """(temperature, top_p, top_k, min_p, seed) of a request's row, each within its array's range."""
+    def unit(x, default: float) -> float:
+        x = _real(x)
+        return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
+
+    t = _real(params.temperature)
+    t = 0.0 if t != t or t <= 0 else min(t, _MAX_TEMPERATURE)
+    k = _real(params.top_k)
+    k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
+    seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
+    return t, unit(params.top_p, 1.0) or 1.0, k, unit(params.min_p, 0.0), int(seed) & 0xFFFFFFFF
+
+
+def _real(x) -> float:
+    """x as a float; an integer too large for one is +-inf (NaN stays NaN)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf") if x > 0 else float("-inf")
