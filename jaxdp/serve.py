@@ -171,7 +171,7 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
         return args.max_total_tokens // S
     if not 0 < args.mem_fraction_static <= 1:
         raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
-    page_bytes = cfg.num_layers * S * cfg.kv_cache_dim * jax.numpy.dtype(runner.cache_dtype).itemsize
+    page_bytes = cfg.num_layers * S * cfg.pool_values_per_token * jax.numpy.dtype(runner.cache_dtype).itemsize
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]  # this node's
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if not all(s and "bytes_limit" in s for s in stats):

@@ -185,7 +185,6 @@ class Engine:
             loads = [(s.num_tokens + self._pending[r][0], len(s.running) + len(s.waiting) + self._pending[r][1])
                      for r, s in enumerate(self.schedulers)]
         req.rank = self.controller.assign(loads, rank)
-        self.model_cfg.check_context(len(prompt_ids) + params.max_new_tokens)
         self.schedulers[req.rank].check(req)
         if params.stop:
             if self.tokenizer is None:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from jaxdp.config import ModelConfig, load_hf_config
 from jaxdp.model import modelopt
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.indexer import hf_indexer_weights
 from jaxdp.model.moe import NVFP4_PARAMS, nvfp4_expert_params
 from jaxdp.model.quant import check_quantization, expert_quantization, quantize_experts
 
@@ -176,6 +177,8 @@ def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig 
                 pre = f"model.layers.{i}"
                 for key, fn in attn.items():
                     per_layer.setdefault(key, []).append(fn(g, pre))
+                for key, arr in hf_indexer_weights(cfg, g, i).items():  # DSA models' indexer
+                    per_layer.setdefault(key, []).append(arr)
                 if stack == "dense_layers":
                     gu, d = _mlp(g, f"{pre}.mlp")
                     items = {"ffn.w_gate_up_D2F": gu, "ffn.w_down_FD": d}

@@ -105,8 +105,13 @@ class StepRunner:
         cfg, dp = self.cfg, self.layout.dp
         shape = (self.num_pages, self.page_size, cfg.kv_cache_dim)
         sharding = NamedSharding(self.mesh, P("dp"))
-        make = jax.jit(lambda n: jnp.zeros((dp, n, *shape), dtype), static_argnums=0, out_shardings=sharding)
-        return {"dense": make(cfg.num_dense_layers), "moe": make(cfg.num_moe_layers)}
+        make = jax.jit(lambda n, w: jnp.zeros((dp, n, *shape[:2], w), dtype), static_argnums=(0, 1),
+                       out_shardings=sharding)
+        cache = {"dense": make(cfg.num_dense_layers, shape[2]), "moe": make(cfg.num_moe_layers, shape[2])}
+        if cfg.index_topk:  # DSA index keys: one per token per layer, in the same pages as the latents
+            cache |= {"dense_index": make(cfg.num_dense_layers, cfg.index_key_dim),
+                      "moe_index": make(cfg.num_moe_layers, cfg.index_key_dim)}
+        return cache
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -174,7 +179,7 @@ class StepRunner:
             return logits_BV[None], cache, rows_E[None]
 
         batch_specs = {k: P("dp") for k in BATCH_FIELDS}
-        cache_specs = {"dense": P("dp"), "moe": P("dp")}
+        cache_specs = {k: P("dp") for k in self.cache}
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
