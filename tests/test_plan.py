@@ -98,7 +98,7 @@ def test_rows_and_other_layouts(tmp_path):
     (["--gpus", "4", "--mesh", "dp=3"], "--gpus"),
     (["--gpus", "8", "--tp-size", "8", "--attn-dp-size", "3"], "divide"),
     (["--gpus", "4", "--mesh", "dp=4", "--gpu", "Z9"], "unknown GPU"),
-    (["--gpus", "1", "--mesh", "dp=1", "--gpu", "H100", "--model", "deepseek-v3"], "do not fit"),
+    (["--gpus", "1", "--mesh", "dp=1", "--gpu", "H100", "--model", "deepseek-v3"], "1251.8 GiB per GPU but 70.4"),
     (["--gpus", "4", "--mesh", "dp=4", "--rows", "1,2"], "--rows"),
     (["--gpus", "4", "--mesh", "dp=4", "--model", "no-such-model"], "preset"),
     (["--gpus", "4"], "--mesh"),
@@ -108,6 +108,18 @@ def test_user_errors_exit_2_with_one_line(argv, words, capsys):
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and words in err and "Traceback" not in err
+
+
+def test_a_layout_that_does_not_fit_names_one_that_does(capsys, tmp_path):
+    argv = ["--model", "deepseek-v3", "--gpu", "H100", "--expert-dtype", "fp8"]
+    assert _exit_code([*argv, "--gpus", "8", "--mesh", "dp=8"]) == 2
+    err = capsys.readouterr().err
+    assert "102.3 GiB per GPU but 70.4 GiB are available" in err
+    advice = err.split("a layout that fits: ")[1].split(" (")[0].split()
+    assert advice == ["--gpus", "16", "--mesh", "dp=16,tp=1"]
+    out = tmp_path / "fits.json"
+    assert main([*argv, *advice, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["plan"]["fits"]
 
 
 def _exit_code(argv):

@@ -57,9 +57,13 @@ class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1):
+                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
+                 abstract: bool = False):
         """token_carry: width of the previous step's sampled tokens a step can read on the device (the
-        engine's overlap: a decode row whose input token is still in flight refers to it by index)."""
+        engine's overlap: a decode row whose input token is still in flight refers to it by index).
+        abstract: `model` holds ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay
+        ShapeDtypeStructs with their shardings, nothing is allocated, and the runner can only `lower` and
+        `compile` steps (`plan --compile` checks full-size models this way)."""
         self.cfg = model.cfg
         self.token_carry = token_carry
         self.layout = layout
@@ -74,7 +78,8 @@ class StepRunner:
             model = with_moe_runner_backend(model, moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
-        self.state = shard_state(state, layout, mesh)
+        self.abstract = abstract
+        self.state = _abstract_on(state, self.state_specs, mesh) if abstract else shard_state(state, layout, mesh)
         self.cache_dtype = cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
@@ -105,13 +110,16 @@ class StepRunner:
         cfg, dp = self.cfg, self.layout.dp
         shape = (self.num_pages, self.page_size, cfg.kv_cache_dim)
         sharding = NamedSharding(self.mesh, P("dp"))
+        layers = {"dense": (cfg.num_dense_layers, shape[2]), "moe": (cfg.num_moe_layers, shape[2])}
+        if cfg.index_topk:  # DSA index keys: one per token per layer, in the same pages as the latents
+            layers |= {"dense_index": (cfg.num_dense_layers, cfg.index_key_dim),
+                       "moe_index": (cfg.num_moe_layers, cfg.index_key_dim)}
+        if self.abstract:
+            return {k: jax.ShapeDtypeStruct((dp, n, *shape[:2], w), dtype, sharding=sharding)
+                    for k, (n, w) in layers.items()}
         make = jax.jit(lambda n, w: jnp.zeros((dp, n, *shape[:2], w), dtype), static_argnums=(0, 1),
                        out_shardings=sharding)
-        cache = {"dense": make(cfg.num_dense_layers, shape[2]), "moe": make(cfg.num_moe_layers, shape[2])}
-        if cfg.index_topk:  # DSA index keys: one per token per layer, in the same pages as the latents
-            cache |= {"dense_index": make(cfg.num_dense_layers, cfg.index_key_dim),
-                      "moe_index": make(cfg.num_moe_layers, cfg.index_key_dim)}
-        return cache
+        return {k: make(n, w) for k, (n, w) in layers.items()}
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -231,6 +239,17 @@ class StepRunner:
     def act_bytes(self) -> int:
         return jnp.dtype(self.cache_dtype).itemsize
 
+    def lower(self, shape: StepShape):
+        """The step of this shape lowered on the runner's (possibly abstract) state: `.compile()` it for
+        XLA's `memory_analysis()`."""
+        return self._build(shape).lower(*self._abstract_args(shape))
+
     def hlo_text(self, shape: StepShape) -> str:
         """The optimized HLO of a step (to check which collectives it runs)."""
-        return self._build(shape).lower(*self._abstract_args(shape)).compile().as_text()
+        return self.lower(shape).compile().as_text()
+
+
+def _abstract_on(state, specs, mesh):
+    """ShapeDtypeStructs of `state` placed as `specs` say (nothing allocated)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                        state, specs)

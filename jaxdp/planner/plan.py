@@ -18,7 +18,9 @@ import sys
 from typing import Any
 
 from jaxdp.config import UnsupportedConfigError, get_config
+from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
+from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
 from jaxdp.planner.gpus import PRESETS as GPU_PRESETS
 from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory, with_overrides
 from jaxdp.planner.report import ASSUMPTIONS, format_report, plot_situations
@@ -33,14 +35,6 @@ from jaxdp.planner.weights import (
     weights_per_device,
 )
 
-try:  # the layout module's parser (presets, SGLang flags); a tiny fallback keeps the planner usable
-    from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
-except ImportError:  # pragma: no cover - only before jaxdp.layout grew its parser
-    from jaxdp.layout import Layout
-
-    LayoutError = ValueError  # type: ignore[misc,assignment]
-    add_layout_args = layout_from_args = None  # type: ignore[assignment]
-
 GiB = 2**30
 
 
@@ -52,10 +46,7 @@ def _layout(args: argparse.Namespace) -> Layout:
     if args.mesh is None and getattr(args, "tp_size", None) is None:
         raise PlanError("give the layout with --mesh dp=A,tp=B (or a preset) or with --tp-size N "
                         "[--attn-dp-size A].")
-    if layout_from_args is not None:
-        return layout_from_args(args, num_devices=args.gpus)
-    items = dict(part.split("=", 1) for part in args.mesh.split(",") if "=" in part)  # pragma: no cover
-    return Layout(dp=int(items.get("dp", 1)), tp=int(items.get("tp", 1)), moe=items.get("moe", "tp"))
+    return layout_from_args(args, num_devices=args.gpus)
 
 
 def _parse_count(text: str) -> float:
@@ -114,13 +105,31 @@ def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, bu
     }
 
 
+def _fitting_layout(cfg: Any, gpus: int, budget: float, args: argparse.Namespace) -> str:
+    """The advice that ends a does-not-fit error: the first layout on the same GPUs or 2, 4, ... times as
+    many, up to 64 (most attention DP first, TP before EP MoE), whose weights leave room for a KV cache."""
+    counts = [gpus << k for k in range(7) if (gpus << k) <= max(64, gpus)]
+    for n in counts:
+        for tp in (t for t in range(1, n + 1) if n % t == 0):
+            for moe in ("tp", "ep"):
+                lay = Layout(dp=n // tp, tp=tp, moe=moe)
+                try:
+                    lay.validate(num_devices=n, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+                except (LayoutError, ValueError):
+                    continue
+                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args)))
+                if need < budget:
+                    mesh = f"dp={lay.dp},tp={lay.tp}" + (",moe=ep" if moe == "ep" else "")
+                    return f"a layout that fits: --gpus {n} --mesh {mesh} ({need / GiB:.1f} GiB of weights per GPU)."
+    return f"no layout on up to {counts[-1]} GPUs holds it; use --expert-dtype fp8 or nvfp4, or larger GPUs."
+
+
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
     return {"placement": args.placement, "absorbed_copy": False if args.no_absorbed_copy else None}
 
 
 def _describe(layout: Layout) -> str:
-    describe = getattr(layout, "describe", None)
-    return describe() if callable(describe) else f"dp={layout.dp},tp={layout.tp},moe={layout.moe}"
+    return layout.describe()
 
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,14 +173,14 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     main_plan = plan_layout(cfg, layout, gpu, args, budget, situations, batch)
     if not main_plan["fits"]:
         need = main_plan["weights_per_device_gib"]
-        raise PlanError(f"the weights ({need:.1f} GiB per GPU) do not fit in the {budget / GiB:.1f} GiB "
-                        f"budget ({fraction:.2f} x {gpu.memory_gib:g} GiB); use more GPUs, a larger "
-                        "--mem-fraction-static or --expert-dtype nvfp4.")
+        raise PlanError(f"the weights need {need:.1f} GiB per GPU but {budget / GiB:.1f} GiB are available "
+                        f"({fraction:.2f} x {gpu.memory_gib:g} GiB of a {gpu.name}); "
+                        + _fitting_layout(cfg, layout.total_devices, budget, args))
     compare = None
     if layout.dp > 1:
         tp_situations = {k: _merge(s, 1) for k, s in situations.items()}
         compare = plan_layout(cfg, tp_layout, gpu, args, budget, tp_situations, (sum(batch),))
-    return {
+    plan = {
         "model": args.model, "gpus": args.gpus, "gpu": dataclasses.asdict(gpu),
         "mem_fraction_static": fraction, "budget_gib": budget / GiB,
         "expert_dtype": args.expert_dtype, "kv_dtype": args.kv_dtype,
@@ -183,6 +192,15 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
                                                     "vocab": cfg.vocab_size, "model_type": cfg.model_type},
         "plan": main_plan, "tp": compare, "assumptions": ASSUMPTIONS,
     }
+    if args.compile:
+        kinds = tuple(args.compile_steps.split(","))
+        if not kinds or set(kinds) - {"decode", "extend"}:
+            raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
+        case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds)
+        result = compile_plan(cfg, layout, plan, case, gpu.memory_bytes)
+        plan["compiled"] = result.pop("compiled")
+        plan["compile"] = result
+    return plan
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,10 +213,7 @@ def make_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="glm-5", help="preset (glm-5, deepseek-v3, tiny) or checkpoint dir")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the deployment")
-    if add_layout_args is not None:
-        add_layout_args(p)
-    else:  # pragma: no cover
-        p.add_argument("--mesh", help="dp=A,tp=B[,moe=tp|ep]")
+    add_layout_args(p)
     p.add_argument("--gpu", default="B300",
                    help=f"{', '.join(GPU_PRESETS)} or name:mem_gib:hbm_tbs:bf16_tflops[:link_gbs]")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 269GiB (overrides the preset)")
@@ -219,6 +234,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")
     p.add_argument("--latency-us", type=float, default=10.0, help="fixed cost of one collective (roofline)")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile the engine's largest steps with XLA on abstract weights and compare its "
+                        "memory analysis per device with the plan (creates the layout's host devices)")
+    p.add_argument("--decode-rows", type=int, default=512, help="--compile: decode bucket, rows per rank")
+    p.add_argument("--extend-rows", type=int, default=4096, help="--compile: extend bucket, rows per rank")
+    p.add_argument("--page-size", type=int, default=16, help="--compile: tokens per KV page")
+    p.add_argument("--compile-steps", default="decode,extend", help="--compile: which steps (decode, extend)")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--plot", help="draw the situations to this PNG file")
     return p
@@ -227,13 +249,15 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        if args.gpus < 1 or args.context < 1:
-            raise PlanError("--gpus and --context must be positive.")
+        if min(args.gpus, args.context, args.decode_rows, args.extend_rows, args.page_size) < 1:
+            raise PlanError("--gpus, --context, --decode-rows, --extend-rows and --page-size must be positive.")
         plan = build_plan(args)
     except (PlanError, LayoutError, GPUError, ValueError) as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
     print(format_report(plan))
+    if "compiled" in plan:
+        print("\n".join(["", *format_compiled(plan)]))
     try:
         if args.json:
             with open(args.json, "w") as f:

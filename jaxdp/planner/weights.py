@@ -19,7 +19,7 @@ absorbed copies (decoding reads slices of kv_b), the embedding whole on every de
 the LM head whole on every device with dp_lm_head whatever the group's tp.
 Dtypes: routed experts in `expert_dtype` (nvfp4 = 4 bits + one E4M3 scale per 16 values + two fp32
 scalars per matrix, i.e. 4.5 bits per weight; fp8 = 1 byte + one fp32 scale per 128x128 block); every
-other weight in bf16 (the router's correction bias in fp32).
+other weight in bf16 (the router's correction bias in fp32; under `placement="jaxdp"` the router too).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
     shared = 3 * h * inter * cfg.n_shared_experts * Lm
     add("shared expert", shared, BF16 * shared, 1.0 if layout.moe == "ep" else 1 / n,
         "whole on every device" if layout.moe == "ep" else f"split over {n} devices")
-    add("router", e * h * Lm, (BF16 * h + 4) * e * Lm, 1.0, "whole on every device")
+    router = (BF16 if sglang else 4) * h + 4  # jaxdp runs the router in float32 (bias in float32 in both)
+    add("router", e * h * Lm, router * e * Lm, 1.0, "whole on every device")
     dense = 3 * h * cfg.intermediate_size * Ld
     dense_n = 1 if layout.dense_replicated else (n if dp > 1 else tp)
     add("dense layers", dense, BF16 * dense, 1 / dense_n,

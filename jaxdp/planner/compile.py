@@ -1,0 +1,163 @@
+"""`plan --compile`: the engine's real step functions compiled by XLA for a full-size model on abstract
+weights, XLA's memory analysis per device beside the plan's bytes.
+
+Nothing is allocated: the model is built with `nnx.eval_shape` (ShapeDtypeStructs in the chosen dtypes),
+the StepRunner places them with its own sharding table and an abstract KV pool of the planned size, and
+each step is lowered and compiled on as many host devices as the layout has (created for it, as `serve`
+does on a CPU machine). The compile runs on XLA:CPU, so the temp bytes are XLA:CPU's: docs/plan.md says
+where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+from jaxdp.planner.weights import kv_bytes, total_bytes, weights_per_device
+
+GiB = 2**30
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCase:
+    """Which steps to compile: the largest decode and extend buckets per rank."""
+
+    decode_rows: int = 512  # SGLang's largest CUDA-graph batch, per rank
+    extend_rows: int = 4096  # one prompt chunk per rank
+    context: int = 1024  # tokens of context per decoding request
+    page_size: int = PAGE_SIZE
+    kinds: tuple[str, ...] = ("decode", "extend")
+
+
+def abstract_model(cfg: Any, expert_dtype: str):
+    """The model of `cfg` as ShapeDtypeStructs: bf16 weights (the router in float32, as the model holds it),
+    the routed experts in `expert_dtype`. The one place that says what the weights are before they exist;
+    the loader's description of each parameter (issue 14) replaces it.
+
+    fp8: float8_e4m3fn values fed to the experts' dot. The model has no block-FP8 expert path yet (issue 14
+    adds it), so the one float32 scale per 128x128 block (0.02% of the bytes) is counted by the plan only.
+    nvfp4: the NVFP4_PARAMS of jaxdp.model.moe in their dtypes and shapes.
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdp.model.decoder import DeepseekV3
+
+    def build():
+        model = DeepseekV3(cfg, nnx.Rngs(0), dtype=jnp.bfloat16)
+        ffn = None if model.moe_layers is None else model.moe_layers.ffn
+        if ffn is None or expert_dtype == "bf16":
+            return model
+        *lead, D, _, I = ffn.w_gate_up_ED2I.get_value().shape
+        if expert_dtype == "fp8":
+            ffn.w_gate_up_ED2I = nnx.Param(jnp.zeros((*lead, D, 2, I), jnp.float8_e4m3fn))
+            ffn.w_down_EID = nnx.Param(jnp.zeros((*lead, I, D), jnp.float8_e4m3fn))
+            return model
+        u8, f8, f32 = jnp.uint8, jnp.float8_e4m3fn, jnp.float32
+        ffn.to_nvfp4({
+            "w_gate_up_packed": jnp.zeros((*lead, 2, I, D // 2), u8),
+            "w_gate_up_scale": jnp.zeros((*lead, 2, I, D // 16), f8),
+            "w_gate_up_gscale": jnp.zeros(tuple(lead), f32),
+            "w_down_packed": jnp.zeros((*lead, D, I // 2), u8),
+            "w_down_scale": jnp.zeros((*lead, D, I // 16), f8),
+            "w_down_gscale": jnp.zeros(tuple(lead), f32),
+        })
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def step_shapes(layout: Any, case: CompileCase) -> list:
+    """The largest decode bucket, and the largest extend bucket in MAX_LEN and (with dp > 1) SUM_LEN."""
+    from jaxdp.parallel.step import StepShape
+
+    pages = -(-max(case.context, case.extend_rows) // case.page_size)
+    shapes = [StepShape(True, case.decode_rows, case.decode_rows, -(-case.context // case.page_size)),
+              StepShape(False, case.extend_rows, 1, pages)]
+    if layout.dp > 1:
+        shapes.append(StepShape(False, case.extend_rows, 1, pages, "sum_len", layout.dp * case.extend_rows))
+    return [s for s in shapes if s.kind in case.kinds]
+
+
+def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
+                 gpu_memory_bytes: float) -> dict[str, Any]:
+    """Compile the steps of `step_shapes` for `cfg` under `layout` with the planned KV pool; returns the
+    JSON part {"compiled": [...], "fit": {...}}. JAX must not have started with fewer host devices than
+    the layout has (`jaxdp.layout.ensure_host_devices` before it starts)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.layout import ensure_host_devices
+    from jaxdp.parallel.step import StepRunner
+
+    ensure_host_devices(layout.total_devices)
+    expert_dtype, kv_dtype = plan["expert_dtype"], plan["kv_dtype"]
+    tokens = plan["plan"]["kv_tokens_per_rank"]
+    num_pages = max(1, tokens // case.page_size)
+    kv = kv_bytes(cfg, kv_dtype)
+    pool_per_token = kv.latent * kv.layers  # what jaxdp's pool holds (no DSA index keys yet: issue 16)
+    planned_kv = num_pages * case.page_size * pool_per_token
+    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
+    cache_dtype = jnp.bfloat16 if kv_dtype == "bf16" else jnp.float8_e4m3fn
+
+    mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
+    runner = StepRunner(abstract_model(cfg, expert_dtype), layout, mesh, num_pages=num_pages,
+                        page_size=case.page_size, cache_dtype=cache_dtype, abstract=True)
+    compiled = []
+    for shape in step_shapes(layout, case):
+        t0 = time.perf_counter()
+        mem = runner.lower(shape).compile().memory_analysis()
+        seconds = time.perf_counter() - t0
+        arg = int(mem.argument_size_in_bytes)
+        compiled.append({
+            "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
+            "gather_mode": shape.gather_mode, "sum_rows": shape.sum_rows,
+            "argument_bytes_per_device": arg, "output_bytes_per_device": int(mem.output_size_in_bytes),
+            "alias_bytes_per_device": int(mem.alias_size_in_bytes),
+            "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+            "generated_code_bytes_per_device": int(mem.generated_code_size_in_bytes),
+            "planned_weight_bytes_per_device": int(planned_w), "planned_kv_bytes_per_device": int(planned_kv),
+            "argument_vs_plan": arg / (planned_w + planned_kv) - 1, "compile_s": round(seconds, 2),
+        })
+    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu_memory_bytes),
+            "host_devices": layout.total_devices, "backend": jax.default_backend(), "page_size": case.page_size,
+            "num_pages_per_rank": num_pages}
+
+
+def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planned_tokens: int,
+         memory: float) -> dict[str, Any]:
+    """Weights (XLA's arguments less the pool), the pool and the largest step's temp against the GPU."""
+    worst = max(compiled, key=lambda c: c["temp_bytes_per_device"] + c["generated_code_bytes_per_device"])
+    temp = worst["temp_bytes_per_device"] + worst["generated_code_bytes_per_device"]
+    weights = worst["argument_bytes_per_device"] - pool_bytes
+    tokens = math.floor((memory - weights - temp) / per_token)
+    return {"largest_temp_step": f"{worst['kind']} {worst['rows_per_rank']} {worst['gather_mode']}",
+            "largest_temp_bytes_per_device": temp, "xla_weight_bytes_per_device": weights,
+            "needed_bytes_per_device": weights + pool_bytes + temp, "gpu_memory_bytes": int(memory),
+            "fits": weights + pool_bytes + temp <= memory, "kv_tokens_planned_per_rank": planned_tokens,
+            "kv_tokens_with_temp_per_rank": max(0, min(planned_tokens, tokens))}
+
+
+def format_compiled(plan: dict[str, Any]) -> list[str]:
+    """The report's lines for the plan's "compiled" and "compile" parts."""
+    result = {**plan["compile"], "compiled": plan["compiled"]}
+    out = [f"Compiled by XLA ({result['backend']}, {result['host_devices']} host devices, abstract weights, a "
+           f"pool of {result['num_pages_per_rank']:,} pages x {result['page_size']} per rank), GiB per device",
+           f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'code':>7}{'plan w+kv':>11}"
+           f"{'arg/plan':>10}{'compile s':>11}"]
+    for c in result["compiled"]:
+        name = f"{c['kind']} {c['rows_per_rank']} {c['gather_mode']}"
+        planned = c["planned_weight_bytes_per_device"] + c["planned_kv_bytes_per_device"]
+        out.append(f"  {name:<24}{c['argument_bytes_per_device'] / GiB:10.2f}{c['output_bytes_per_device'] / GiB:9.2f}"
+                   f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['generated_code_bytes_per_device'] / GiB:7.2f}"
+                   f"{planned / GiB:11.2f}{c['argument_vs_plan'] * 100:+9.2f}%{c['compile_s']:11.1f}")
+    f = result["fit"]
+    verdict = "fits" if f["fits"] else "does NOT fit"
+    out.append(f"  with the largest temp ({f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} "
+               f"GiB) the layout {verdict}: {f['needed_bytes_per_device'] / GiB:.1f} of "
+               f"{f['gpu_memory_bytes'] / GiB:.1f} GiB; KV tokens per rank {f['kv_tokens_planned_per_rank']:,} "
+               f"planned, {f['kv_tokens_with_temp_per_rank']:,} remain")
+    return out
