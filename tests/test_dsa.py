@@ -115,6 +115,17 @@ def test_layouts_match_transformers(checkpoint, spec):
     check_against_transformers(out, hf, PROMPTS)
 
 
+def test_pallas_sparse_decode_kernel_in_the_model_matches_transformers(checkpoint):
+    """--attention-backend pallas (interpret mode on the CPU): the sparse decode kernel inside the step."""
+    from jaxdp.backends import decode_kernel
+
+    kind, hf, _, model = checkpoint
+    if kind != "glm":
+        pytest.skip("one model is enough for the kernel's place in the step")
+    out = run(model, "dp=2", [0, 1, 1, 0], decode_kernel=decode_kernel("pallas"))
+    check_against_transformers(out, hf, PROMPTS)
+
+
 def test_training_forward_without_cache_matches_transformers(checkpoint):
     """No cache (training): the indexer selects among the step's own rows of each sequence."""
     from jaxdp.model.mla import AttnBatch
