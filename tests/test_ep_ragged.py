@@ -84,3 +84,21 @@ def test_ragged_dispatch_matches_fixed_capacity_and_one_device(T):
 
 def test_the_ragged_form_is_chosen_on_gpus_only():
     assert ragged_a2a_on("gpu") and not ragged_a2a_on("cpu")
+
+
+def test_the_ragged_form_lowers_for_cuda_with_three_ragged_all_to_alls():
+    """XLA:CPU cannot run it, but JAX lowers it for a GPU here: dispatch (rows, expert ids) and combine."""
+    mesh = Layout(dp=8, moe="ep").make_mesh(jax.devices()[:8])
+
+    def per_device(h, idx, w, wg, wd):
+        y, rows = ragged_dispatch_combine_moe(h[0], idx[0], w[0], HeldExperts(wg, wd), 8)
+        return y[None], rows[None]
+
+    spec = P(ALL)
+    sh = NamedSharding(mesh, spec)
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in [
+        ((8, 4, 16), jnp.bfloat16), ((8, 4, 2), jnp.int32), ((8, 4, 2), jnp.float32),
+        ((16, 16, 2, 8), jnp.bfloat16), ((16, 8, 16), jnp.bfloat16)]]
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec)))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("ragged_all_to_all") == 3 and "stablehlo.all_to_all" not in text  # the fixed form's op
