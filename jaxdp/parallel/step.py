@@ -27,7 +27,7 @@ from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.parallel.accounting import StepAccount, account_step
-from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
+from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
 
 BATCH_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
@@ -171,6 +171,7 @@ class StepRunner:
         lm_mode = lm_head_mode(lay)
         graphdef, decode_kernel = self.graphdef, self.decode_kernel
         tied = cfg.tie_word_embeddings
+        ep_ragged = ragged_a2a_on(self.mesh.devices.flat[0].platform)
 
         def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
@@ -178,7 +179,7 @@ class StepRunner:
             tok = b["tokens_T"]
             b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
             cache = {k: v[0] for k, v in cache.items()}
-            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied)
+            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
             logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import Any
 
@@ -93,24 +94,27 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     from jaxdp.layout import ensure_host_devices
     from jaxdp.parallel.step import StepRunner
 
-    ensure_host_devices(layout.total_devices)
     expert_dtype, kv_dtype = plan["expert_dtype"], plan["kv_dtype"]
+    if kv_dtype != "bf16":
+        raise ValueError("--compile runs jaxdp's own step, whose KV pool is bf16 (an fp8 pool is not implemented "
+                         "yet); use --kv-dtype bf16 with --compile.")
+    ensure_host_devices(layout.total_devices)
     tokens = plan["plan"]["kv_tokens_per_rank"]
     num_pages = max(1, tokens // case.page_size)
     kv = kv_bytes(cfg, kv_dtype)
     pool_per_token = kv.latent * kv.layers  # what jaxdp's pool holds (no DSA index keys yet: issue 16)
     planned_kv = num_pages * case.page_size * pool_per_token
     planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
-    cache_dtype = jnp.bfloat16 if kv_dtype == "bf16" else jnp.float8_e4m3fn
 
     mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
     runner = StepRunner(abstract_model(cfg, expert_dtype), layout, mesh, num_pages=num_pages,
-                        page_size=case.page_size, cache_dtype=cache_dtype, abstract=True)
+                        page_size=case.page_size, cache_dtype=jnp.bfloat16, abstract=True)
     compiled = []
     for shape in step_shapes(layout, case):
         t0 = time.perf_counter()
-        mem = runner.lower(shape).compile().memory_analysis()
+        executable = runner.lower(shape).compile()
         seconds = time.perf_counter() - t0
+        mem = executable.memory_analysis()
         arg = int(mem.argument_size_in_bytes)
         compiled.append({
             "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
@@ -121,10 +125,53 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
             "generated_code_bytes_per_device": int(mem.generated_code_size_in_bytes),
             "planned_weight_bytes_per_device": int(planned_w), "planned_kv_bytes_per_device": int(planned_kv),
             "argument_vs_plan": arg / (planned_w + planned_kv) - 1, "compile_s": round(seconds, 2),
+            "largest_buffers": largest_buffers(executable.as_text()),
         })
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu_memory_bytes),
             "host_devices": layout.total_devices, "backend": jax.default_backend(), "page_size": case.page_size,
             "num_pages_per_rank": num_pages}
+
+
+_INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_NOT_BUFFERS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
+
+
+def largest_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
+    """The largest arrays an optimized HLO module materialises (outside fused computations, parameters
+    excluded), each with the JAX operation it comes from (a fusion: the first one named inside it, else
+    the fusion's own name): what the temp bytes are made of. Sizes, not liveness: XLA reuses memory, so
+    they need not add up to the temp bytes."""
+    fused_ops: dict[str, str] = {}
+    lines, computation = [], ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation's header, or its closing brace
+            computation = line.split(" ", 1)[0].lstrip("%") if line.endswith("{") else ""
+            continue
+        op = re.search(r'op_name="[^"]*?([^/"]+)"', line)
+        if computation.startswith(("fused", "wrapped")):
+            if op and computation not in fused_ops:
+                fused_ops[computation] = op.group(1)
+        else:
+            lines.append((line, op.group(1) if op else ""))
+    found: dict[tuple, dict[str, Any]] = {}
+    for line, op in lines:
+        m = _INSTR.match(line)
+        if not m or m.group(4) in _NOT_BUFFERS:
+            continue
+        name, dtype, dims, hlo = m.groups()
+        calls = re.search(r"calls=%([\w.-]+)", line)
+        op = op or (fused_ops.get(calls.group(1), "") if calls else "") or re.sub(r"\.\d+$", "", name)
+        nbytes = math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
+        key = (dtype, dims, op)
+        found[key] = {"bytes": nbytes, "shape": f"{dtype}[{dims}]", "op": op}
+    return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    if hlo_dtype == "pred" or hlo_dtype.startswith(("f8", "s8", "u8")):
+        return 1
+    bits = re.search(r"(\d+)", hlo_dtype)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
 def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planned_tokens: int,
@@ -154,10 +201,14 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
         out.append(f"  {name:<24}{c['argument_bytes_per_device'] / GiB:10.2f}{c['output_bytes_per_device'] / GiB:9.2f}"
                    f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['generated_code_bytes_per_device'] / GiB:7.2f}"
                    f"{planned / GiB:11.2f}{c['argument_vs_plan'] * 100:+9.2f}%{c['compile_s']:11.1f}")
+    for c in result["compiled"]:
+        out.append(f"  largest arrays of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}: " + "; ".join(
+            f"{b['shape']} {b['bytes'] / GiB:.1f} GiB ({b['op']})"
+            for b in c["largest_buffers"]))
     f = result["fit"]
     verdict = "fits" if f["fits"] else "does NOT fit"
-    out.append(f"  with the largest temp ({f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} "
-               f"GiB) the layout {verdict}: {f['needed_bytes_per_device'] / GiB:.1f} of "
-               f"{f['gpu_memory_bytes'] / GiB:.1f} GiB; KV tokens per rank {f['kv_tokens_planned_per_rank']:,} "
-               f"planned, {f['kv_tokens_with_temp_per_rank']:,} remain")
+    temp = f"{f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} GiB"
+    out.append(f"  with XLA:CPU's largest temp ({temp}; a GPU's is smaller, docs/plan.md) the layout {verdict}: "
+               f"{f['needed_bytes_per_device'] / GiB:.1f} of {f['gpu_memory_bytes'] / GiB:.1f} GiB; KV tokens per "
+               f"rank {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} remain")
     return out
