@@ -355,10 +355,17 @@ PRESETS: dict[str, ModelConfig] = {
         index_head_dim=128,
     ),
 }
+# GLM-5 at CPU size (the sparse-attention benchmark): 16 heads reading a 256 + 32 latent, an indexer of
+# 8 heads x 64 (1/17 of attention's work per context token, as in GLM-5), index_topk 2,048
+# and every other layer shared, as GLM-5's IndexCache variant runs it.
+PRESETS["glm-5-tiny"] = PRESETS["tiny"].with_(
+    model_type="glm_moe_dsa", num_layers=4, num_heads=16, kv_lora_rank=256, qk_nope_head_dim=32,
+    qk_rope_head_dim=32, v_head_dim=32, max_position_embeddings=202752, index_topk=2048, index_n_heads=8,
+    index_head_dim=64, indexer_types=("full", "shared", "full", "shared"))
 
 
 def get_config(name_or_path: str) -> ModelConfig:
-    """A preset name (tiny, deepseek-v3, glm-5) or a checkpoint directory."""
+    """A preset name (tiny, deepseek-v3, glm-5, glm-5-tiny) or a checkpoint directory."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_dir():

@@ -1,5 +1,6 @@
 """GLM-5 sparse attention through the engine and the server: prompts longer than `index_topk` (6), read in
-prefill chunks shorter than it, and a prefix reused from the cache, give transformers' greedy tokens."""
+prefill chunks shorter than it, and a prefix reused from the cache, give transformers' greedy tokens.
+The server test (a process start and a warm-up, about a minute) runs with -m slow."""
 
 import httpx
 import jax
@@ -56,6 +57,7 @@ def test_engine_long_prompts_chunked_and_from_the_prefix_cache(glm):
             eng.shutdown()
 
 
+@pytest.mark.slow
 def test_server_long_prompt_matches_transformers(glm, tmp_path):
     """Chunks of 10 // 2 = 5 per rank (a per-rank chunk under 8 leaves the server's default extend buckets,
     which start at 8, empty)."""

@@ -149,7 +149,7 @@ def total_bytes(components: list[Component], per_device: bool = True) -> float:
 @dataclasses.dataclass(frozen=True)
 class KVBytes:
     latent: int  # per token per layer: (kv_lora_rank + qk_rope_head_dim) x kv dtype
-    indexer: int  # per token per layer: DSA index key (fp8) + its fp32 scale
+    indexer: int  # per token per layer: DSA index key (bf16; or fp8 + its fp32 scale)
     layers: int
 
     @property
@@ -164,7 +164,9 @@ def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16") -> KVBytes:
         raise ValueError(f"kv dtype {kv_dtype!r} is unknown; use one of {', '.join(KV_DTYPES)}")
     latent = cfg.kv_cache_dim * (2 if kv_dtype == "bf16" else 1)
     indexer = 0
-    if cfg.index_n_heads:
+    if cfg.index_n_heads and kv_dtype == "bf16":  # jaxdp's pool: the index key in the cache dtype
+        indexer = cfg.index_head_dim * 2
+    elif cfg.index_n_heads:  # fp8 keys with one fp32 scale per 128 values (SGLang's 132 bytes)
         indexer = cfg.index_head_dim + cfg.index_head_dim // INDEX_QUANT_BLOCK * 4
     return KVBytes(latent, indexer, cfg.num_layers)
 
