@@ -73,20 +73,21 @@ class FailingRunner(HostOnlyRunner):
         return super().run(shape, stacked, prev_tokens)
 
 
-def test_a_failed_step_fails_its_own_requests_only_and_caches_no_unwritten_page():
+def test_a_failed_step_fails_only_the_request_that_fails_it_and_caches_no_unwritten_page():
     eng = host_engine(runner_cls=FailingRunner)
     others = [eng.submit(eng.make_request([4] * 9, GREEDY, rank=r)) for r in (0, 1)]
     eng.step()
     eng.step()
     assert all(r.output_ids for r in others)  # decoding
+    more = [eng.submit(eng.make_request([3, 3], GREEDY, rank=0))]
     bad = eng.submit(eng.make_request([FailingRunner.poison] * 9, GREEDY, rank=0))  # 9 tokens: two full pages
-    eng.step()  # rank 0 reads the prompt (others on rank 1 decode as one-token extends): the step fails
-    assert bad.finished and bad.finish_reason == "abort" and "internal error" in bad.error
+    more += [eng.submit(eng.make_request([2, 2], GREEDY, rank=0)) for _ in range(2)]
+    eng.step()  # rank 0 reads 4 prompts, rank 1 decodes (as one-token extends): the step fails, and again with
+    # rank 0's plan alone (rank 1's alone runs), then with either half of it, then with `bad` alone
+    assert bad.finished and bad.finish_reason == "abort" and "failed the engine step" in bad.error
     assert eng.schedulers[0].cache.size == 0  # its pages were never written: none entered the cache
     eng.run_until_idle()
-    # rank 1's request was in the failed step too and fails with it; rank 0's was not (its rank read a prompt)
-    assert others[0].finish_reason == "length" and others[0].output_ids == [1] * 6
-    assert others[1].finish_reason == "abort"
+    assert [(r.finish_reason, r.output_ids) for r in others + more] == [("length", [1] * 6)] * 5
     again = eng.generate([[4] * 9], GREEDY, ranks=[0])[0]
     assert again.output_ids == [1] * 6 and again.cached_tokens == 8  # the cache holds the written pages only
     pools_are_full(eng)

@@ -107,7 +107,7 @@ class Engine:
             pool = PagePool(c.num_pages, c.page_size)
             self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
                                              RankRows(self.rows.rank(r), c.page_size)))
-        self.controller = Controller(dp, c.load_balance_method)
+        self.controller = Controller(dp, c.load_balance_method)  # (a server's ReplicaSet pins ranks itself)
         carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
         runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
@@ -121,8 +121,6 @@ class Engine:
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self._inflight: _InFlight | None = None
         self._steps = itertools.count()
-        self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
-        self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -163,7 +161,9 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
                      rid: str | None = None, rank: int | None = None) -> Request:
-        """A validated request (token ids, or text when the model has a tokenizer); raises BadRequest."""
+        """A validated request (token ids, or text when the model has a tokenizer) on a rank: `rank`, or the
+        controller's choice (then it counts in the controller's ledger; a caller that pins ranks, such as
+        the server's ReplicaSet, keeps its own); raises BadRequest."""
         if self.failed:
             raise EngineFailed(self.failed)
         params = (params or SamplingParams()).validate()
@@ -177,26 +177,22 @@ class Engine:
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
         rid = rid or f"req-{next(self._ids)}"
-        if rid in self.requests and not self.requests[rid].finished:
-            raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
+        self.controller.check_rid(rid)
         req = Request(rid, [int(t) for t in prompt_ids], params)
-        loads = None
-        if rank is None:  # requests assigned but not yet queued count too, so a burst spreads out
-            loads = [(s.num_tokens + self._pending[r][0], len(s.running) + len(s.waiting) + self._pending[r][1])
-                     for r, s in enumerate(self.schedulers)]
-        req.rank = self.controller.assign(loads, rank)
-        self.schedulers[req.rank].check(req)
+        self.model_cfg.check_context(len(req.prompt_ids) + params.max_new_tokens)
+        self.schedulers[0].check(req)  # (every rank of an engine has the same pool and context length)
         if params.stop:
             if self.tokenizer is None:
                 raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
             req.stop_check = stop_string_check(self.tokenizer, params.stop)
+        req.rank = req.dp_rank = self.controller.choose(rank)
+        if rank is None:
+            self.controller.add(req, req.rank)
         return req
 
     def submit(self, req: Request) -> Request:
         """Queue a request made by `make_request` (thread-safe); the loop admits it on its next iteration."""
-        with self._pending_lock:
-            self._pending[req.rank][0] += len(req.prompt_ids)
-            self._pending[req.rank][1] += 1
+        req.submitted = True
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -216,9 +212,6 @@ class Engine:
                 return
             now = time.perf_counter()
             if cmd == "add":
-                with self._pending_lock:
-                    self._pending[arg.rank][0] -= len(arg.prompt_ids)
-                    self._pending[arg.rank][1] -= 1
                 if arg.rank not in self.local_ranks:  # node 0: another node's rank
                     self.link.forward(arg)
                     continue
@@ -252,11 +245,9 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
-        local = [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
-                          bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
         self.blocked = (ta, "exchanging the step's proposals")
-        proposals, messages = self.exchange.exchange(local, self.link.message() if self.link else {})
+        proposals, messages = self.exchange.exchange(self._proposals(plans), self.link.message() if self.link else {})
         self.blocked = None
         if self.link:
             self.link.receive(messages)
@@ -273,20 +264,20 @@ class Engine:
         compiles_before = compiles_total()
         step = next(self._steps)
         try:
-            current = self._queue(step, plans, shape, rows, agreement, t0, agree_s)
-        except (PeerFailure, PeerStopped):
-            raise
-        except Exception as e:
+            current = self._queue(plans, shape, rows, agreement, t0, agree_s)
+        except Exception:
             if self.link:  # a step across the nodes: every node must run it; the loop fails the engine
                 raise
-            # not a user error (requests are validated, sampling clamps): only this step's requests fail
-            log.exception("engine step failed; failing the %d requests in it", sum(len(p.reqs) for p in plans if p))
-            self._fail_plans(plans, f"internal error in the engine step ({first_line(e, 120)}); see the server log")
-            current = None
-        else:
-            for r, plan in enumerate(plans):
-                if plan:
-                    self.schedulers[r].commit(plan, step)
+            # not a user error (requests are validated, sampling clamps): find the request that fails it
+            log.exception("engine step failed; retrying its requests in smaller steps to find the one that fails")
+            if self._inflight is not None:
+                self._book(self._inflight, time.perf_counter())
+                self._inflight = None
+            self._isolate(plans)
+            return True
+        for r, plan in enumerate(plans):
+            if plan:
+                self.schedulers[r].commit(plan, step)
         previous, self._inflight = self._inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
@@ -296,7 +287,12 @@ class Engine:
         self.stats.compiles_in_steps += compiles_total() - compiles_before
         return True
 
-    def _queue(self, step: int, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
+    def _proposals(self, plans: list[RankPlan | None]) -> list[Proposal]:
+        """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket"."""
+        return [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
+                         bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
+
+    def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
                t0: float, agree_s: float) -> _InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
         c = self.cfg
@@ -321,16 +317,38 @@ class Engine:
         tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
         self.blocked = None
         t2 = time.perf_counter()
-        return _InFlight(step, plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
+        return _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
                          host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
 
-    def _fail_plans(self, plans: list[RankPlan | None], message: str) -> None:
-        now = time.perf_counter()
-        for r, plan in enumerate(plans):
-            for req in plan.reqs if plan else ():
-                if not req.finished:
-                    req.error = message
-                    self.schedulers[r].finish(req, "abort", now)
+    def _isolate(self, plans: list[RankPlan | None]) -> None:
+        """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
+        that fails, until the request that fails is alone; it fails, the others run (and are booked) as usual.
+        Only this node's ranks (a step across nodes does not get here)."""
+        todo = [(r, p) for r, p in enumerate(plans) if p]
+        while todo:
+            r, plan = todo.pop()
+            plan = plan.unfinished()
+            if plan is None:
+                continue
+            only: list[RankPlan | None] = [None] * self.layout.dp
+            only[r] = plan
+            agreement = agree_on_step(self._proposals(only))
+            rows = list(agreement.rows_per_rank)
+            shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
+            step, t0 = next(self._steps), time.perf_counter()
+            try:
+                f = self._queue(only, shape, rows, agreement, t0, 0.0)
+            except Exception as e:
+                if len(plan.reqs) > 1:
+                    todo += [(r, half) for half in plan.halves()]
+                    continue
+                req = plan.reqs[0]
+                log.error("request %s fails the engine step (%s); it alone is aborted", req.rid, first_line(e, 160))
+                req.error = f"this request failed the engine step ({first_line(e, 120)}); see the server log"
+                self.schedulers[r].finish(req, "abort", time.perf_counter())
+                continue
+            self.schedulers[r].commit(plan, step)
+            self._book(f, time.perf_counter())
 
     def _book(self, f: _InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
@@ -481,7 +499,6 @@ class Engine:
 class _InFlight:
     """A step queued on the device whose tokens have not been read back yet."""
 
-    step: int
     plans: list
     tokens: jax.Array  # [dp, token_carry] on the device
     logprobs: jax.Array

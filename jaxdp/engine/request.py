@@ -52,7 +52,8 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    rank: int = -1
+    rank: int = -1  # its DP rank in its engine
+    dp_rank: int = -1  # its rank among all the server's ranks (replicas numbered one after the other)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
@@ -68,6 +69,7 @@ class Request:
     error_status: int | None = None  # the HTTP status of that error when not a 400 (503: the engine failed)
     stop_check: Callable[[Request], bool] | None = None  # stop strings, checked by the API layer
     on_update: Callable[[Request], None] | None = None  # called after each token and at the end
+    submitted: bool = False  # handed to an engine's loop (Engine.submit)
     created: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

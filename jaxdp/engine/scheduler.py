@@ -50,6 +50,21 @@ class RankPlan:
     def num_sampled(self) -> int:
         return int((self.out_pos >= 0).sum()) if self.out_pos is not None else 0
 
+    def subset(self, keep: list[int]) -> RankPlan | None:
+        """The plan of requests `keep` only (an uncommitted plan; None if empty)."""
+        if not keep:
+            return None
+        pick = (lambda xs: [xs[i] for i in keep]) if self.kind == "extend" else (lambda xs: xs)
+        return RankPlan(self.kind, [self.reqs[i] for i in keep], pick(self.pieces),
+                        self.rows[keep] if self.rows is not None else None, sampling=pick(self.sampling))
+
+    def halves(self) -> list[RankPlan]:
+        n = len(self.reqs)
+        return [p for p in (self.subset(list(range(n // 2))), self.subset(list(range(n // 2, n)))) if p]
+
+    def unfinished(self) -> RankPlan | None:
+        return self.subset([i for i, r in enumerate(self.reqs) if not r.finished])
+
 
 @dataclasses.dataclass
 class SchedulerConfig:
