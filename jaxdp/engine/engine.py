@@ -179,7 +179,6 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         self.controller.check_rid(rid)
         req = Request(rid, [int(t) for t in prompt_ids], params)
-        self.model_cfg.check_context(len(req.prompt_ids) + params.max_new_tokens)
         self.schedulers[0].check(req)  # (every rank of an engine has the same pool and context length)
         if params.stop:
             if self.tokenizer is None:
