@@ -64,8 +64,8 @@ def cases(draw) -> tuple[str, bytes]:
         return "/abort_request", json.dumps(body).encode()
     name = draw(st.sampled_from([*BAD_VALUES, "prompt", "rank", "stream", "logprobs"]))
     value = draw({"prompt": PROMPT_BAD, "rank": st.integers(min_value=8) | st.integers(max_value=-1) | junk,
-                  "stream": st.integers() | st.text(), "logprobs": st.integers(min_value=6) | st.text(min_size=1)
-                  }.get(name) or BAD_VALUES[name])
+                  "stream": st.integers() | st.text(), "logprobs": st.integers(min_value=6) | st.text(min_size=1),
+                  **BAD_VALUES}[name])
     if kind == "generate":
         body: dict = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}
         key = {"prompt": "text" if isinstance(value, str) else "input_ids", "rank": "routed_dp_rank",

@@ -363,12 +363,20 @@ def test_9_top_logprobs_hold_the_real_top_k(server):
 
 
 def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path):
-    s = Server(["--mesh", "dp=2", "--max-total-tokens", "1024", "--graceful-shutdown-timeout", "1.5",
-                "--request-timeout", "4", *SMALL], tmp_path / "drain.log").wait()
-    try:
+    s = Server(["--mesh", "dp=2", "--graceful-shutdown-timeout", "1.5", "--request-timeout", "4", *SMALL,
+                "--max-running-requests", "4"], tmp_path / "drain.log").wait()
+    try:  # the timeout: two long requests hold rank 0's two slots, a third waits behind them past 4 s
+        ahead = [threading.Thread(target=httpx.post, args=(s.url + "/generate",),
+                                  kwargs={"json": greedy("1+1=", 500, routed_dp_rank=0), "timeout": 60})
+                 for _ in range(2)]
+        for t in ahead:
+            t.start()
+        time.sleep(0.5)
         t0 = time.perf_counter()
-        r = httpx.post(s.url + "/generate", json=greedy("1+1=", 1000), timeout=60)
+        r = httpx.post(s.url + "/generate", json=greedy("1+1=", 500, routed_dp_rank=0), timeout=60)
         assert "--request-timeout" in one_sentence(r, 408) and 3.5 < time.perf_counter() - t0 < 15
+        for t in ahead:
+            t.join()
         events: dict[str, list] = {"long": [], "short": []}
         started = {k: threading.Event() for k in events}
         plain: list[httpx.Response] = []
@@ -380,9 +388,9 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path)
                         started[name].set()
                         events[name].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
 
-        threads = [threading.Thread(target=stream, args=("long", 1000)),
+        threads = [threading.Thread(target=stream, args=("long", 500)),
                    threading.Thread(target=lambda: plain.append(httpx.post(s.url + "/generate", timeout=60,
-                                                                           json=greedy("1+1=", 1000))))]
+                                                                           json=greedy("1+1=", 500))))]
         for t in threads:
             t.start()
         assert started["long"].wait(30)
