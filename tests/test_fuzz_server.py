@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servers import Server
 from test_reliability import HAVE_DEFAULT, SMALL, one_sentence, sse_events
+from test_reliability_soak import run_soak
 
 pytestmark = pytest.mark.skipif(not HAVE_DEFAULT, reason="the tests read text through the default model")
 EXAMPLES = 200
@@ -137,3 +138,9 @@ def test_fuzz_malformed_bodies_get_one_sentence_and_cost_nobody_else(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     states = httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"]
     assert all(s["num_reqs"] == 0 and s["free_pages"] + s["cached_pages"] == s["num_pages"] for s in states)
+
+
+def test_soak_small(server):
+    """The soak's CI sibling (the full one: test_reliability_soak.py, -m slow): 200 requests at 32."""
+    tally = run_soak(server, total=200, concurrency=32, seed=7)
+    assert tally.aborted > 5 and tally.refused > 0

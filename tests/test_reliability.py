@@ -414,12 +414,11 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path)
             s.proc.wait()
 
 
-def test_cli_refuses_bad_limits():
+def test_cli_refuses_a_bad_limit_in_one_line():
     import sys
 
     from servers import free_port
 
-    for flag, value in (("--max-request-bytes", "10"), ("--max-queued-requests", "0"), ("--request-timeout", "-1")):
-        r = subprocess.run([sys.executable, "-m", "jaxdp.serve", "--port", str(free_port()), flag, value],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and r.stderr.startswith(f"error: {flag} must be at least"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxdp.serve", "--port", str(free_port()), "--max-queued-requests", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == "error: --max-queued-requests must be at least 1, got 0\n", r.stderr

@@ -17,8 +17,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jaxdp.api.common import ApiError, TextView, watch_disconnect
-from jaxdp.api.fields import check_length
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+
+from jaxdp.api.common import ApiError, TextView, sse, watch_disconnect
+from jaxdp.api.fields import check_length, parse_json
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.config import UnsupportedConfigError
@@ -63,6 +66,7 @@ class ServerContext:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     live: set[Job] = dataclasses.field(default_factory=set)  # submitted and not yet ended (the event loop's)
     draining: bool = False  # a shutdown is under way: new requests get a 503
+    warned: set[str] = dataclasses.field(default_factory=set)  # deprecations already logged once
 
     @property
     def vocab_size(self) -> int:
@@ -186,6 +190,52 @@ class ServerContext:
             deadline = time.monotonic() + 5.0  # time for the engine to end them and their answers to go out
             while self.live and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+
+
+async def read_json(http: HttpRequest) -> dict[str, Any]:
+    """The body as a JSON object (parsed off the event loop when it is large)."""
+    raw = await http.body()
+    return parse_json(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json, raw)
+
+
+def pinned_rank(body: dict, http: HttpRequest) -> int | None:
+    """The rank a request asks for: routed_dp_rank, data_parallel_rank (deprecated) or the header."""
+    ctx: ServerContext = http.app.state.ctx
+    rank = body.get("routed_dp_rank")
+    if rank is None and body.get("data_parallel_rank") is not None:
+        if "data_parallel_rank" not in ctx.warned:
+            ctx.warned.add("data_parallel_rank")
+            log.warning("data_parallel_rank is deprecated; send routed_dp_rank instead")
+        rank = body["data_parallel_rank"]
+    header = http.headers.get("x-data-parallel-rank")
+    if rank is None and header is not None:
+        if not header.strip().isdigit() or len(header) > 9:
+            raise ApiError(f"the X-Data-Parallel-Rank header {header[:20]!r} is not an integer rank")
+        rank = int(header)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ApiError(f"routed_dp_rank must be an integer, got {str(rank)[:40]!r}", param="routed_dp_rank")
+    num_ranks = ctx.backend.num_ranks
+    if rank is not None and not 0 <= rank < num_ranks:
+        raise ApiError(f"routed_dp_rank {rank} is out of range; this server has DP ranks 0..{num_ranks - 1}",
+                       param="routed_dp_rank")
+    return rank
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """A server-sent event answer; an exception while it streams ends it with an error event and [DONE]
+    (the status line has gone out already, so this is the only way left to tell the client)."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:
+            log.exception("internal error while streaming an answer")
+            yield sse({"error": {"message": f"internal server error ({type(e).__name__}); see the server log",
+                                 "type": "server_error", "code": 500}})
+            yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 async def run_jobs(ctx: ServerContext, jobs: list[Job]) -> AsyncIterator[int]:

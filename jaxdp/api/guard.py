@@ -12,6 +12,7 @@ becomes a JSON 500 here, and is not raised further, so the connection stays open
 
 from __future__ import annotations
 
+import hmac
 import logging
 from urllib.parse import urlsplit
 
@@ -56,7 +57,8 @@ class Guard:
         if self.ctx.draining:
             return ApiError("the server is shutting down; send the request to another server", 503, "server_error",
                             headers={"Retry-After": "5", "Connection": "close"})
-        if self.key is not None and path != "/health" and headers.get(b"authorization", b"") != self.key:
+        if self.key is not None and path != "/health" and not hmac.compare_digest(headers.get(b"authorization", b""),
+                                                                                  self.key):
             return ApiError("the API key is missing or wrong; send the header 'Authorization: Bearer <key>' with "
                             "the server's --api-key", 401, "authentication_error")
         has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers

@@ -21,16 +21,24 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdp.api.common import ApiError, done_ids, error_response, finish_reason, sse
-from jaxdp.api.context import Job, ServerContext, complete_jobs, job_error, run_jobs
+from jaxdp.api.context import (
+    Job,
+    ServerContext,
+    complete_jobs,
+    event_stream,
+    job_error,
+    pinned_rank,
+    read_json,
+    run_jobs,
+)
 from jaxdp.api.fields import (
     MAX_PROMPTS,
     check_n,
     field,
-    parse_json,
     rids,
     sampling_params,
     token_ids,
@@ -39,37 +47,6 @@ from jaxdp.engine import BadRequest, SamplingParams
 
 log = logging.getLogger("jaxdp.serve")
 router = APIRouter()
-_warned = set()
-
-
-def pinned_rank(body: dict, http: HttpRequest) -> int | None:
-    """The rank a request asks for: routed_dp_rank, data_parallel_rank (deprecated) or the header."""
-    rank = body.get("routed_dp_rank")
-    if rank is None and body.get("data_parallel_rank") is not None:
-        if "data_parallel_rank" not in _warned:
-            _warned.add("data_parallel_rank")
-            log.warning("data_parallel_rank is deprecated; send routed_dp_rank instead")
-        rank = body["data_parallel_rank"]
-    header = http.headers.get("x-data-parallel-rank")
-    if rank is None and header is not None:
-        if not header.strip().isdigit() or len(header) > 9:
-            raise ApiError(f"the X-Data-Parallel-Rank header {header[:20]!r} is not an integer rank")
-        rank = int(header)
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise ApiError(f"routed_dp_rank must be an integer, got {str(rank)[:40]!r}", param="routed_dp_rank")
-    num_ranks = http.app.state.ctx.backend.num_ranks
-    if rank is not None and not 0 <= rank < num_ranks:
-        raise ApiError(f"routed_dp_rank {rank} is out of range; this server has DP ranks 0..{num_ranks - 1}",
-                       param="routed_dp_rank")
-    return rank
-
-
-async def read_json(http: HttpRequest) -> dict[str, Any]:
-    """The body as a JSON object (parsed off the event loop when it is large)."""
-    raw = await http.body()
-    return parse_json(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json, raw)
-
-
 async def _prompts(ctx: ServerContext, body: dict) -> tuple[list[list[int]], bool]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -136,8 +113,7 @@ async def generate(http: HttpRequest):
         p.return_logprob = with_logprobs
     jobs = ctx.make_jobs(prompts, params, n, rank=rank, rids=rids(body, len(prompts)), skip_special_tokens=skip)
     if stream:
-        return StreamingResponse(_stream(ctx, jobs, with_logprobs, is_batch or n > 1),
-                                 media_type="text/event-stream")
+        return event_stream(_stream(ctx, jobs, with_logprobs, is_batch or n > 1))
     await complete_jobs(http, ctx, jobs)
     out = [result(ctx, job, with_logprobs) for job in jobs]
     return JSONResponse(out if is_batch or n > 1 else out[0])

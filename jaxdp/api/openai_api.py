@@ -16,10 +16,18 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
 
 from jaxdp.api.common import ApiError, done_ids, finish_reason, openai_finish, sse
-from jaxdp.api.context import Job, ServerContext, complete_jobs, job_error, run_jobs
+from jaxdp.api.context import (
+    Job,
+    ServerContext,
+    complete_jobs,
+    event_stream,
+    job_error,
+    pinned_rank,
+    read_json,
+    run_jobs,
+)
 from jaxdp.api.fields import (
     INT32_MAX,
     MAX_PROMPTS,
@@ -30,7 +38,6 @@ from jaxdp.api.fields import (
     sampling_params,
     token_ids,
 )
-from jaxdp.api.native import pinned_rank, read_json
 
 router = APIRouter()
 
@@ -163,7 +170,7 @@ async def _handle(http: HttpRequest, chat: bool):
     jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if stream:
-        return StreamingResponse(_stream(ctx, jobs, cid, chat, want_logprobs, usage), media_type="text/event-stream")
+        return event_stream(_stream(ctx, jobs, cid, chat, want_logprobs, usage))
     await complete_jobs(http, ctx, jobs)
     choices = []
     for i, job in enumerate(jobs):
