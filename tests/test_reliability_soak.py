@@ -10,6 +10,7 @@ small (200 requests at 32) on the fuzz test's server in CI (test_fuzz_server.py)
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import random
@@ -85,20 +86,24 @@ async def _one(c: httpx.AsyncClient, rng: random.Random, solo: dict, tally: Tall
         tally.lost.append((prompt, f"got {str(got)[:120]}, alone {want}"))
 
 
-def run_soak(server, total: int, concurrency: int, seed: int = 0, max_new: int = 8) -> Tally:
-    """`total` seeded requests, `concurrency` at a time; asserts nothing is lost and every page comes back."""
+def run_soak(server, total: int, concurrency: int, seed: int = 0, max_new: int = 8, timeout: float = 120) -> Tally:
+    """`total` seeded requests, `concurrency` at a time; asserts nothing is lost and every page comes back.
+    `timeout`: how long a client waits for one answer (a late answer counts as lost)."""
     solo = {p: httpx.post(server.url + "/generate", json=_native(p, max_new), timeout=60).json() for p in PROMPTS}
     rng = random.Random(seed)
     tally = Tally()
 
     async def run() -> None:
         limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
+        async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as c:
             gate = asyncio.Semaphore(concurrency)
 
             async def gated(r: random.Random) -> None:
                 async with gate:
-                    await _one(c, r, solo, tally, max_new)
+                    try:
+                        await _one(c, r, solo, tally, max_new)
+                    except httpx.HTTPError as e:  # a timeout or a dropped connection: lost
+                        tally.lost.append(("request", f"{type(e).__name__}: {e}"))
 
             await asyncio.gather(*(gated(random.Random(rng.random())) for _ in range(total)))
 
@@ -107,8 +112,8 @@ def run_soak(server, total: int, concurrency: int, seed: int = 0, max_new: int =
     elapsed = time.perf_counter() - t0
     print(f"soak: {total} requests at {concurrency} in {elapsed:.1f} s: {tally.ok} right, {tally.refused} refused, "
           f"{tally.aborted} aborted by their clients, {len(tally.lost)} lost")
-    assert not tally.lost, tally.lost[:5]
-    assert tally.ok + tally.refused + tally.aborted == total
+    assert not tally.lost, (collections.Counter(why.split(":")[0] for _, why in tally.lost), tally.lost[:5])
+    assert tally.ok + tally.refused + tally.aborted == total, tally
     for _ in range(150):
         states = httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"]
         if all(s["num_reqs"] == 0 for s in states):
@@ -124,7 +129,7 @@ def test_soak_2000_requests_at_256(tmp_path):
     s = Server(["--mesh", "dp=8", "--max-total-tokens", "4096", "--max-running-requests", "256",
                 "--chunked-prefill-size", "256", "--cuda-graph-bs", "1", "4", "16", "32"], tmp_path / "soak.log")
     try:
-        tally = run_soak(s.wait(), total=2000, concurrency=256, seed=18)
+        tally = run_soak(s.wait(), total=2000, concurrency=256, seed=18, timeout=1800)  # 2 busy cores: slow steps
         assert tally.aborted > 50 and tally.refused > 20
     finally:
         s.stop()

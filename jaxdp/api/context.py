@@ -78,26 +78,26 @@ class ServerContext:
             raise ApiError(f"this server has no tokenizer (--skip-tokenizer-init, or the checkpoint has no "
                            f"tokenizer.json), so it cannot read {what}; send token ids (input_ids) instead")
 
-    def _check_text_length(self, chars: int, what: str) -> None:
+    def _check_text_length(self, chars: int, what: str, rank: int | None) -> None:
         """Refuse, before tokenizing, a text that no tokenization could fit in the context."""
         per_token = getattr(self.tokenizer, "max_token_chars", None)
-        context = self.context_len(None)
+        context = self.context_len(rank)
         if per_token and chars > TEXT_SLACK * per_token * context:
             raise ApiError(f"{what} has {chars} characters, more than a context of {context} tokens can hold; "
                            "shorten it", param="prompt")
 
-    async def encode(self, texts: list[str], what: str = "text") -> list[list[int]]:
+    async def encode(self, texts: list[str], what: str = "text", rank: int | None = None) -> list[list[int]]:
         """Token ids of each text, tokenized off the event loop once the lengths are known to be possible."""
         self._need_tokenizer(what)
         for text in texts:
             if not text:
                 raise ApiError(f"the prompt is empty; send at least one character of {what}", param="prompt")
-            self._check_text_length(len(text), "the prompt")
+            self._check_text_length(len(text), "the prompt", rank)
         return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]], rank: int | None = None) -> list[int]:
         self._need_tokenizer("chat messages")
-        self._check_text_length(sum(len(m["content"]) for m in messages), "the conversation")
+        self._check_text_length(sum(len(m["content"]) for m in messages), "the conversation", rank)
 
         def render() -> list[int]:
             try:
@@ -110,6 +110,7 @@ class ServerContext:
         return await asyncio.to_thread(render)
 
     def context_len(self, rank: int | None) -> int:
+        """The pinned rank's context, or the smallest of all (where an unpinned request may go)."""
         b = self.backend
         if rank is not None and isinstance(rank, int) and 0 <= rank < b.num_ranks:
             return b.context_len(rank)

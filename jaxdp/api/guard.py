@@ -16,6 +16,8 @@ import hmac
 import logging
 from urllib.parse import urlsplit
 
+from starlette.requests import ClientDisconnect
+
 from jaxdp.api.common import ApiError
 
 log = logging.getLogger("jaxdp.serve")
@@ -100,6 +102,8 @@ class Guard:
 
         try:
             await self.app(scope, counted_receive, tracked_send)
+        except ClientDisconnect:  # the client left while sending its body: no one to answer
+            return
         except Exception as e:
             if started:  # the answer is under way (a stream): nothing else can be said on this connection
                 raise

@@ -1,6 +1,7 @@
 """SGLang's native endpoints: /generate, /health, /health_generate, /ready, /server_info, /get_load,
-/model_info, /flush_cache, /abort_request, /metrics (and the older names /get_server_info and /get_model_info, which
-SGLang keeps as deprecated aliases; sglang.bench_serving asks for /server_info and /model_info).
+/model_info, /flush_cache, /abort_request, /metrics (and the older names /get_server_info and
+/get_model_info, which SGLang keeps as deprecated aliases; sglang.bench_serving asks for /server_info and
+/model_info).
 
 /generate takes `text` or `input_ids` (one prompt or a batch), `sampling_params`, `stream`, `rid`,
 `return_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
@@ -47,15 +48,15 @@ from jaxdp.engine import BadRequest, SamplingParams
 
 log = logging.getLogger("jaxdp.serve")
 router = APIRouter()
-async def _prompts(ctx: ServerContext, body: dict) -> tuple[list[list[int]], bool]:
+async def _prompts(ctx: ServerContext, body: dict, rank: int | None) -> tuple[list[list[int]], bool]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError("send exactly one of text or input_ids", param="text")
     if text is not None:
         if isinstance(text, str):
-            return await ctx.encode([text]), False
+            return await ctx.encode([text], rank=rank), False
         if isinstance(text, list) and 0 < len(text) <= MAX_PROMPTS and all(isinstance(t, str) for t in text):
-            return await ctx.encode(text), True
+            return await ctx.encode(text, rank=rank), True
         raise ApiError(f"text must be a string or a list of 1 to {MAX_PROMPTS} strings", param="text")
     if isinstance(ids, list) and ids and all(isinstance(t, list) for t in ids):
         batch, is_batch = ids, True
@@ -66,7 +67,7 @@ async def _prompts(ctx: ServerContext, body: dict) -> tuple[list[list[int]], boo
     if len(batch) > MAX_PROMPTS:
         raise ApiError(f"input_ids holds {len(batch)} prompts, more than the {MAX_PROMPTS} allowed; split it",
                        param="input_ids")
-    context = ctx.context_len(None)
+    context = ctx.context_len(rank)
     for p in batch:  # the length first: a prompt too long for any rank is refused before its ids are read
         token_ids(p, "input_ids", ctx.vocab_size, context)
     return batch, is_batch
@@ -107,7 +108,7 @@ async def generate(http: HttpRequest):
     rank = pinned_rank(body, http)
     stream = field(body, "stream", bool, False)
     with_logprobs = field(body, "return_logprob", bool, False)
-    prompts, is_batch = await _prompts(ctx, body)
+    prompts, is_batch = await _prompts(ctx, body, rank)
     params, n, skip = _params(ctx, body, len(prompts))
     for p in params:
         p.return_logprob = with_logprobs

@@ -61,16 +61,16 @@ def _params(ctx: ServerContext, body: dict, default_max: int | None):
     return params
 
 
-async def _completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(ctx: ServerContext, prompt: Any, rank: int | None) -> list[list[int]]:
     if isinstance(prompt, str):
-        return await ctx.encode([prompt], "a text prompt")
+        return await ctx.encode([prompt], "a text prompt", rank)
     if isinstance(prompt, list) and prompt:
         if len(prompt) > MAX_PROMPTS and not all(isinstance(t, int) for t in prompt):
             raise ApiError(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} allowed; split it",
                            param="prompt")
-        context = ctx.context_len(None)
+        context = ctx.context_len(rank)
         if all(isinstance(p, str) for p in prompt):
-            return await ctx.encode(prompt, "a text prompt")
+            return await ctx.encode(prompt, "a text prompt", rank)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [token_ids(prompt, "prompt", ctx.vocab_size, context)]
         if all(isinstance(p, list) for p in prompt):
@@ -82,7 +82,7 @@ async def _completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]
                    "an empty prompt is not allowed", param="prompt")
 
 
-async def _chat_prompt(ctx: ServerContext, messages: Any) -> list[int]:
+async def _chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages is required: a non-empty list of {role, content} objects", param="messages")
     flat = []
@@ -98,7 +98,7 @@ async def _chat_prompt(ctx: ServerContext, messages: Any) -> list[int]:
         if not isinstance(content, str):
             raise ApiError("a message's content must be a string or a list of text parts", param="messages")
         flat.append({"role": m["role"], "content": content})
-    return await ctx.encode_chat(flat)
+    return await ctx.encode_chat(flat, rank)
 
 
 def _token_text(ctx: ServerContext, token: int) -> str:
@@ -164,8 +164,8 @@ async def _handle(http: HttpRequest, chat: bool):
     params.return_logprob, params.top_logprobs = want_logprobs, top or 0
     stream = field(body, "stream", bool, False)
     usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False, where="stream_options.")
-    prompts = [await _chat_prompt(ctx, body.get("messages"))] if chat else \
-        await _completion_prompts(ctx, body.get("prompt"))
+    prompts = [await _chat_prompt(ctx, body.get("messages"), rank)] if chat else \
+        await _completion_prompts(ctx, body.get("prompt"), rank)
     n = check_n(body, len(prompts))
     jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
