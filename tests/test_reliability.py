@@ -283,6 +283,8 @@ def test_8_content_type_host_origin_and_no_state_change_by_get(server):
     r = httpx.post(server.url + "/generate", json=greedy("1+1=", 2), headers={"Host": f"localhost:{server.port}"},
                    timeout=30)
     assert r.status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'jaxdp:http_errors_total{status="415"} 2.0' in metrics and 'status="421"' in metrics
 
 
 # ---- 9: /abort_request, the queue limit, top_logprobs -------------------------------------------------------------

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter
 
 from jaxdp.api.common import ApiError
 from jaxdp.api.context import Limits
@@ -78,7 +79,8 @@ def test_guard_answers_every_refusal_as_json():
     async def boom():
         raise RuntimeError("a bug")
 
-    ctx = SimpleNamespace(api_key=None, draining=False, limits=Limits(max_request_bytes=1024))
+    metrics = SimpleNamespace(http_errors=Counter("http_errors", "", ["status"], registry=CollectorRegistry()))
+    ctx = SimpleNamespace(api_key=None, draining=False, limits=Limits(max_request_bytes=1024), metrics=metrics)
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts("127.0.0.1", 8000))  # as create_app mounts it
     guard = app
     js = {"Content-Type": "application/json"}
@@ -103,6 +105,9 @@ def test_guard_answers_every_refusal_as_json():
     ctx.draining = True
     r = call(guard, "POST", "/echo", content=b"{}", headers=js | {"Authorization": "Bearer k"})
     assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    samples = metrics.http_errors.collect()[0].samples
+    counted = {s.labels["status"]: s.value for s in samples if s.name.endswith("total")}
+    assert counted == {"415": 2, "413": 2, "421": 1, "403": 1, "500": 1, "401": 1, "503": 1}
 
 
 def test_allowed_hosts():

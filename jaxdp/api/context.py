@@ -103,8 +103,8 @@ class ServerContext:
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except Exception as e:  # a template that refuses the conversation (jinja2 raise_exception, none)
-                raise ApiError(f"the chat template refused these messages: {str(e).splitlines()[0][:200]}",
-                               param="messages") from None
+                why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                raise ApiError(f"the chat template refused these messages: {why}", param="messages") from None
             return self.tokenizer.encode(text)
 
         return await asyncio.to_thread(render)

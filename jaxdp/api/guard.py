@@ -82,8 +82,6 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if (err := self.check(scope)) is not None:
-            return await err.response()(scope, receive, send)
         limit, seen, started = self.ctx.limits.max_request_bytes, 0, False
 
         async def counted_receive():
@@ -97,11 +95,17 @@ class Guard:
 
         async def tracked_send(message):
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400 and self.ctx.metrics is not None:
+                    self.ctx.metrics.http_errors.labels(str(message["status"])).inc()
             await send(message)
 
         try:
-            await self.app(scope, counted_receive, tracked_send)
+            if (err := self.check(scope)) is not None:
+                await err.response()(scope, receive, tracked_send)
+            else:
+                await self.app(scope, counted_receive, tracked_send)
         except ClientDisconnect:  # the client left while sending its body: no one to answer
             return
         except Exception as e:
@@ -113,4 +117,4 @@ class Guard:
                 log.exception("internal error while serving %s %s", scope["method"], scope["path"])
                 err = ApiError(f"internal server error ({type(e).__name__}); see the server log", 500,
                                "server_error")
-            await err.response()(scope, receive, send)
+            await err.response()(scope, receive, tracked_send)
