@@ -70,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="every endpoint but /health needs 'Authorization: Bearer KEY'")
+    g.add_argument("--max-request-bytes", type=int, default=16 * 2**20, metavar="N",
+                   help="largest request body; a larger one gets a 413 before it is read (default 16 MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests waiting for a rank, all ranks together; beyond it a 503 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="a request still running after this many seconds ends with an error (default: none)")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, new requests get a 503 and those in flight may finish within this many "
+                        "seconds; the rest then end with an error (default 30)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
                    help="a Decode batch log line per rank every this many decode steps")
@@ -131,6 +140,18 @@ def check_port(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+
+
+def server_limits(args):
+    """The HTTP limits of `args`, checked (a UserError names the flag)."""
+    from jaxdp.api.context import Limits
+
+    for name, low in (("max_request_bytes", 1024), ("max_queued_requests", 1), ("request_timeout", 1e-3),
+                      ("graceful_shutdown_timeout", 1e-3)):
+        if (value := getattr(args, name)) is not None and not value >= low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low:g}, got {value}")
+    return Limits(args.max_request_bytes, args.max_queued_requests, args.request_timeout,
+                  args.graceful_shutdown_timeout)
 
 
 def engine_config(args, num_pages: int):
@@ -304,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.timeout_s <= 0 or dist.init_timeout_s <= 0:
             raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
         check_port(args.host, args.port)
+        server_limits(args)
         layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
         if dist.multi:
             if layout.replicas > 1:
@@ -385,6 +407,7 @@ def run_server(args, layout, backend, tokenizer) -> int:
     import uvicorn
 
     from jaxdp.api.app import create_app
+    from jaxdp.api.draining import DrainingServer
     from jaxdp.api.metrics import ServerMetrics
     from jaxdp.api.monitor import Monitor
 
@@ -396,12 +419,13 @@ def run_server(args, layout, backend, tokenizer) -> int:
     name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
                                       else args.model_path)
     app = create_app(backend, tokenizer=tokenizer, served_model_name=name, model_path=args.model_path,
-                     server_args=server_args, api_key=args.api_key, metrics=metrics)
+                     server_args=server_args, api_key=args.api_key, metrics=metrics, limits=server_limits(args),
+                     bind=(args.host, args.port))
     backend.start()
     monitor.start()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.ctx)
 
     def announce():
         while not server.started and not server.should_exit:
@@ -411,18 +435,12 @@ def run_server(args, layout, backend, tokenizer) -> int:
                      backend.num_ranks)
 
     threading.Thread(target=announce, daemon=True).start()
-
-    def on_term(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)  # uvicorn re-raises SIGTERM after its shutdown: end like Ctrl-C
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        log.info("shutting down")
     finally:
         monitor.stop()
         backend.shutdown()
+    log.info("shut down")
     return 0
 
 

@@ -36,7 +36,7 @@ from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays, fill_sampling
-from jaxdp.engine.sampling import sample_tokens
+from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import StepStats, compiles_total
@@ -154,6 +154,8 @@ class Engine:
             logits = self.runner.put(np.zeros((dp, B, V), np.float32))
             jax.block_until_ready(self._sample(logits, *(self.runner.put(idle[k]) for k in SAMPLING_KEYS),
                                                width=self.runner.token_carry))
+            if self._sample is sample_tokens:  # (a stand-in runner has no real logits)
+                jax.block_until_ready(top_logprobs(logits))
         self.compiles_at_warmup = compiles_total()
         log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
                  time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
@@ -315,9 +317,11 @@ class Engine:
         logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
         tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
         self.blocked = None
+        wants_top = any(r.params.top_logprobs for p in plans if p for r in p.reqs)
         t2 = time.perf_counter()
         return _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
+                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
+                         top=top_logprobs(logits) if wants_top else None)
 
     def _isolate(self, plans: list[RankPlan | None]) -> None:
         """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
@@ -356,8 +360,11 @@ class Engine:
         logprobs = self.runner.local_values(f.logprobs)
         self.blocked = None
         t1 = time.perf_counter()
+        top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
         for r, plan in enumerate(f.plans):
             if plan:
+                if top is not None:
+                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, top[0][r], top[1][r])
                 self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
@@ -508,6 +515,7 @@ class _InFlight:
     host_s: float
     dispatch_s: float
     agree_s: float
+    top: tuple[jax.Array, jax.Array] | None = None  # top_logprobs' ids and values, when a request asks
 
 
 class _Result:

@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     return_logprob: bool = False
+    top_logprobs: int = 0  # alternatives per output token (0..MAX_TOP_LOGPROBS), best first
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -56,6 +57,7 @@ class Request:
     dp_rank: int = -1  # its rank among all the server's ranks (replicas numbered one after the other)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)  # pages of the context, in order
     shared_pages: int = 0  # the first `shared_pages` pages belong to the prefix cache

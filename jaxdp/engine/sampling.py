@@ -14,8 +14,9 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxdp.engine.request import SamplingParams
+from jaxdp.engine.request import Request, SamplingParams
 
 _MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
@@ -71,3 +72,24 @@ def _real(x) -> float:
         return float(x)
     except OverflowError:
         return float("inf") if x > 0 else float("-inf")
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs range)
+
+
+@jax.jit
+def top_logprobs(logits_RBV):
+    """The MAX_TOP_LOGPROBS most likely tokens of each row and their log-probabilities under the unmodified
+    distribution, best first: ids and values [dp, B, MAX_TOP_LOGPROBS] (run only for steps that ask)."""
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_RBV.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
+def book_top_logprobs(reqs: list[Request], sample: np.ndarray, ids_BK: np.ndarray, values_BK: np.ndarray) -> None:
+    """Give each sampled row whose request asks for top_logprobs its k best (token, logprob) pairs, in
+    the same order as its output tokens (called before the scheduler books the step)."""
+    for i, req in enumerate(reqs):
+        k = req.params.top_logprobs
+        if k and sample[i] and not req.finished:
+            req.output_top_logprobs.append(list(zip(ids_BK[i, :k].tolist(), values_BK[i, :k].tolist(),
+                                                    strict=True)))
