@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import weight
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
 
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
@@ -79,10 +80,10 @@ class MLA(nnx.Module):
     def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         if cfg.q_lora_rank is not None:
-            q_TQ = rms_norm(x_TD @ self.w_q_a_DQ[...], self.q_a_norm[...], cfg.rms_norm_eps)
-            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, self.w_q_b_QHK[...])
+            q_TQ = rms_norm(x_TD @ weight(self, "w_q_a_DQ"), self.q_a_norm[...], cfg.rms_norm_eps)
+            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, weight(self, "w_q_b_QHK"))
         else:
-            q_THK = jnp.einsum("td,dhk->thk", x_TD, self.w_q_DHK[...])
+            q_THK = jnp.einsum("td,dhk->thk", x_TD, weight(self, "w_q_DHK"))
         q_nope_THN = q_THK[..., : cfg.qk_nope_head_dim]
         q_rope_THR = apply_rope(q_THK[..., cfg.qk_nope_head_dim :], positions_T, cfg)
         return q_nope_THN, q_rope_THR
@@ -90,14 +91,14 @@ class MLA(nnx.Module):
     def latent(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The cache entry of each token: normalised latent, then the roped shared key."""
         cfg = self.cfg
-        kv_TK = x_TD @ self.w_kv_a_DK[...]
+        kv_TK = x_TD @ weight(self, "w_kv_a_DK")
         latent_TL = rms_norm(kv_TK[:, : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.rms_norm_eps)
         k_rope_TR = apply_rope(kv_TK[:, None, cfg.kv_lora_rank :], positions_T, cfg)[:, 0]
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
     def output(self, o_THV: jax.Array) -> jax.Array:
         """o_proj over this device's heads: a partial sum when heads are split over tp."""
-        return jnp.einsum("thv,hvd->td", o_THV, self.w_o_HVD[...])
+        return jnp.einsum("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
 
     # ---- the two attention paths -----------------------------------------------------------------
     def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
@@ -125,7 +126,7 @@ class MLA(nnx.Module):
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
         cfg = self.cfg
-        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], self.w_kv_b_LHX[...])
+        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"))
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch) -> jax.Array:
@@ -158,8 +159,9 @@ class MLA(nnx.Module):
     def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None):
         """Decode path: one token per sequence (T == B); attention over the latent cache itself."""
         cfg = self.cfg
-        w_uk_LHN = self.w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
-        w_uv_LHV = self.w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
+        w_kv_b_LHX = weight(self, "w_kv_b_LHX")
+        w_uk_LHN = w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
+        w_uv_LHV = w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
         q_latent_BHL = jnp.einsum("bhn,lhn->bhl", q_nope_THN, w_uk_LHN)
         if decode_kernel is not None:
             o_BHL = decode_kernel(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
