@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -63,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLA decode: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
     g.add_argument("--moe-runner-backend", choices=["xla", "pallas"], default=None,
                    help="NVFP4 expert GEMM: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
-    g.add_argument("--quantization", choices=["nvfp4"], default=None,
-                   help="hold the routed experts as NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself)")
+    g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
+                   help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
+                        "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")
     g = ap.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
@@ -212,11 +212,9 @@ def build_backend(args, layout, tokenizer, dist=None):
     import jax
 
     from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.engine import Engine
     from jaxdp.engine.hosts import HostExchange, world_devices
-    from jaxdp.model.loader import load_model
-    from jaxdp.parallel.step import StepRunner
+    from jaxdp.engine.setup import build_runners
 
     devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -231,13 +229,11 @@ def build_backend(args, layout, tokenizer, dist=None):
     meshes = layout.replica_meshes(devices) if layout.replicas > 1 else [layout.make_mesh(devices[: layout.world])]
     one = dataclasses.replace(layout, replicas=1)
     t0 = time.perf_counter()
-    cfg, model = load_model(args.model_path, dtype, seed=args.random_seed, quantization=args.quantization)
+    runners = build_runners(args.model_path, one, meshes, dtype=dtype, seed=args.random_seed,
+                            quantization=args.quantization, num_pages=1, page_size=args.page_size,
+                            attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend)
+    cfg = runners[0].cfg
     one.validate(n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
-    runners = [StepRunner(model, one, mesh, num_pages=1, page_size=args.page_size,
-                          decode_kernel=decode_kernel(args.attention_backend),
-                          moe_backend=moe_runner_backend(args.moe_runner_backend)) for mesh in meshes]
-    del model
-    gc.collect()
     log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,
              args.model_path, cfg.num_layers, layout.describe())
     engines = []
@@ -337,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
         import jax
 
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        from jaxdp.engine.setup import enable_compilation_cache
+
+        enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
         layout = layout_from_args(args, num_devices=len(jax.devices()))
         tokenizer = resolve_model(args)
         backend = build_backend(args, layout, tokenizer, dist)

@@ -38,7 +38,7 @@ from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays, fill_sampling
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
-from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
+from jaxdp.engine.setup import find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import StepStats, compiles_total
 from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
@@ -65,7 +65,6 @@ class EngineConfig:
     load_balance_method: str = "round_robin"
     enable_prefix_cache: bool = True
     seed: int = 0
-    compilation_cache_dir: str | None = "~/.cache/jaxdp/xla"  # JAX's persistent compilation cache; None: off
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
 
 
@@ -80,7 +79,6 @@ class Engine:
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
         self.cfg = config or EngineConfig()
-        enable_compilation_cache(self.cfg.compilation_cache_dir)
         runner = model if not isinstance(model, str) else make_runner(
             model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
         self.runner = runner

@@ -1,16 +1,24 @@
-"""What an Engine needs before its loop starts: the step runner on its mesh, the tokenizer, the
-persistent compilation cache, and the stop-string check that needs the tokenizer."""
+"""What an Engine needs before its loop starts: the step runners on their meshes (the one construction
+path), the tokenizer, the persistent compilation cache (for entry points to turn on), and the
+stop-string check that needs the tokenizer."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
+from jax.sharding import NamedSharding
 
 from jaxdp.engine.request import Request
 from jaxdp.parallel.step import StepRunner
 
+log = logging.getLogger("jaxdp.setup")
+
 
 def enable_compilation_cache(directory: str | None) -> None:
-    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again."""
+    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again; None
+    or '' leaves it off. This changes JAX's global configuration: entry points call it (serve's
+    --compilation-cache-dir), a library constructor does not."""
     if not directory:
         return
     import os
@@ -40,17 +48,43 @@ def stop_string_check(tokenizer, stops: list[str]):
     return check
 
 
+def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: int = 0,
+                  quantization: str | None = None, num_pages: int, page_size: int, attention_backend=None,
+                  moe_backend: str | None = None, num_layers: int | None = None,
+                  tiny_width: bool = False) -> list[StepRunner]:
+    """The one construction path (serve, Engine, one_batch): the model built in its final sharding on the
+    first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each further replica's
+    mesh, one StepRunner per mesh. Logs what the weights take per device, by dtype."""
+    from jaxdp.backends import decode_kernel, moe_runner_backend
+    from jaxdp.model.loader import build_model
+    from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
+
+    first = build_model(model, layout, meshes[0], dtype, seed=seed, quantization=quantization,
+                        num_layers=num_layers, tiny_width=tiny_width)
+    log.info("Load weight end: %s", describe_weight_bytes(first.state))
+    runners = []
+    for i, mesh in enumerate(meshes):
+        if i == 0:
+            sharded = first
+        else:  # another replica: the same arrays, copied device to device in the same specs
+            sharded = ShardedModel(first.cfg, first.graphdef, jax.tree.map(
+                lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), first.state))
+        runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size,
+                                  decode_kernel=decode_kernel(attention_backend),
+                                  moe_backend=moe_runner_backend(moe_backend)))
+    return runners
+
+
 def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int, quantization: str | None = None,
                 moe_backend: str | None = None) -> StepRunner:
-    from jaxdp.backends import decode_kernel, moe_runner_backend
+    """The runner an Engine builds for itself from a model name and a --mesh spec (or Layout)."""
     from jaxdp.layout import ensure_host_devices, parse_mesh_spec
-    from jaxdp.model.loader import load_model
 
     layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
     ensure_host_devices(layout.world)
     devices = jax.devices()[: layout.world]
     layout.validate(num_devices=len(jax.devices()))
     layout.check_memory(devices)  # before the KV pool is sized
-    _, m = load_model(model, dtype, seed=seed, quantization=quantization)
-    return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
-                      decode_kernel=decode_kernel(attention_backend), moe_backend=moe_runner_backend(moe_backend))
+    return build_runners(model, layout, [layout.make_mesh(devices)], dtype=dtype, seed=seed,
+                         quantization=quantization, num_pages=cfg.num_pages, page_size=cfg.page_size,
+                         attention_backend=attention_backend, moe_backend=moe_backend)[0]

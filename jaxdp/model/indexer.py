@@ -99,22 +99,15 @@ HF_NAMES = {
 }
 
 
-def hf_indexer_weights(cfg: ModelConfig, get, layer: int) -> dict[str, np.ndarray]:
-    """One layer's indexer parameters (keys `attn.indexer.*`) from a checkpoint; a "shared" layer has no
-    indexer, and gets zeros (never read: it reuses the previous full layer's selection)."""
-    if not cfg.index_topk:
-        return {}
-    Q, I, E, D = cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
-    shapes = {"w_q_QIE": (Q, I, E), "w_k_DE": (D, E), "k_norm": (E,), "k_norm_bias": (E,), "w_weights_DI": (D, I)}
-    out = {}
-    for name, (hf, how) in HF_NAMES.items():
-        if not cfg.indexer_full[layer]:
-            out[f"attn.indexer.{name}"] = np.zeros(shapes[name], np.float32)
-            continue
-        w = get(f"model.layers.{layer}.self_attn.indexer.{hf}")
-        if how == "q_proj":  # torch [I * E, Q]
-            w = w.T.reshape(Q, I, E)
-        elif how == "transpose":
-            w = w.T
-        out[f"attn.indexer.{name}"] = w
-    return out
+def hf_layout(w: np.ndarray, how: str | None, shape: tuple[int, ...]) -> np.ndarray:
+    """A checkpoint's indexer tensor in our layout `shape` (see HF_NAMES)."""
+    if how == "q_proj":  # torch [I * E, Q] -> [Q, I, E]
+        return w.T.reshape(shape)
+    return w.T if how == "transpose" else w
+
+
+def hf_shape(how: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint's shape of an indexer tensor whose shape is `shape` in our layout."""
+    if how == "q_proj":
+        return (shape[1] * shape[2], shape[0])
+    return tuple(reversed(shape)) if how == "transpose" else shape

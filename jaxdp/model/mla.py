@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, selected_mask, selection_size
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
 
@@ -99,10 +100,10 @@ class MLA(nnx.Module):
         cfg = self.cfg
         q_TQ = None
         if cfg.q_lora_rank is not None:
-            q_TQ = rms_norm(x_TD @ self.w_q_a_DQ[...], self.q_a_norm[...], cfg.rms_norm_eps)
-            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, self.w_q_b_QHK[...])
+            q_TQ = rms_norm(x_TD @ weight(self, "w_q_a_DQ"), self.q_a_norm[...], cfg.rms_norm_eps)
+            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, weight(self, "w_q_b_QHK"))
         else:
-            q_THK = jnp.einsum("td,dhk->thk", x_TD, self.w_q_DHK[...])
+            q_THK = jnp.einsum("td,dhk->thk", x_TD, weight(self, "w_q_DHK"))
         q_nope_THN = q_THK[..., : cfg.qk_nope_head_dim]
         q_rope_THR = apply_rope(q_THK[..., cfg.qk_nope_head_dim :], positions_T, cfg)
         return q_nope_THN, q_rope_THR, q_TQ
@@ -110,14 +111,14 @@ class MLA(nnx.Module):
     def latent(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The cache entry of each token: normalised latent, then the roped shared key."""
         cfg = self.cfg
-        kv_TK = x_TD @ self.w_kv_a_DK[...]
+        kv_TK = x_TD @ weight(self, "w_kv_a_DK")
         latent_TL = rms_norm(kv_TK[:, : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.rms_norm_eps)
         k_rope_TR = apply_rope(kv_TK[:, None, cfg.kv_lora_rank :], positions_T, cfg)[:, 0]
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
     def output(self, o_THV: jax.Array) -> jax.Array:
         """o_proj over this device's heads: a partial sum when heads are split over tp."""
-        return jnp.einsum("thv,hvd->td", o_THV, self.w_o_HVD[...])
+        return jnp.einsum("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
 
     # ---- the two attention paths -----------------------------------------------------------------
     def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
@@ -174,7 +175,7 @@ class MLA(nnx.Module):
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
         cfg = self.cfg
-        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], self.w_kv_b_LHX[...])
+        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"))
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
@@ -214,8 +215,9 @@ class MLA(nnx.Module):
         """Decode path: one token per sequence (T == B); attention over the latent cache itself (with a
         DSA selection, over the selected latents only)."""
         cfg = self.cfg
-        w_uk_LHN = self.w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
-        w_uv_LHV = self.w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
+        w_kv_b_LHX = weight(self, "w_kv_b_LHX")
+        w_uk_LHN = w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
+        w_uv_LHV = w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
         q_latent_BHL = jnp.einsum("bhn,lhn->bhl", q_nope_THN, w_uk_LHN)
         if sel_TK is not None:
             S = kv_PSK.shape[1]

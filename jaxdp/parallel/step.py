@@ -26,9 +26,10 @@ from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
+from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
-from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
+from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
 
 BATCH_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
                 "logits_idx_B")
@@ -56,14 +57,18 @@ class StepShape:
 class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
-    def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
+    def __init__(self, model: DeepseekV3 | ShardedModel, layout: Layout, mesh, *, num_pages: int, page_size: int,
                  cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
                  abstract: bool = False):
-        """token_carry: width of the previous step's sampled tokens a step can read on the device (the
-        engine's overlap: a decode row whose input token is still in flight refers to it by index).
-        abstract: `model` holds ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay
-        ShapeDtypeStructs with their shardings, nothing is allocated, and the runner can only `lower` and
-        `compile` steps (`plan --compile` checks full-size models this way)."""
+        """model: its state already in its final sharding on `mesh` (`jaxdp.model.sharded`, how the entry
+        points build it), or a model in memory, moved onto the mesh here. token_carry: width of the
+        previous step's sampled tokens a step can read on the device (the engine's overlap: a decode row
+        whose input token is still in flight refers to it by index). abstract: `model` holds
+        ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay ShapeDtypeStructs with their
+        shardings, nothing is allocated, and the runner can only `lower` and `compile` steps (`plan --compile`
+        checks full-size models this way)."""
+        sharded = model if isinstance(model, ShardedModel) else None
+        model = sharded.merge() if sharded else model
         self.cfg = model.cfg
         self.token_carry = token_carry
         self.layout = layout
@@ -73,38 +78,22 @@ class StepRunner:
         self.num_pages, self.page_size = num_pages, page_size
         self.decode_kernel = decode_kernel
         self.expert_quantization = expert_quantization(model)
-        self._check_divisible()
+        check_divisible(self.cfg, layout, self.expert_quantization)
         if moe_backend is not None:  # "xla" | "pallas": how NVFP4 experts multiply (see jaxdp.model.moe)
             model = with_moe_runner_backend(model, moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
         self.abstract = abstract
-        self.state = _abstract_on(state, self.state_specs, mesh) if abstract else shard_state(state, layout, mesh)
+        if abstract:
+            self.state = _abstract_on(state, self.state_specs, mesh)
+        else:
+            self.state = state if sharded else shard_state(state, layout, mesh)
         self.cache_dtype = cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
-
-    def _check_divisible(self) -> None:
-        cfg, lay = self.cfg, self.layout
-        problems = []
-        if cfg.num_heads % lay.tp:
-            problems.append(f"{cfg.num_heads} attention heads over tp={lay.tp}")
-        if lay.moe == "ep" and cfg.n_routed_experts % lay.world:
-            problems.append(f"{cfg.n_routed_experts} experts over {lay.world} devices (EP)")
-        if lay.moe == "tp" and cfg.moe_intermediate_size % lay.world:
-            problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} devices")
-        elif lay.moe == "tp" and self.expert_quantization == "nvfp4" and (cfg.moe_intermediate_size // lay.world) % 16:
-            problems.append(f"NVFP4 experts' moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} "
-                            f"devices ({cfg.moe_intermediate_size // lay.world} each, not a multiple of the "
-                            "16-value scale block; moe=ep splits whole experts instead)")
-        if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
-            problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
-        if problems:
-            raise ValueError(f"this model does not split under --mesh {lay.spec()}: " + "; ".join(problems)
-                             + "; choose a layout whose sizes divide these")
 
     def _empty_cache(self, dtype) -> dict:
         cfg, dp = self.cfg, self.layout.dp
