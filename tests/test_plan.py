@@ -103,6 +103,9 @@ def test_rows_and_other_layouts(tmp_path):
     (["--gpus", "4", "--mesh", "dp=4", "--model", "no-such-model"], "preset"),
     (["--gpus", "4"], "--mesh"),
     (["--mesh", "dp=4"], "--gpus"),
+    (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--kv-dtype", "fp8"], "--kv-dtype bf16"),
+    (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--compile-steps", "x"], "decode,"),
+    (["--gpus", "4", "--mesh", "dp=4", "--compile", "--extend-rows", "0"], "must be positive"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, words, capsys):
     assert _exit_code(argv) == 2

@@ -35,18 +35,20 @@ def compile_plan(model, tmp_path, mesh, expert_dtype, *extra):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mesh, expert_dtype", [
-    ("dp=4,tp=2", "fp8"), pytest.param("dp=8,moe=ep", "nvfp4", marks=pytest.mark.slow)])
-def test_xla_argument_bytes_agree_with_the_plan(mid_model, tmp_path, capsys, mesh, expert_dtype):
-    plan = compile_plan(mid_model, tmp_path, mesh, expert_dtype)
+@pytest.mark.parametrize("mesh, expert_dtype, steps", [
+    ("dp=4,tp=2", "fp8", "extend"),  # CI: MAX_LEN and SUM_LEN extend; the slow case adds decode
+    pytest.param("dp=8,moe=ep", "nvfp4", "decode,extend", marks=pytest.mark.slow)])
+def test_xla_argument_bytes_agree_with_the_plan(mid_model, tmp_path, capsys, mesh, expert_dtype, steps):
+    plan = compile_plan(mid_model, tmp_path, mesh, expert_dtype, "--compile-steps", steps)
     kinds = [(c["kind"], c["gather_mode"]) for c in plan["compiled"]]
-    assert kinds == [("decode", "max_len"), ("extend", "max_len"), ("extend", "sum_len")]
+    assert kinds == [("decode", "max_len")] * ("decode" in steps) + [("extend", "max_len"), ("extend", "sum_len")]
     for c in plan["compiled"]:
         planned = c["planned_weight_bytes_per_device"] + c["planned_kv_bytes_per_device"]
         assert abs(c["argument_bytes_per_device"] / planned - 1) < 0.03, c
-        assert c["temp_bytes_per_device"] > 0 and c["compile_s"] > 0
+        assert 0 < c["temp_bytes_without_pool_copies_per_device"] <= c["temp_bytes_per_device"] and c["compile_s"] > 0
+        assert c["largest_buffers"][0]["bytes"] <= c["temp_bytes_without_pool_copies_per_device"]
         assert c["rows_per_rank"] == (16 if c["kind"] == "decode" else 256)
-    assert plan["compiled"][2]["sum_rows"] == plan["plan"]["layout"]["dp"] * 256
+    assert plan["compiled"][-1]["sum_rows"] == plan["plan"]["layout"]["dp"] * 256
     # the pool is the plan's: weights + pool fill the budget, so the step's temp leaves fewer tokens
     fit = plan["compile"]["fit"]
     assert fit["kv_tokens_planned_per_rank"] == plan["plan"]["kv_tokens_per_rank"] > 0

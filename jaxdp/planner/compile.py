@@ -107,8 +107,9 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
 
     mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
-    runner = StepRunner(abstract_model(cfg, expert_dtype), layout, mesh, num_pages=num_pages,
-                        page_size=case.page_size, cache_dtype=jnp.bfloat16, abstract=True)
+    model = abstract_model(cfg, expert_dtype)
+    runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
+                                   cache_dtype=jnp.bfloat16, abstract=True) for n in (num_pages, 1))
     compiled = []
     for shape in step_shapes(layout, case):
         t0 = time.perf_counter()
@@ -116,16 +117,22 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         seconds = time.perf_counter() - t0
         mem = executable.memory_analysis()
         arg = int(mem.argument_size_in_bytes)
+        # XLA:CPU scatters into a bf16 pool through float32 copies of the whole pool (a GPU scatters in
+        # place): the same step on a one-page pool gives the temp without them
+        small = one_page.lower(shape).compile()
+        temp_without_pool = int(small.memory_analysis().temp_size_in_bytes)
         compiled.append({
             "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
             "gather_mode": shape.gather_mode, "sum_rows": shape.sum_rows,
             "argument_bytes_per_device": arg, "output_bytes_per_device": int(mem.output_size_in_bytes),
             "alias_bytes_per_device": int(mem.alias_size_in_bytes),
             "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+            "temp_bytes_without_pool_copies_per_device": temp_without_pool,
             "generated_code_bytes_per_device": int(mem.generated_code_size_in_bytes),
             "planned_weight_bytes_per_device": int(planned_w), "planned_kv_bytes_per_device": int(planned_kv),
             "argument_vs_plan": arg / (planned_w + planned_kv) - 1, "compile_s": round(seconds, 2),
-            "largest_buffers": largest_buffers(executable.as_text()),
+            "largest_buffers": largest_buffers(small.as_text()),  # what temp* is made of
+            "collective_buffers": collective_buffers(small.as_text()),
         })
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu_memory_bytes),
             "host_devices": layout.total_devices, "backend": jax.default_backend(), "page_size": case.page_size,
@@ -136,7 +143,7 @@ _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _NOT_BUFFERS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
 
 
-def largest_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
+def largest_buffers(hlo_text: str, top: int = 6) -> list[dict[str, Any]]:
     """The largest arrays an optimized HLO module materialises (outside fused computations, parameters
     excluded), each with the JAX operation it comes from (a fusion: the first one named inside it, else
     the fusion's own name): what the temp bytes are made of. Sizes, not liveness: XLA reuses memory, so
@@ -167,6 +174,25 @@ def largest_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
     return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
 
 
+_COLLECTIVE = re.compile(r"^\s+(?:ROOT )?%\S+ = (.*?) ((?:ragged-)?all-to-all|all-gather|reduce-scatter|all-reduce)"
+                         r"(?:-start)?\(")
+
+
+def collective_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
+    """The largest results of the collectives in an optimized HLO module (all chunks of a tuple together):
+    the buffers that carry rows between devices, e.g. EP's fixed-capacity dispatch."""
+    found: dict[tuple, dict[str, Any]] = {}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if not m:
+            continue
+        arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(t) for t, dims in arrays)
+        shape = f"{arrays[0][0]}[{arrays[0][1]}]" + (f" x {len(arrays)}" if len(arrays) > 1 else "")
+        found[(m.group(2), shape)] = {"bytes": nbytes, "shape": shape, "op": m.group(2)}
+    return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
+
+
 def _itemsize(hlo_dtype: str) -> int:
     if hlo_dtype == "pred" or hlo_dtype.startswith(("f8", "s8", "u8")):
         return 1
@@ -176,10 +202,13 @@ def _itemsize(hlo_dtype: str) -> int:
 
 def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planned_tokens: int,
          memory: float) -> dict[str, Any]:
-    """Weights (XLA's arguments less the pool), the pool and the largest step's temp against the GPU."""
-    worst = max(compiled, key=lambda c: c["temp_bytes_per_device"] + c["generated_code_bytes_per_device"])
-    temp = worst["temp_bytes_per_device"] + worst["generated_code_bytes_per_device"]
-    weights = worst["argument_bytes_per_device"] - pool_bytes
+    """Weights (XLA's arguments less the pool), the pool and the largest step's temp (without XLA:CPU's
+    copies of the pool) against the GPU's memory; how many KV tokens per rank that leaves."""
+    def temp_of(c: dict[str, Any]) -> int:
+        return c["temp_bytes_without_pool_copies_per_device"] + c["generated_code_bytes_per_device"]
+
+    worst = max(compiled, key=temp_of)
+    temp, weights = temp_of(worst), worst["argument_bytes_per_device"] - pool_bytes
     tokens = math.floor((memory - weights - temp) / per_token)
     return {"largest_temp_step": f"{worst['kind']} {worst['rows_per_rank']} {worst['gather_mode']}",
             "largest_temp_bytes_per_device": temp, "xla_weight_bytes_per_device": weights,
@@ -193,22 +222,27 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
     result = {**plan["compile"], "compiled": plan["compiled"]}
     out = [f"Compiled by XLA ({result['backend']}, {result['host_devices']} host devices, abstract weights, a "
            f"pool of {result['num_pages_per_rank']:,} pages x {result['page_size']} per rank), GiB per device",
-           f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'code':>7}{'plan w+kv':>11}"
+           f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'temp*':>9}{'code':>7}{'plan w+kv':>11}"
            f"{'arg/plan':>10}{'compile s':>11}"]
     for c in result["compiled"]:
         name = f"{c['kind']} {c['rows_per_rank']} {c['gather_mode']}"
         planned = c["planned_weight_bytes_per_device"] + c["planned_kv_bytes_per_device"]
         out.append(f"  {name:<24}{c['argument_bytes_per_device'] / GiB:10.2f}{c['output_bytes_per_device'] / GiB:9.2f}"
-                   f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['generated_code_bytes_per_device'] / GiB:7.2f}"
+                   f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['temp_bytes_without_pool_copies_per_device'] / GiB:9.2f}"
+                   f"{c['generated_code_bytes_per_device'] / GiB:7.2f}"
                    f"{planned / GiB:11.2f}{c['argument_vs_plan'] * 100:+9.2f}%{c['compile_s']:11.1f}")
+    out.append("  temp* = temp without XLA:CPU's float32 copies of the pool (the step compiled on a one-page pool)")
     for c in result["compiled"]:
-        out.append(f"  largest arrays of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}: " + "; ".join(
+        out.append(f"  largest arrays (temp*) of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}: " + "; ".join(
             f"{b['shape']} {b['bytes'] / GiB:.1f} GiB ({b['op']})"
             for b in c["largest_buffers"]))
+        out.append("    collectives' buffers: " + "; ".join(
+            f"{b['op']} {b['shape']} {b['bytes'] / GiB:.2f} GiB" for b in c["collective_buffers"]))
     f = result["fit"]
     verdict = "fits" if f["fits"] else "does NOT fit"
     temp = f"{f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} GiB"
-    out.append(f"  with XLA:CPU's largest temp ({temp}; a GPU's is smaller, docs/plan.md) the layout {verdict}: "
-               f"{f['needed_bytes_per_device'] / GiB:.1f} of {f['gpu_memory_bytes'] / GiB:.1f} GiB; KV tokens per "
-               f"rank {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} remain")
+    out.append(f"  beside the largest temp* ({temp}; docs/plan.md says what differs on a GPU) the planned pool "
+               f"{verdict}: {f['needed_bytes_per_device'] / GiB:.1f} of {f['gpu_memory_bytes'] / GiB:.1f} GiB; KV "
+               f"tokens per rank: {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} "
+               "fit beside the temp")
     return out

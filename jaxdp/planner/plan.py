@@ -6,7 +6,9 @@
 prints, for the layout and beside it tensor parallelism on the same GPUs: weights per device by
 component, KV bytes per token and KV capacity, the five situations of the article (or --rows) from
 jaxdp.parallel.accounting, and a roofline of one decode step. --json writes the same as JSON, --plot
-draws the situations. The rules behind every figure are in docs/plan.md.
+draws the situations, --compile also compiles the engine's largest steps for the model on abstract
+weights and sets XLA's memory analysis beside the plan (jaxdp.planner.compile). The rules behind every
+figure are in docs/plan.md.
 """
 
 from __future__ import annotations
