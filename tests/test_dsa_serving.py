@@ -40,8 +40,7 @@ def test_engine_long_prompts_chunked_and_from_the_prefix_cache(glm):
     path, hf = glm
     assert all(len(p) > TOPK for p in PROMPTS) and CHUNK // 2 < TOPK
     config = EngineConfig(page_size=4, num_pages=64, max_running_requests=8, chunked_prefill_size=CHUNK,
-                          decode_buckets=[1, 2, 4], extend_buckets=[4, 8], max_len_extend_rows=8,
-                          compilation_cache_dir=None)
+                          decode_buckets=[1, 2, 4], extend_buckets=[4, 8], max_len_extend_rows=8)
     with jax.default_matmul_precision("highest"):
         eng = Engine(str(path), "dp=2", config)
         try:

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
 def host_engine(mesh="dp=2", runner_cls=HostOnlyRunner, **kw) -> Engine:
     base = dict(page_size=4, num_pages=16, max_running_requests=8, chunked_prefill_size=16,
-                decode_buckets=[1, 2, 4], extend_buckets=[8, 16], compilation_cache_dir=None)
+                decode_buckets=[1, 2, 4], extend_buckets=[8, 16])
     cfg = EngineConfig(**(base | kw))
     return Engine(runner_cls("tiny", mesh, cfg.num_pages, cfg.page_size), mesh, cfg)
 
