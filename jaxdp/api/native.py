@@ -218,11 +218,18 @@ def _hf_config(model_path: str) -> dict[str, Any]:
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(http: HttpRequest):
-    ok = await asyncio.to_thread(http.app.state.ctx.backend.flush_cache)
-    if not ok:
-        raise ApiError("the prefix cache was not flushed because requests are running or waiting; retry when "
-                       "the server is idle")
-    return PlainTextResponse("Cache flushed.\n")
+    """Flush the prefix cache of every rank on every node (refused while requests run or wait, as SGLang);
+    the answer says, per node, what it did."""
+    ctx: ServerContext = http.app.state.ctx
+    reports = await asyncio.to_thread(ctx.backend.flush_cache)
+    if reports is None:
+        raise ApiError("not every node answered the cache flush within 30 s; check the nodes' logs and retry",
+                       503, "server_error")
+    lines = [f"replica {i}, {r.describe()}" if ctx.backend.num_replicas > 1 else r.describe() for i, r in reports]
+    if not all(r.flushed for _, r in reports):
+        raise ApiError(f"the prefix cache was not flushed everywhere because requests are running or waiting "
+                       f"({'; '.join(lines)}); retry when the server is idle")
+    return PlainTextResponse("Cache flushed.\n" + "".join(f"{line}\n" for line in lines))
 
 
 @router.get("/metrics")

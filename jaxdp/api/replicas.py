@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from jaxdp.api.common import done_ids
 from jaxdp.engine import BadRequest, Engine, Request, SamplingParams
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.nodes import NodeFlush
 
 
 @dataclasses.dataclass
@@ -183,8 +184,17 @@ class ReplicaSet:
     def alive(self) -> bool:
         return all(e.is_running for e in self.engines)
 
-    def flush_cache(self) -> bool:
-        return all(e.flush_cache() for e in self.engines)
+    def flush_cache(self) -> list[tuple[int, NodeFlush]] | None:
+        """Every replica's flush, per node: (replica, what that node did); None if a node did not answer."""
+        out, offset = [], 0
+        for i, e in enumerate(self.engines):
+            reports = e.flush_cache()
+            if reports is None:
+                return None
+            out += [(i, dataclasses.replace(r, ranks=range(offset + r.ranks.start, offset + r.ranks.stop)))
+                    for r in reports]
+            offset += e.layout.dp
+        return out
 
     def shutdown(self) -> None:
         for e in self.engines:

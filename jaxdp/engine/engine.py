@@ -32,7 +32,7 @@ from jaxdp.batch import build_rank_batch, stack_ranks
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
-from jaxdp.engine.nodes import NodeLink, end_request
+from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.sampling import sample_tokens, sampling_arrays
@@ -229,8 +229,11 @@ class Engine:
                         self.schedulers[req.rank].abort(arg, now)
                     else:
                         self.link.forward_abort(req, now)
-            elif cmd == "flush":
-                arg.set_result(all(s.cache.flush() for s in self.schedulers) if not self.busy else False)
+            elif cmd == "flush":  # several nodes: every node's ranks, the others' through the exchange
+                if self.link:
+                    self.link.flush(arg)
+                else:
+                    arg.set_result([flush_ranks(self.schedulers, self.local_ranks, 0, self.busy)])
 
     @property
     def busy(self) -> bool:
@@ -417,7 +420,9 @@ class Engine:
             if not req.finished:  # the client went away: free its pages
                 self.abort(req.rid)
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self) -> list[NodeFlush] | None:
+        """Flush the prefix cache of every rank unless requests run or wait: what each node did, or None when
+        not every node answered within 30 s."""
         fut: _Result = _Result()
         self._inbox.put(("flush", fut))
         self._wake.set()
