@@ -4,8 +4,10 @@ Completions through node 0 equal the single-process dp=8 server's greedy outputs
 ranks 0-3 (node 0) and 4-7 (node 1), over IPv4 and over IPv6 (`--dist-init-addr [::1]:PORT`), and under
 dp=4,tp=2 (two whole TP groups per node). Killing node 1 mid-load, or stalling it (SIGSTOP), makes node 0
 fail its requests and refuse new ones (503) within `--dist-timeout`; stopping node 0 ends node 1.
-Start-up mistakes end in one line. The exchange itself is checked against a fake key-value store (every
-node reaches the same proposals; a silent node raises PeerFailure within the timeout).
+SGLang's modifier flags compose with --mesh on one node and on two, and /flush_cache on node 0 flushes
+every node's ranks, refusing while a request runs, with one line per node. Start-up mistakes end in one
+line. The exchange itself runs in threads, over ZeroMQ and over a fake key-value store (every node reaches
+the same proposals and messages, large ones included; a silent node raises PeerFailure within the timeout).
 """
 
 from __future__ import annotations

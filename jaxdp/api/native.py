@@ -211,8 +211,8 @@ async def flush_cache(http: HttpRequest):
     ctx: ServerContext = http.app.state.ctx
     reports = await asyncio.to_thread(ctx.backend.flush_cache)
     if reports is None:
-        raise ApiError("not every node answered the cache flush within 30 s; check the nodes' logs and retry",
-                       503, "server_error")
+        raise ApiError("the cache flush did not reach every node (a node failed or did not answer within 30 s); "
+                       "check /health and the nodes' logs", 503, "server_error")
     lines = [f"replica {i}, {r.describe()}" if ctx.backend.num_replicas > 1 else r.describe() for i, r in reports]
     if not all(r.flushed for _, r in reports):
         raise ApiError(f"the prefix cache was not flushed everywhere because requests are running or waiting "

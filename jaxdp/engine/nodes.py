@@ -76,6 +76,9 @@ class NodeLink:
         `result.set_result` gets one NodeFlush per node once all have answered. Every request comes through
         node 0, so node 0 knows whether any runs anywhere: then no node flushes (as SGLang)."""
         hosts, engine = self.hosts, self.engine
+        if engine.failed:  # the other nodes will not answer
+            result.set_result(None)
+            return
         busy = any(s.running or s.waiting for s in engine.schedulers) or any(
             not r.finished for r in engine.requests.values())
         mine = flush_ranks(engine.schedulers, self.engine.local_ranks, 0, busy)
