@@ -218,3 +218,26 @@ def test_unknown_quant_method_and_unsplittable_fp8_blocks_are_refused(tmp_path):
     write(tmp_path / "narrow", _fp8_tensors(narrow), narrow, FP8)
     with pytest.raises(ValueError, match="does not split into whole 16-wide scale blocks"):
         load_sharded(tmp_path / "narrow", layout, layout.make_mesh(jax.devices()[:8]), jnp.float32)
+
+
+def test_fused_expert_layout_quantized_to_fp8_at_load(tmp_path):
+    """transformers' in-memory expert layout (gate_up_proj [E, 2I, D]) read dense and quantized at load."""
+    cfg = CFG
+    tensors = hf_state_dict(DeepseekV3(cfg, nnx.Rngs(4)))
+    I = cfg.moe_intermediate_size
+    for i in range(cfg.num_dense_layers, cfg.num_layers):
+        pre = f"model.layers.{i}.mlp.experts"
+        E = range(cfg.n_routed_experts)
+        gate_up = [np.concatenate([tensors.pop(f"{pre}.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in E]
+        tensors[f"{pre}.gate_up_proj"] = np.stack(gate_up)
+        tensors[f"{pre}.down_proj"] = np.stack([tensors.pop(f"{pre}.{e}.down_proj.weight") for e in E])
+        assert tensors[f"{pre}.gate_up_proj"].shape[1] == 2 * I
+    write(tmp_path / "fused", tensors, cfg)
+    layout = parse_mesh_spec("dp=1")
+    mesh = layout.make_mesh(jax.devices()[:1])
+    got = load_sharded(tmp_path / "fused", layout, mesh, jnp.float32, quantization="fp8").merge()
+    ffn = got.moe_layers.ffn
+    assert ffn.w_gate_up_ED2I.get_value().dtype == jnp.float8_e4m3fn
+    _, dense = load_checkpoint(tmp_path / "fused", jnp.float32)
+    np.testing.assert_allclose(np.asarray(fp8.weight(ffn, "w_gate_up_ED2I")),
+                               np.asarray(dense.moe_layers.ffn.w_gate_up_ED2I.get_value()), rtol=0.07, atol=1e-6)

@@ -61,7 +61,7 @@ def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: 
 
     first = build_model(model, layout, meshes[0], dtype, seed=seed, quantization=quantization,
                         num_layers=num_layers, tiny_width=tiny_width)
-    log.info("Load weight end: %s", describe_weight_bytes(first.state))
+    log.info("Model %s built on the mesh; %s", model or "default", describe_weight_bytes(first.state))
     runners = []
     for i, mesh in enumerate(meshes):
         if i == 0:

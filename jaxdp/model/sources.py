@@ -169,8 +169,13 @@ class Builder:
 
         def read_experts(ck, pre, boxes):
             box = boxes[path]
-            if f"{pre}.mlp.experts.gate_up_proj" in ck:  # transformers' fused in-memory layout
-                return {path: self._fused(ck, pre, path, box)}
+            if f"{pre}.mlp.experts.gate_up_proj" in ck:  # transformers' fused in-memory layout (dense)
+                w = self._fused(ck, pre, path, box)
+                if not self._is_fp8(path):
+                    return {path: w}
+                blocks = fp8.scale_blocks(path.rsplit(".", 1)[-1], self.shapes[path], self.block)
+                values, scale = fp8.quantize(w, blocks)
+                return self._named(path, {"w": values, "s": scale}, boxes)
             return self._named(path, _stacked(lambda e: layer(ck, f"{pre}.mlp.experts.{e}", box[1:]), box[0], 0),
                                boxes)
 
