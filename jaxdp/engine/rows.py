@@ -14,10 +14,16 @@ the device), the context length that token completes, tokens generated (in fligh
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxdp.batch import empty_step, fill_pieces
 from jaxdp.engine.request import Request
+
+if TYPE_CHECKING:
+    from jaxdp.engine.scheduler import RankPlan
+    from jaxdp.parallel.step import StepShape
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
@@ -147,3 +153,20 @@ def fill_sampling(out: dict[str, np.ndarray], r: int, at, temperature, top_p, to
     out["min_p"][r, at] = min_p
     out["keys"][r, at, 0] = seed
     out["keys"][r, at, 1] = n_out
+
+
+def plan_arrays(plans: list[RankPlan | None], rows: list[RankRows], shape: StepShape, pages_per_seq: int,
+                pad_slot: int) -> dict[str, np.ndarray]:
+    """A step's arrays (and its sampling parameters) from every rank's plan: a decode plan from the rank's
+    persistent rows, a plan of prompt chunks from its pieces; ranks without a plan stay padding."""
+    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, pages_per_seq, pad_slot)
+    for r, plan in enumerate(plans):
+        if plan is None:
+            continue
+        if plan.kind == "decode":
+            rows[r].fill_decode(out, r, plan.rows)
+            continue
+        fill_pieces(out, r, plan.pieces, rows[r].page_size)
+        for b, (req, sampling) in enumerate(zip(plan.reqs, plan.sampling, strict=True)):
+            fill_sampling(out, r, b, *sampling, len(req.output_ids))
+    return out
