@@ -269,8 +269,7 @@ class Engine:
                t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
         c = self.cfg
-        out = plan_arrays(plans, [s.rows for s in self.schedulers], shape, self.pages_per_seq,
-                          c.num_pages * c.page_size)
+        out = plan_arrays(plans, self.rows, shape, self.pages_per_seq, c.page_size, c.num_pages * c.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
         t1 = time.perf_counter()
