@@ -106,3 +106,26 @@ def test_sampling_rows_hold_any_value_the_api_lets_through():
     tokens, logprobs = sample_tokens(logits, t, p, k, m, keys)
     assert tokens.shape == (1, 2) and bool(jnp.all((tokens >= 0) & (tokens < V)))
     assert bool(jnp.all(jnp.isfinite(logprobs)))
+
+
+def test_the_controller_ledger_forgets_refused_finished_and_abandoned_requests():
+    from jaxdp.api.replicas import ReplicaSet
+    from jaxdp.engine.controller import UNSUBMITTED_S
+
+    eng = host_engine()
+    b = ReplicaSet([eng], "total_tokens")
+    with pytest.raises(BadRequest, match="routed_dp_rank"):
+        b.make_request([1, 2], GREEDY, rid="x", rank=9)
+    with pytest.raises(BadRequest, match="shorten the prompt"):
+        b.make_request(list(range(70)), GREEDY, rid="x")
+    x = b.make_request([1, 2], GREEDY, rid="x")  # a refused rid is free at once
+    with pytest.raises(BadRequest, match="already running"):
+        b.make_request([1, 2], GREEDY, rid="x")
+    assert b.loads()[x.dp_rank] == (2 / b.capacity(x.dp_rank), 1)  # counted before the loop admits it
+    eng.submit(x)
+    eng.run_until_idle()
+    assert x.finished and b.loads() == [(0.0, 0)] * 2 and b.make_request([3], GREEDY, rid="x").rid == "x"
+    gone = b.make_request(list(range(9)), GREEDY)  # made, never submitted (its client went away)
+    assert sum(n for _, n in b.loads()) == 2
+    gone.created -= UNSUBMITTED_S + 1
+    assert sum(n for _, n in b.loads()) == 1  # only the second "x" still counts

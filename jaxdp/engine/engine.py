@@ -16,8 +16,6 @@ exchange keeps up to date with that node's tokens.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -28,18 +26,20 @@ from collections.abc import AsyncIterator
 import jax
 import numpy as np
 
-from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_step, fill_pieces
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_step
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
+from jaxdp.engine.options import EngineConfig
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
-from jaxdp.engine.rows import RankRows, RowArrays, fill_sampling
+from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
 from jaxdp.engine.setup import find_tokenizer, make_runner, stop_string_check
-from jaxdp.engine.stats import StepStats, compiles_total
+from jaxdp.engine.stats import InFlight, StepStats, compiles_total
+from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
@@ -48,24 +48,6 @@ log = logging.getLogger("jaxdp.engine")
 
 class EngineFailed(Exception):
     """The engine cannot serve any more (another node died); the message says what happened (HTTP 503)."""
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 256  # per DP rank
-    max_running_requests: int = 64  # all ranks together (divided among them)
-    chunked_prefill_size: int = 256  # all ranks together (divided among them under attention DP)
-    context_length: int | None = None  # default: min(max_position_embeddings, pool size)
-    schedule_conservativeness: float = 1.0
-    decode_buckets: list[int] | None = None  # default: SGLang's list up to the per-rank batch
-    extend_buckets: list[int] | None = None  # default: powers of two up to the per-rank chunk
-    max_len_extend_rows: int = 256  # extend steps up to this many rows per rank pad (MAX_LEN); beyond: SUM_LEN
-    disable_cuda_graph: bool = False  # compile steps on first use instead of at start-up
-    load_balance_method: str = "round_robin"
-    enable_prefix_cache: bool = True
-    seed: int = 0
-    overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
 
 
 class Engine:
@@ -117,7 +99,8 @@ class Engine:
         self.link = NodeLink(self, hosts) if hosts is not None else None  # what rides on the exchange
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
+        self.wakeups = Wakeups()  # the streams' event loops, woken once per step
         self._steps = itertools.count()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -131,13 +114,7 @@ class Engine:
 
     # ---- start-up ------------------------------------------------------------------------------
     def shapes(self) -> list[StepShape]:
-        N, out = self.pages_per_seq, []
-        for b in self.buckets.decode:
-            out.append(StepShape(True, b, b, N))
-        for t in self.buckets.extend:
-            for mode, s in self.buckets.extend_modes(t):
-                out.append(StepShape(False, t, self.buckets.extend_seqs(t), N, mode, s))
-        return out
+        return self.buckets.shapes(self.pages_per_seq)
 
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
@@ -292,20 +269,10 @@ class Engine:
                          bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
 
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
-               t0: float, agree_s: float) -> _InFlight:
+               t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
         c = self.cfg
-        out = empty_step(self.layout.dp, shape.num_rows, shape.num_seqs, self.pages_per_seq,
-                         c.num_pages * c.page_size)
-        for r, plan in enumerate(plans):
-            if plan is None:
-                continue
-            if plan.kind == "decode":
-                self.schedulers[r].rows.fill_decode(out, r, plan.rows)
-                continue
-            fill_pieces(out, r, plan.pieces, c.page_size)
-            for b, (req, smp) in enumerate(zip(plan.reqs, plan.sampling, strict=True)):
-                fill_sampling(out, r, b, *smp, len(req.output_ids))
+        out = plan_arrays(plans, self.rows, shape, self.pages_per_seq, c.page_size, c.num_pages * c.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
         t1 = time.perf_counter()
@@ -317,9 +284,9 @@ class Engine:
         self.blocked = None
         wants_top = any(r.params.top_logprobs for p in plans if p for r in p.reqs)
         t2 = time.perf_counter()
-        return _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
-                         top=top_logprobs(logits) if wants_top else None)
+        return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
+                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
+                        top=top_logprobs(logits) if wants_top else None)
 
     def _isolate(self, plans: list[RankPlan | None]) -> None:
         """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
@@ -351,7 +318,7 @@ class Engine:
             self.schedulers[r].commit(plan, step)
             self._book(f, time.perf_counter())
 
-    def _book(self, f: _InFlight, t_start: float) -> None:
+    def _book(self, f: InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
         self.blocked = (t0, "waiting for a step that runs on every node")
         tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
@@ -416,14 +383,15 @@ class Engine:
                 if self.link and self.failed is None:  # a collective with a dead node fails here
                     self.fail(f"a step across the nodes failed ({first_line(e, 160)}); another node died or stopped")
                     return
-                # a bug, not a user error: fail every request loudly instead of hanging
-                log.exception("engine step failed; aborting all requests")
+                # a bug outside the step's own requests (a failed step is isolated in `step`): fail loudly
+                log.exception("the engine loop failed; aborting all requests")
                 now = time.perf_counter()
                 for s in self.schedulers:
-                    for req in list(s.running) + list(s.waiting):
-                        req.error = "internal error in the engine step; see the server log"
+                    for req in [*s.running.values(), *s.waiting]:
+                        req.error = "internal error in the engine loop; see the server log"
                         s.finish(req, "abort", now)
                 ran = False
+            self.wakeups.deliver()
             if self.failed:
                 return
             if not ran and (self.hosts is None or self.hosts.node_rank == 0):
@@ -445,6 +413,7 @@ class Engine:
             if not req.finished:
                 req.error_status = 503
                 end_request(req, "abort", message, now)
+        self.wakeups.deliver()
         self._stop = True
         self._wake.set()
 
@@ -454,26 +423,15 @@ class Engine:
             return self.schedulers[rank].state()
         return self.link.remote_state.get(rank) or self.schedulers[rank].state()
 
-    async def stream(self, req: Request) -> AsyncIterator[Request]:
-        """Yield the request after every new token and once when it finishes (the loop must be running)."""
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-        req.on_update = lambda r: loop.call_soon_threadsafe(updates.put_nowait, len(r.output_ids))
-        self.submit(req)
-        try:
-            while True:
-                await updates.get()
-                yield req
-                if req.finished:
-                    return
-        finally:
-            if not req.finished:  # the client went away: free its pages
-                self.abort(req.rid)
+    def stream(self, req: Request) -> AsyncIterator[Request]:
+        """Yield the request after every new token and once when it finishes (the loop must be running); the
+        request is submitted here, and aborted if the caller stops reading."""
+        return self.wakeups.stream(req, self.submit, self.abort)
 
     def flush_cache(self) -> list[NodeFlush] | None:
         """Flush the prefix cache of every rank unless requests run or wait: what each node did, or None when
         not every node answered within 30 s."""
-        fut: _Result = _Result()
+        fut = Result()
         self._inbox.put(("flush", fut))
         self._wake.set()
         if self._thread is None:
@@ -497,34 +455,3 @@ class Engine:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
         self.runner.close()
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A step queued on the device whose tokens have not been read back yet."""
-
-    plans: list
-    tokens: jax.Array  # [dp, token_carry] on the device
-    logprobs: jax.Array
-    shape: StepShape
-    rows: list[int]
-    agreement: object
-    account: object
-    host_s: float
-    dispatch_s: float
-    agree_s: float
-    top: tuple[jax.Array, jax.Array] | None = None  # top_logprobs' ids and values, when a request asks
-
-
-class _Result:
-    def __init__(self):
-        self._event, self._value = threading.Event(), None
-
-    def set_result(self, value) -> None:
-        self._value = value
-        self._event.set()
-
-    def wait(self, timeout: float = 30):
-        self._event.wait(timeout)
-        return self._value
-

@@ -3,7 +3,7 @@
 `RunningRows` holds [dp, capacity] arrays; a rank's scheduler changes its own row of them (a `RankRows`
 view) when a request joins (its prompt is read), takes a page, is sampled, or leaves. A row keeps its index
 while its request runs (free rows are reused), so a step planned before another is booked still finds its
-rows. A decode step reads the rows it runs with a few vectorised operations (`fill_decode`); nothing here is
+rows. A decode step reads the rows of every rank with a few vectorised operations (`fill_decodes`); nothing here is
 rebuilt per step from Python lists.
 
 Per row: the input token of its next decode (a real token, or -1-j: the j-th token of step `step` still on
@@ -14,10 +14,16 @@ the device), the context length that token completes, tokens generated (in fligh
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxdp.batch import empty_step, fill_pieces
 from jaxdp.engine.request import Request
+
+if TYPE_CHECKING:
+    from jaxdp.engine.scheduler import RankPlan
+    from jaxdp.parallel.step import StepShape
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
@@ -122,24 +128,7 @@ class RankRows:
         self.a.token[rows[mine]] = tokens[mine]
         self.a.step[rows[mine]] = -1
 
-    def fill_decode(self, out: dict[str, np.ndarray], r: int, rows: np.ndarray) -> None:
-        """Rank r of a step's arrays from `rows` (one token each): a decode step, or one-token extends."""
-        n, a, S = len(rows), self.a, self.page_size
-        seqs = np.arange(n, dtype=np.int32)
-        pos = a.length[rows] - 1
-        table = a.pages[rows]
-        out["tokens_T"][r, :n] = a.token[rows]
-        out["valid_T"][r, :n] = True
-        out["positions_T"][r, :n] = pos
-        out["seq_T"][r, :n] = seqs
-        out["slots_T"][r, :n] = table[seqs, pos // S] * S + pos % S
-        out["page_table_BN"][r, :n] = table
-        out["seq_lens_B"][r, :n] = pos + 1
-        out["logits_idx_B"][r, :n] = seqs
-        fill_sampling(out, r, slice(0, n), *(getattr(a, f)[rows] for f in SAMPLING_FIELDS), a.n_out[rows])
-
-
-def fill_sampling(out: dict[str, np.ndarray], r: int, at, temperature, top_p, top_k, min_p, seed, n_out) -> None:
+def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, n_out) -> None:
     """The sampling parameters of rank r's sequences `at`; a row's key is (seed, tokens generated so far)."""
     out["temperature"][r, at] = temperature
     out["top_p"][r, at] = top_p
@@ -147,3 +136,41 @@ def fill_sampling(out: dict[str, np.ndarray], r: int, at, temperature, top_p, to
     out["min_p"][r, at] = min_p
     out["keys"][r, at, 0] = seed
     out["keys"][r, at, 1] = n_out
+
+
+def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape, pages_per_seq: int,
+                page_size: int, pad_slot: int) -> dict[str, np.ndarray]:
+    """A step's arrays (and its sampling parameters) from every rank's plan: the decode plans of all ranks
+    at once from the persistent rows, a plan of prompt chunks from its pieces; ranks without one stay padding."""
+    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, pages_per_seq, pad_slot)
+    decodes = [(r, p.rows) for r, p in enumerate(plans) if p is not None and p.kind == "decode"]
+    if decodes:
+        fill_decodes(out, rows, decodes, page_size)
+    for r, plan in enumerate(plans):
+        if plan is not None and plan.kind == "extend":
+            fill_pieces(out, r, plan.pieces, page_size)
+            for b, (req, sampling) in enumerate(zip(plan.reqs, plan.sampling, strict=True)):
+                fill_sampling(out, r, b, *sampling, len(req.output_ids))
+    return out
+
+
+def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[int, np.ndarray]],
+                 page_size: int) -> None:
+    """Ranks' rows of the persistent batch (one token each) into a step's arrays, every rank in one go: as a
+    decode step, or as one-token extends beside a rank that reads a prompt. decodes: (rank, its rows)."""
+    counts = np.asarray([len(rows) for _, rows in decodes])
+    r = np.repeat(np.asarray([rank for rank, _ in decodes]), counts)
+    row = np.concatenate([rows for _, rows in decodes])
+    seq = (np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+    pos = a.length[r, row] - 1
+    table = a.pages[r, row]
+    S = page_size
+    out["tokens_T"][r, seq] = a.token[r, row]
+    out["valid_T"][r, seq] = True
+    out["positions_T"][r, seq] = pos
+    out["seq_T"][r, seq] = seq
+    out["slots_T"][r, seq] = table[np.arange(len(row)), pos // S] * S + pos % S
+    out["page_table_BN"][r, seq] = table
+    out["seq_lens_B"][r, seq] = pos + 1
+    out["logits_idx_B"][r, seq] = seq
+    fill_sampling(out, r, seq, *(getattr(a, f)[r, row] for f in SAMPLING_FIELDS), a.n_out[r, row])
