@@ -29,6 +29,9 @@ PROMPTS = [[5, 7, 9, 11, 3, 2, 8, 60, 61, 17, 4], [1, 2, 3],
            [9, 90, 99, 9, 19, 29, 39, 49, 59, 69, 79, 89, 100, 101, 102, 103, 104, 105, 106],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 DECODE_STEPS = 8
+# V3.2 differs from GLM-5 only in the indexer's rope and in having no shared layers: the one-device test
+# shows both; the layouts, the kernel and the no-cache path run on GLM-5 only (CI time)
+V32_ONCE = "DeepSeek-V3.2 runs the GLM-5 code paths; the one-device test covers what differs"
 
 
 def make_dsa_model(path, kind: str):
@@ -111,8 +114,8 @@ def test_layouts_match_transformers(checkpoint, spec):
     """dp=8 runs in CI; tp=8 and dp=8,moe=ep (-m slow) add nothing the sparse paths do differently: the
     indexer is whole on every device of a group, so tp only splits MLA's heads, and ep only the MoE."""
     kind, hf, _, model = checkpoint
-    if kind == "v32" and spec != "dp=8":
-        pytest.skip("the layouts' sparse paths are the same for both models; GLM-5 covers tp and ep")
+    if kind == "v32":
+        pytest.skip(V32_ONCE)
     dp = parse_mesh_spec(spec).dp
     out = run(model, spec, [(3 * i) % dp for i in range(len(PROMPTS))])
     check_against_transformers(out, hf, PROMPTS)
@@ -123,8 +126,8 @@ def test_pallas_sparse_decode_kernel_in_the_model_matches_transformers(checkpoin
     from jaxdp.backends import decode_kernel
 
     kind, hf, _, model = checkpoint
-    if kind != "glm":
-        pytest.skip("one model is enough for the kernel's place in the step")
+    if kind == "v32":
+        pytest.skip(V32_ONCE)
     out = run(model, "dp=2", [0, 1, 1, 0], decode_kernel=decode_kernel("pallas"))
     check_against_transformers(out, hf, PROMPTS)
 
@@ -134,7 +137,9 @@ def test_training_forward_without_cache_matches_transformers(checkpoint):
     from jaxdp.model.mla import AttnBatch
     from jaxdp.parallel.local import LocalComm
 
-    _, hf, _, model = checkpoint
+    kind, hf, _, model = checkpoint
+    if kind == "v32":
+        pytest.skip(V32_ONCE)
     tokens = PROMPTS[0] + PROMPTS[2]
     seq = [0] * len(PROMPTS[0]) + [1] * len(PROMPTS[2])
     pos = list(range(len(PROMPTS[0]))) + list(range(len(PROMPTS[2])))

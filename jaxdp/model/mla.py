@@ -128,7 +128,8 @@ class MLA(nnx.Module):
         the step updates the cache in place); this layer's pages start at `page_offset`. With
         kv_PSK None the step's rows are the whole context (training) and None comes back.
         index (DSA models): this layer writes its index keys into `index.keys_PSE` (same pages) and, when
-        `index_full` (a traced bool: the layer's indexer type), replaces `index.sel_TK` by its own
+        `index_full` (the layer's indexer type: True, or a traced bool in a stack that mixes types), replaces
+        `index.sel_TK` by its own
         selection; a "shared" layer attends over the selection it was given.
         """
         q_nope_THN, q_rope_THR, q_TQ = self.queries(x_TD, batch.positions_T)
@@ -137,9 +138,9 @@ class MLA(nnx.Module):
             if index is not None and index.sel_TK is not None:
                 visible_TU = (batch.seq_T[:, None] == batch.seq_T[None, :]) & (
                     batch.positions_T[None, :] <= batch.positions_T[:, None])
-                sel_TK = jax.lax.cond(index_full, lambda: self.indexer.select(
+                sel_TK = _own_or_given(index_full, lambda: self.indexer.select(
                     q_TQ, x_TD, batch.positions_T, self.indexer.keys(x_TD, batch.positions_T), visible_TU,
-                    index.sel_TK.shape[1]), lambda: index.sel_TK)
+                    index.sel_TK.shape[1]), index.sel_TK)
                 index = IndexState(None, sel_TK)
             o_THV = self.attend_rows(q_nope_THN, q_rope_THR, self.latent(x_TD, batch.positions_T), batch, sel_TK)
             return self.output(o_THV.astype(x_TD.dtype)), None, index
@@ -153,8 +154,8 @@ class MLA(nnx.Module):
                                    page_offset, P)
             sel_TK = index.sel_TK
             if sel_TK is not None:
-                sel_TK = jax.lax.cond(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
-                                      lambda: index.sel_TK)
+                sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
+                                       index.sel_TK)
             index = IndexState(keys_PSE, sel_TK)
         if absorbed:
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
@@ -232,6 +233,13 @@ class MLA(nnx.Module):
             o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                    softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return jnp.einsum("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
+
+
+def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
+    """A full layer's own selection, a shared layer's given one (`full` traced: decided in the step)."""
+    if full is True:
+        return select()
+    return jax.lax.cond(full, select, lambda: given_TK)
 
 
 def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,
