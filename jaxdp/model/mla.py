@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model.indexer import Indexer, selected_mask, selection_size
+from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
 
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
@@ -61,9 +61,10 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass
 class IndexState:
-    """What DSA layers carry through a stack: the index-key pages ([L * P, S, E] like kv_PSK; None
-    without a cache) and the last full layer's selection sel_TK ([T, index_topk] context positions;
-    None when the step needs no selection, see `indexer.selection_size`)."""
+    """What DSA layers carry through a stack: the index-key pages ([L * P, S, E] like kv_PSK, in the cache
+    dtype, or uint8 [L * P, S, E + 4 * E / 128] for fp8 keys with their scales; None without a cache) and
+    the last full layer's selection sel_TK ([T, index_topk] context positions; None when the step needs
+    no selection, see `indexer.selection_size`)."""
 
     keys_PSE: jax.Array | None
     sel_TK: jax.Array | None
@@ -150,8 +151,10 @@ class MLA(nnx.Module):
         kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T), page_offset, P)
         sel_TK = None
         if index is not None:
-            keys_PSE = write_cache(index.keys_PSE, batch.slots_T, self.indexer.keys(x_TD, batch.positions_T),
-                                   page_offset, P)
+            keys_TE = self.indexer.keys(x_TD, batch.positions_T)
+            if index.keys_PSE.dtype == jnp.uint8:  # the pool holds fp8 index keys
+                keys_TE = pack_fp8_keys(keys_TE)
+            keys_PSE = write_cache(index.keys_PSE, batch.slots_T, keys_TE, page_offset, P)
             sel_TK = index.sel_TK
             if sel_TK is not None:
                 sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
@@ -166,6 +169,8 @@ class MLA(nnx.Module):
     def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch, absorbed: bool) -> jax.Array:
         """This layer's DSA selection over the cached context of each row's sequence [T, index_topk]."""
         keys_BCE = gather_context(keys_PSE, batch.page_table_BN)
+        if keys_BCE.dtype == jnp.uint8:
+            keys_BCE = unpack_fp8_keys(keys_BCE, self.cfg.index_head_dim)
         B, C = keys_BCE.shape[:2]
         # decode: row b is sequence b; extend: each row reads its own sequence's keys
         keys_TCE = keys_BCE if absorbed else keys_BCE[jnp.clip(batch.seq_T, 0, B - 1)]

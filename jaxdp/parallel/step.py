@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.indexer import fp8_key_width
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.parallel.accounting import StepAccount, account_step
@@ -57,9 +58,15 @@ class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1):
+                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
+                 index_key_dtype: str | None = None):
         """token_carry: width of the previous step's sampled tokens a step can read on the device (the
-        engine's overlap: a decode row whose input token is still in flight refers to it by index)."""
+        engine's overlap: a decode row whose input token is still in flight refers to it by index).
+        index_key_dtype (DSA models): None keeps the index keys in the cache dtype; "fp8" packs each as
+        e4m3 values plus one fp32 scale per 128 (jaxdp.model.indexer.pack_fp8_keys)."""
+        if index_key_dtype not in (None, "fp8"):
+            raise ValueError(f"index_key_dtype {index_key_dtype!r} is not None or 'fp8'")
+        self.index_key_dtype = index_key_dtype
         self.cfg = model.cfg
         self.token_carry = token_carry
         self.layout = layout
@@ -108,7 +115,11 @@ class StepRunner:
         make = jax.jit(lambda n, w: jnp.zeros((dp, n, *shape[:2], w), dtype), static_argnums=(0, 1),
                        out_shardings=sharding)
         cache = {"dense": make(cfg.num_dense_layers, shape[2]), "moe": make(cfg.num_moe_layers, shape[2])}
-        if cfg.index_topk:  # DSA index keys: one per token per layer, in the same pages as the latents
+        if cfg.index_topk and self.index_key_dtype == "fp8":  # DSA index keys beside the latents, same pages
+            keys = jax.jit(lambda n: jnp.zeros((dp, n, *shape[:2], fp8_key_width(cfg.index_key_dim)), jnp.uint8),
+                           static_argnums=0, out_shardings=sharding)
+            cache |= {"dense_index": keys(cfg.num_dense_layers), "moe_index": keys(cfg.num_moe_layers)}
+        elif cfg.index_topk:
             cache |= {"dense_index": make(cfg.num_dense_layers, cfg.index_key_dim),
                       "moe_index": make(cfg.num_moe_layers, cfg.index_key_dim)}
         return cache
