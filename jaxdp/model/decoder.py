@@ -96,7 +96,7 @@ class DeepseekV3(nnx.Module):
             index = None
             if cfg.index_topk:
                 keys = None if kv_cache is None else kv_cache[f"{name}_index"]
-                index = (keys, sel_TK, jnp.asarray(full[first:end]))
+                index = (keys, sel_TK, full[first:end])
             x_TD, kv, index, rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv, comm, absorbed, decode_kernel,
                                                   is_moe=name == "moe", index=index)
             if new_cache is not None:
@@ -125,21 +125,24 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
     """Run a stack of layers under lax.scan. The whole stack's cache is carried through the scan as one
     pool of L * P pages (layer i owns pages i*P ..), so each layer scatters its new entries in place
     instead of the scan copying the cache out as a new stacked array. kv_LPSK None: no cache.
-    index (DSA): (index keys [L, P, S, E] or None, the selection carried in, per-layer "full" flags [L]);
-    the same comes back with the stack's keys and the last selection."""
+    index (DSA): (index keys [L, P, S, E] or None, the selection carried in, per-layer "full" flags: a
+    tuple of L bools); the same comes back with the stack's keys and the last selection."""
     graphdef, state = nnx.split(stack)
     eps = stack.attn.cfg.rms_norm_eps
     L, P, S, K = kv_LPSK.shape if kv_LPSK is not None else (jax.tree.leaves(state)[0].shape[0], 0, 0, 0)
-    keys_LPSE, sel_TK, full_L = index if index is not None else (None, None, jnp.ones((L,), bool))
+    keys_LPSE, sel_TK, full = index if index is not None else (None, None, (True,) * L)
+    # a stack whose layers all run their indexer needs no per-layer switch (V3.2, GLM-5's dense stack)
+    full_L = None if all(full) else jnp.asarray(full)
     E = 0 if keys_LPSE is None else keys_LPSE.shape[-1]
 
     def body(carry, xs):
         x_TD, kv_PSK, idx = carry
-        layer_state, i, full = xs
+        layer_state, i, full_i = xs
         layer = nnx.merge(graphdef, layer_state)
         h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
         a_TD, kv_PSK, idx = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel,
-                                       page_offset=i * P, pages_per_layer=P, index=idx, index_full=full)
+                                       page_offset=i * P, pages_per_layer=P, index=idx,
+                                       index_full=True if full_i is None else full_i)
         x_rows, h_rows = comm.attn_to_ffn(a_TD, x_TD, layer.ffn_norm[...], eps)
         if is_moe:
             y_rows, rows_E = comm.moe(h_rows, valid_T, layer.ffn)
@@ -154,7 +157,7 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
     (x_TD, kv, idx), rows_LE = jax.lax.scan(body, (x_TD, kv, idx), (state, jnp.arange(L), full_L))
     if idx is not None:
         keys = None if idx.keys_PSE is None else idx.keys_PSE.reshape(L, P, S, E)
-        index = (keys, idx.sel_TK, full_L)
+        index = (keys, idx.sel_TK, full)
     return x_TD, None if kv is None else kv.reshape(L, P, S, K), index, rows_LE
 
 

@@ -73,6 +73,41 @@ class Indexer(nnx.Module):
         return jax.lax.top_k(jnp.where(visible_TC, score_TC, NEG_INF), k)[1].astype(jnp.int32)
 
 
+# ---- fp8 index keys (an option of the pool: SGLang's 132 bytes a token for GLM-5) ----------------------
+
+FP8_BLOCK = 128  # values per fp32 scale
+FP8_MAX = 448.0  # largest float8_e4m3fn
+
+
+def fp8_key_width(dim: int) -> int:
+    """Bytes of one packed fp8 index key: `dim` e4m3 values, then one fp32 scale per block of 128."""
+    return dim + 4 * -(-dim // FP8_BLOCK)
+
+
+def pack_fp8_keys(k_TE: jax.Array) -> jax.Array:
+    """Index keys [T, E] -> uint8 [T, fp8_key_width(E)]: each block of 128 values scaled to e4m3's range."""
+    T, E = k_TE.shape
+    block = min(FP8_BLOCK, E)
+    if E % block:
+        raise ValueError(f"fp8 index keys need index_head_dim {E} to be a multiple of {FP8_BLOCK} (or below it)")
+    k_TNB = k_TE.astype(jnp.float32).reshape(T, E // block, block)
+    amax_TN = jnp.max(jnp.abs(k_TNB), axis=-1)
+    scale_TN = jnp.where(amax_TN > 0, amax_TN / FP8_MAX, 1.0)
+    q_TNB = (k_TNB / scale_TN[..., None]).astype(jnp.float8_e4m3fn)
+    values = jax.lax.bitcast_convert_type(q_TNB, jnp.uint8).reshape(T, E)
+    scales = jax.lax.bitcast_convert_type(scale_TN, jnp.uint8).reshape(T, -1)
+    return jnp.concatenate([values, scales], axis=-1)
+
+
+def unpack_fp8_keys(packed_XW: jax.Array, dim: int) -> jax.Array:
+    """uint8 [..., fp8_key_width(dim)] -> float32 keys [..., dim]."""
+    lead = packed_XW.shape[:-1]
+    block = min(FP8_BLOCK, dim)
+    q_XNB = jax.lax.bitcast_convert_type(packed_XW[..., :dim], jnp.float8_e4m3fn).reshape(*lead, dim // block, block)
+    scale_XN = jax.lax.bitcast_convert_type(packed_XW[..., dim:].reshape(*lead, dim // block, 4), jnp.float32)
+    return (q_XNB.astype(jnp.float32) * scale_XN[..., None]).reshape(*lead, dim)
+
+
 def selection_size(cfg: ModelConfig, context: int) -> int:
     """Tokens a query keeps in a step whose sequences hold up to `context` positions; 0: no selection
     needed (the model is dense, or every query may keep all it sees)."""

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
-from jaxdp.model.indexer import Indexer, selected_mask, selection_size
+from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
 
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
@@ -62,9 +62,10 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass
 class IndexState:
-    """What DSA layers carry through a stack: the index-key pages ([L * P, S, E] like kv_PSK; None
-    without a cache) and the last full layer's selection sel_TK ([T, index_topk] context positions;
-    None when the step needs no selection, see `indexer.selection_size`)."""
+    """What DSA layers carry through a stack: the index-key pages ([L * P, S, E] like kv_PSK, in the cache
+    dtype, or uint8 [L * P, S, E + 4 * E / 128] for fp8 keys with their scales; None without a cache) and
+    the last full layer's selection sel_TK ([T, index_topk] context positions; None when the step needs
+    no selection, see `indexer.selection_size`)."""
 
     keys_PSE: jax.Array | None
     sel_TK: jax.Array | None
@@ -129,7 +130,8 @@ class MLA(nnx.Module):
         the step updates the cache in place); this layer's pages start at `page_offset`. With
         kv_PSK None the step's rows are the whole context (training) and None comes back.
         index (DSA models): this layer writes its index keys into `index.keys_PSE` (same pages) and, when
-        `index_full` (a traced bool: the layer's indexer type), replaces `index.sel_TK` by its own
+        `index_full` (the layer's indexer type: True, or a traced bool in a stack that mixes types), replaces
+        `index.sel_TK` by its own
         selection; a "shared" layer attends over the selection it was given.
         """
         q_nope_THN, q_rope_THR, q_TQ = self.queries(x_TD, batch.positions_T)
@@ -138,9 +140,9 @@ class MLA(nnx.Module):
             if index is not None and index.sel_TK is not None:
                 visible_TU = (batch.seq_T[:, None] == batch.seq_T[None, :]) & (
                     batch.positions_T[None, :] <= batch.positions_T[:, None])
-                sel_TK = jax.lax.cond(index_full, lambda: self.indexer.select(
+                sel_TK = _own_or_given(index_full, lambda: self.indexer.select(
                     q_TQ, x_TD, batch.positions_T, self.indexer.keys(x_TD, batch.positions_T), visible_TU,
-                    index.sel_TK.shape[1]), lambda: index.sel_TK)
+                    index.sel_TK.shape[1]), index.sel_TK)
                 index = IndexState(None, sel_TK)
             o_THV = self.attend_rows(q_nope_THN, q_rope_THR, self.latent(x_TD, batch.positions_T), batch, sel_TK)
             return self.output(o_THV.astype(x_TD.dtype)), None, index
@@ -150,12 +152,14 @@ class MLA(nnx.Module):
         kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T), page_offset, P)
         sel_TK = None
         if index is not None:
-            keys_PSE = write_cache(index.keys_PSE, batch.slots_T, self.indexer.keys(x_TD, batch.positions_T),
-                                   page_offset, P)
+            keys_TE = self.indexer.keys(x_TD, batch.positions_T)
+            if index.keys_PSE.dtype == jnp.uint8:  # the pool holds fp8 index keys
+                keys_TE = pack_fp8_keys(keys_TE)
+            keys_PSE = write_cache(index.keys_PSE, batch.slots_T, keys_TE, page_offset, P)
             sel_TK = index.sel_TK
             if sel_TK is not None:
-                sel_TK = jax.lax.cond(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
-                                      lambda: index.sel_TK)
+                sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
+                                       index.sel_TK)
             index = IndexState(keys_PSE, sel_TK)
         if absorbed:
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
@@ -166,6 +170,8 @@ class MLA(nnx.Module):
     def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch, absorbed: bool) -> jax.Array:
         """This layer's DSA selection over the cached context of each row's sequence [T, index_topk]."""
         keys_BCE = gather_context(keys_PSE, batch.page_table_BN)
+        if keys_BCE.dtype == jnp.uint8:
+            keys_BCE = unpack_fp8_keys(keys_BCE, self.cfg.index_head_dim)
         B, C = keys_BCE.shape[:2]
         # decode: row b is sequence b; extend: each row reads its own sequence's keys
         keys_TCE = keys_BCE if absorbed else keys_BCE[jnp.clip(batch.seq_T, 0, B - 1)]
@@ -234,6 +240,13 @@ class MLA(nnx.Module):
             o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                    softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return jnp.einsum("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
+
+
+def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
+    """A full layer's own selection, a shared layer's given one (`full` traced: decided in the step)."""
+    if full is True:
+        return select()
+    return jax.lax.cond(full, select, lambda: given_TK)
 
 
 def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.indexer import fp8_key_width
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.model.sharded import ShardedModel
@@ -59,14 +60,19 @@ class StepRunner:
 
     def __init__(self, model: DeepseekV3 | ShardedModel, layout: Layout, mesh, *, num_pages: int, page_size: int,
                  cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
-                 abstract: bool = False):
+                 abstract: bool = False, index_key_dtype: str | None = None):
         """model: its state already in its final sharding on `mesh` (`jaxdp.model.sharded`, how the entry
         points build it), or a model in memory, moved onto the mesh here. token_carry: width of the
         previous step's sampled tokens a step can read on the device (the engine's overlap: a decode row
         whose input token is still in flight refers to it by index). abstract: `model` holds
         ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay ShapeDtypeStructs with their
         shardings, nothing is allocated, and the runner can only `lower` and `compile` steps (`plan --compile`
-        checks full-size models this way)."""
+        checks full-size models this way). index_key_dtype (DSA models): None keeps the index keys in the
+        cache dtype; "fp8" packs each as e4m3 values plus one fp32 scale per 128
+        (jaxdp.model.indexer.pack_fp8_keys)."""
+        if index_key_dtype not in (None, "fp8"):
+            raise ValueError(f"index_key_dtype {index_key_dtype!r} is not None or 'fp8'")
+        self.index_key_dtype = index_key_dtype
         sharded = model if isinstance(model, ShardedModel) else None
         model = sharded.merge() if sharded else model
         self.cfg = model.cfg
@@ -96,19 +102,21 @@ class StepRunner:
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
 
     def _empty_cache(self, dtype) -> dict:
+        """The paged pool per stack: [dp, layers, pages, page_size, width]; DSA models also hold one index key
+        per token per layer in the same pages (fp8: e4m3 values plus one fp32 scale per 128, packed as bytes)."""
         cfg, dp = self.cfg, self.layout.dp
-        shape = (self.num_pages, self.page_size, cfg.kv_cache_dim)
         sharding = NamedSharding(self.mesh, P("dp"))
-        layers = {"dense": (cfg.num_dense_layers, shape[2]), "moe": (cfg.num_moe_layers, shape[2])}
-        if cfg.index_topk:  # DSA index keys: one per token per layer, in the same pages as the latents
-            layers |= {"dense_index": (cfg.num_dense_layers, cfg.index_key_dim),
-                       "moe_index": (cfg.num_moe_layers, cfg.index_key_dim)}
+        entries = {"dense": (cfg.num_dense_layers, cfg.kv_cache_dim, dtype),
+                   "moe": (cfg.num_moe_layers, cfg.kv_cache_dim, dtype)}
+        if cfg.index_topk:
+            key = (fp8_key_width(cfg.index_key_dim), jnp.uint8) if self.index_key_dtype == "fp8" else (
+                cfg.index_key_dim, dtype)
+            entries |= {"dense_index": (cfg.num_dense_layers, *key), "moe_index": (cfg.num_moe_layers, *key)}
+        shapes = {k: ((dp, n, self.num_pages, self.page_size, w), dt) for k, (n, w, dt) in entries.items()}
         if self.abstract:
-            return {k: jax.ShapeDtypeStruct((dp, n, *shape[:2], w), dtype, sharding=sharding)
-                    for k, (n, w) in layers.items()}
-        make = jax.jit(lambda n, w: jnp.zeros((dp, n, *shape[:2], w), dtype), static_argnums=(0, 1),
-                       out_shardings=sharding)
-        return {k: make(n, w) for k, (n, w) in layers.items()}
+            return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in shapes.items()}
+        make = jax.jit(lambda shape, dt: jnp.zeros(shape, dt), static_argnums=(0, 1), out_shardings=sharding)
+        return {k: make(shape, dt) for k, (shape, dt) in shapes.items()}
 
     @property
     def batch_sharding(self) -> NamedSharding:
