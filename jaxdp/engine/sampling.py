@@ -63,7 +63,8 @@ def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size:
     k = _real(params.top_k)
     k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
     seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
-    return t, unit(params.top_p, 1.0) or 1.0, k, unit(params.min_p, 0.0), int(seed) & 0xFFFFFFFF
+    top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
+    return t, top_p, k, unit(params.min_p, 0.0), int(seed) & 0xFFFFFFFF
 
 
 def _real(x) -> float:
