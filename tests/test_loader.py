@@ -241,3 +241,17 @@ def test_fused_expert_layout_quantized_to_fp8_at_load(tmp_path):
     _, dense = load_checkpoint(tmp_path / "fused", jnp.float32)
     np.testing.assert_allclose(np.asarray(fp8.weight(ffn, "w_gate_up_ED2I")),
                                np.asarray(dense.moe_layers.ffn.w_gate_up_ED2I.get_value()), rtol=0.07, atol=1e-6)
+
+
+def test_an_engine_leaves_jax_compilation_cache_config_to_the_entry_points():
+    """A library constructor must not change JAX's global configuration; serve's --compilation-cache-dir
+    is the entry point's (and '' leaves the cache off)."""
+    from jaxdp.engine import Engine
+    from jaxdp.engine.setup import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    engine = Engine("tiny", warmup=False)
+    assert engine.runner.state is not None
+    assert jax.config.jax_compilation_cache_dir == before
+    enable_compilation_cache("")
+    assert jax.config.jax_compilation_cache_dir == before
