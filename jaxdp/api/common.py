@@ -46,13 +46,7 @@ class TextView:
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.window = max((len(s) for s in stop), default=0) + 8
         self.matched: str | None = None
-
-    def stop_check(self, req: Request) -> bool:
-        """The engine's hook: True when the tail of the output contains a stop string."""
-        tail = self.tokenizer.decode(done_ids(req)[-self.window:], skip_special_tokens=self.skip)
-        return any(s in tail for s in self.stop)
 
     def text(self, req: Request) -> str:
         if self.tokenizer is None:

@@ -144,9 +144,7 @@ class ServerContext:
                     if rid is not None and n > 1:
                         rid = f"{rid}-{j}"
                     req = self.backend.make_request(ids, p, rid=rid, rank=rank)
-                    view = TextView(self.tokenizer, p.stop, skip_special_tokens)
-                    if p.stop:
-                        req.stop_check = view.stop_check
+                    view = TextView(self.tokenizer, p.stop, skip_special_tokens)  # (the engine checks stops)
                     jobs.append(Job(req, view, i, rids[i] if rids else None))
         except (BadRequest, UnsupportedConfigError) as e:
             for job in jobs:

@@ -40,9 +40,12 @@ def find_tokenizer(model):
 
 
 def stop_string_check(tokenizer, stops: list[str]):
-    """True once the decoded output contains a stop string (the text is cut there by the API layer)."""
+    """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
+    at least one character, so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
+    window = max(len(s) for s in stops) + 8
+
     def check(req: Request) -> bool:
-        tail = tokenizer.decode([t for t in req.output_ids[-32:] if t >= 0])  # negative: still in flight
+        tail = tokenizer.decode([t for t in req.output_ids[-window:] if t >= 0])  # negative: still in flight
         return any(s in tail for s in stops)
 
     return check
