@@ -4,7 +4,7 @@ limit, at most 6 queued requests); the graceful shutdown and the request timeout
 that the test stops. The fuzz test (hypothesis) is in test_fuzz_server.py, the soak in
 test_reliability_soak.py (-m slow).
 
-Points 2, 5 and 6 are the engine's half of the issue (another branch): their tests are xfail until it lands.
+Points 2, 5 and 6 are the engine's half (jaxdp/engine/); tests/test_scheduler.py also checks them on the engine alone.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
 pytestmark = pytest.mark.skipif(not HAVE_DEFAULT, reason="the tests read text through the default model")
 SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda-graph-bs", "4", "--page-size", "16"]
 MAX_BYTES = 65536
-ENGINE_HALF = pytest.mark.xfail(strict=False, reason="needs the engine half of issue 18")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +145,6 @@ def test_1_out_of_range_values_get_a_400_and_unrelated_streams_go_on(server):
 # ---- 2: a page enters the prefix cache only after its latents were written ------------------------------
 
 
-@ENGINE_HALF
 def test_2_an_aborted_prefill_leaves_no_unwritten_page_in_the_prefix_cache(server):
     prompt = "".join(f"{i}+{i}={2 * i};" for i in range(40))[:400]
     body = {"text": prompt, "routed_dp_rank": 4, "return_logprob": True,
@@ -230,7 +228,6 @@ def test_4_the_length_check_comes_before_tokenization_and_health_stays_quick(ser
 # ---- 5: what can never fit a rank is refused at once; what cannot fit now blocks nobody ---------------------
 
 
-@ENGINE_HALF
 def test_5_a_request_that_can_never_fit_its_rank_is_refused_at_once(server):
     body = {"text": "7" * 496, "routed_dp_rank": 3, "rid": "never-fits",
             "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
@@ -246,7 +243,6 @@ def test_5_a_request_that_can_never_fit_its_rank_is_refused_at_once(server):
 # ---- 6: a refused rid is free again; abandoned requests stop counting as load -----------------------------------
 
 
-@ENGINE_HALF
 def test_6_a_refused_rid_can_be_used_again_and_aborts_stop_counting(server):
     try:
         r = httpx.post(server.url + "/generate", json={"text": "7" * 496, "rid": "reuse-me", "routed_dp_rank": 2,
@@ -383,20 +379,28 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path)
         started = {k: threading.Event() for k in events}
         plain: list[httpx.Response] = []
 
-        def stream(name: str, n: int) -> None:
-            with httpx.stream("POST", s.url + "/generate", json=greedy("1+1=", n, stream=True), timeout=60) as r:
+        def stream(name: str, n: int, **extra) -> None:
+            with httpx.stream("POST", s.url + "/generate", json=greedy("1+1=", n, stream=True, **extra),
+                              timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         started[name].set()
                         events[name].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
 
-        threads = [threading.Thread(target=stream, args=("long", 500)),
-                   threading.Thread(target=lambda: plain.append(httpx.post(s.url + "/generate", timeout=60,
-                                                                           json=greedy("1+1=", 500))))]
+        # rank 0 (two slots) holds four 500-token fillers, so "long" and "plain" queue behind two rounds of them:
+        # they cannot finish within the 3 s of grace however fast the machine is; "short" runs on rank 1
+        fillers = [threading.Thread(target=httpx.post, args=(s.url + "/generate",),
+                                    kwargs={"json": greedy("1+1=", 500, routed_dp_rank=0), "timeout": 60})
+                   for _ in range(4)]
+        for t in fillers:
+            t.start()
+        time.sleep(0.5)
+        threads = [threading.Thread(target=stream, args=("long", 500), kwargs={"routed_dp_rank": 0}),
+                   threading.Thread(target=lambda: plain.append(httpx.post(
+                       s.url + "/generate", timeout=60, json=greedy("1+1=", 500, routed_dp_rank=0))))]
         for t in threads:
             t.start()
-        assert started["long"].wait(30)
-        short = threading.Thread(target=stream, args=("short", 12))
+        short = threading.Thread(target=stream, args=("short", 12), kwargs={"routed_dp_rank": 1})
         short.start()
         assert started["short"].wait(30)
         s.proc.send_signal(signal.SIGTERM)
@@ -405,7 +409,7 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path)
         assert "shutting down" in one_sentence(refused, 503)
         short.join(30)
         assert events["short"][-1] == "[DONE]" and events["short"][-2]["meta_info"]["completion_tokens"] == 12
-        for t in threads:
+        for t in threads + fillers:
             t.join(30)
         assert "shut down before this request finished" in events["long"][-2]["error"]["message"]
         assert "shut down before this request finished" in one_sentence(plain[0], 503)

@@ -129,3 +129,11 @@ def test_the_controller_ledger_forgets_refused_finished_and_abandoned_requests()
     assert sum(n for _, n in b.loads()) == 2
     gone.created -= UNSUBMITTED_S + 1
     assert sum(n for _, n in b.loads()) == 1  # only the second "x" still counts
+
+
+def test_extend_buckets_for_a_chunk_under_eight_rows():
+    """A per-rank chunk and batch below the smallest default bucket (8) still get a bucket that holds them."""
+    from jaxdp.engine.buckets import Buckets
+
+    assert Buckets.make(max_running=2, chunk=4, dp=2).extend == [4]
+    assert Buckets.make(max_running=64, chunk=256, dp=8).extend[:2] == [8, 16]

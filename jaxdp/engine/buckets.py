@@ -33,7 +33,7 @@ class Buckets:
              extend: list[int] | None = None, max_len_rows: int = 256) -> Buckets:
         dec = sorted(decode) if decode else decode_buckets(max_running)
         top = _pow2(max(chunk, max_running))
-        ext = sorted(extend) if extend else [b for b in (1 << i for i in range(3, 20)) if b <= top]
+        ext = sorted(extend) if extend else [b for b in (1 << i for i in range(20)) if min(8, top) <= b <= top]
         if ext[-1] < max(chunk, max_running):
             raise ValueError(f"the largest extend bucket {ext[-1]} is below the per-rank chunk {chunk} / batch "
                              f"{max_running}; add a larger bucket")
