@@ -102,3 +102,14 @@ def test_the_plan_counts_what_the_loader_holds_at_full_size(preset, mesh, expert
                for i in table.values())
     planned = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
     assert abs(held / planned - 1) < 0.002, (held / 2**30, planned / 2**30)
+
+
+def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(tmp_path, capsys):
+    """As the loader refuses them: 512-wide experts over 8 devices are 64 wide, half a 128-wide scale block."""
+    d = tmp_path / "narrow"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**MID, "moe_intermediate_size": 512}))
+    argv = ["--model", str(d), "--gpus", "8", "--gpu", "H200", "--mesh", "tp=8", "--expert-dtype", "fp8", "--compile"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "whole 128-wide scale blocks over 8 devices" in err and "Traceback" not in err
