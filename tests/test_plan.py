@@ -117,7 +117,7 @@ def test_a_layout_that_does_not_fit_names_one_that_does(capsys, tmp_path):
     argv = ["--model", "deepseek-v3", "--gpu", "H100", "--expert-dtype", "fp8"]
     assert _exit_code([*argv, "--gpus", "8", "--mesh", "dp=8"]) == 2
     err = capsys.readouterr().err
-    assert "102.3 GiB per GPU but 70.4 GiB are available" in err
+    assert "91.3 GiB per GPU but 70.4 GiB are available" in err
     advice = err.split("a layout that fits: ")[1].split(" (")[0].split()
     assert advice == ["--gpus", "16", "--mesh", "dp=16,tp=1"]
     out = tmp_path / "fits.json"

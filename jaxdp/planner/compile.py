@@ -1,8 +1,9 @@
 """`plan --compile`: the engine's real step functions compiled by XLA for a full-size model on abstract
 weights, XLA's memory analysis per device beside the plan's bytes.
 
-Nothing is allocated: the model is built with `nnx.eval_shape` (ShapeDtypeStructs in the chosen dtypes),
-the StepRunner places them with its own sharding table and an abstract KV pool of the planned size, and
+Nothing is allocated: the weights are the loader's description of the model (`jaxdp.model.sharded.
+abstract_state`: ShapeDtypeStructs in the checkpoint's dtypes, each in its final sharding), the StepRunner
+takes them with an abstract KV pool of the planned size (latents and DSA index keys), and
 each step is lowered and compiled on as many host devices as the layout has (created for it, as `serve`
 does on a CPU machine). The compile runs on XLA:CPU, so the temp bytes are XLA:CPU's: docs/plan.md says
 where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert).
@@ -33,42 +34,25 @@ class CompileCase:
     kinds: tuple[str, ...] = ("decode", "extend")
 
 
-def abstract_model(cfg: Any, expert_dtype: str):
-    """The model of `cfg` as ShapeDtypeStructs: bf16 weights (the router in float32, as the model holds it),
-    the routed experts in `expert_dtype`. The one place that says what the weights are before they exist;
-    the loader's description of each parameter (issue 14) replaces it.
+# --expert-dtype -> the loader's quantization: fp8 is a DeepSeek block-FP8 checkpoint (every Linear of the
+# layers FP8 with its block scales, as loading DeepSeek-V3's own checkpoint holds it), nvfp4 the NVFP4 experts
+QUANTIZATION = {"bf16": None, "fp8": "fp8", "nvfp4": "nvfp4"}
 
-    fp8: float8_e4m3fn values fed to the experts' dot. The model has no block-FP8 expert path yet (issue 14
-    adds it), so the one float32 scale per 128x128 block (0.02% of the bytes) is counted by the plan only.
-    nvfp4: the NVFP4_PARAMS of jaxdp.model.moe in their dtypes and shapes.
-    """
+
+def abstract_sharded(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
+    """The model as the loader would hold it under `layout`, without weights: `jaxdp.model.sharded`'s
+    description of every parameter (shape, dtype, PartitionSpec) as ShapeDtypeStructs on `mesh`, bf16
+    where not quantized. A layout whose FP8 weights do not split into whole scale blocks is refused as
+    the loader refuses it."""
     import jax.numpy as jnp
-    from flax import nnx
 
-    from jaxdp.model.decoder import DeepseekV3
+    from jaxdp.model.sharded import ShardedModel, abstract_state, check_fp8_split, param_table, resolve_quantization
 
-    def build():
-        model = DeepseekV3(cfg, nnx.Rngs(0), dtype=jnp.bfloat16)
-        ffn = None if model.moe_layers is None else model.moe_layers.ffn
-        if ffn is None or expert_dtype == "bf16":
-            return model
-        *lead, D, _, I = ffn.w_gate_up_ED2I.get_value().shape
-        if expert_dtype == "fp8":
-            ffn.w_gate_up_ED2I = nnx.Param(jnp.zeros((*lead, D, 2, I), jnp.float8_e4m3fn))
-            ffn.w_down_EID = nnx.Param(jnp.zeros((*lead, I, D), jnp.float8_e4m3fn))
-            return model
-        u8, f8, f32 = jnp.uint8, jnp.float8_e4m3fn, jnp.float32
-        ffn.to_nvfp4({
-            "w_gate_up_packed": jnp.zeros((*lead, 2, I, D // 2), u8),
-            "w_gate_up_scale": jnp.zeros((*lead, 2, I, D // 16), f8),
-            "w_gate_up_gscale": jnp.zeros(tuple(lead), f32),
-            "w_down_packed": jnp.zeros((*lead, D, I // 2), u8),
-            "w_down_scale": jnp.zeros((*lead, D, I // 16), f8),
-            "w_down_gscale": jnp.zeros(tuple(lead), f32),
-        })
-        return model
-
-    return nnx.eval_shape(build)
+    quantization = QUANTIZATION[expert_dtype]
+    rcfg, _ = resolve_quantization(cfg, quantization)
+    if rcfg.fp8_block:
+        check_fp8_split(param_table(cfg, layout, jnp.bfloat16, quantization), mesh, layout, rcfg.fp8_block[0])
+    return ShardedModel(rcfg, *abstract_state(cfg, layout, mesh, jnp.bfloat16, quantization))
 
 
 def step_shapes(layout: Any, case: CompileCase) -> list:
@@ -102,12 +86,11 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     tokens = plan["plan"]["kv_tokens_per_rank"]
     num_pages = max(1, tokens // case.page_size)
     kv = kv_bytes(cfg, kv_dtype)
-    pool_per_token = kv.latent * kv.layers  # what jaxdp's pool holds (no DSA index keys yet: issue 16)
-    planned_kv = num_pages * case.page_size * pool_per_token
+    planned_kv = num_pages * case.page_size * kv.per_token  # latents and (DSA) index keys, bf16
     planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
 
     mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
-    model = abstract_model(cfg, expert_dtype)
+    model = abstract_sharded(cfg, layout, mesh, expert_dtype)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
                                    cache_dtype=jnp.bfloat16, abstract=True) for n in (num_pages, 1))
     compiled = []

@@ -10,7 +10,8 @@ GiB = 2**30
 
 ASSUMPTIONS = [
     "weights: SGLang's placement for the DeepSeek-V3 family (docs/plan.md); routed experts in "
-    "--expert-dtype, every other weight bf16; the MTP (next-token) layer is not loaded",
+    "--expert-dtype (fp8: a block-FP8 checkpoint, its attention, shared expert and dense layers FP8 too), "
+    "every other weight bf16; the MTP (next-token) layer is not loaded",
     "KV budget per GPU = mem-fraction-static x memory - weights (SGLang's rule, without its activation "
     "reserve); --match-tp-tokens sets the budget at which TP holds that many tokens",
     "KV per token per layer: the MLA latent (kv_lora_rank + rope) in --kv-dtype, plus for DSA models the "

@@ -18,8 +18,14 @@ mirrors them); docs/plan.md lists each rule with its source. In short, for a wor
 absorbed copies (decoding reads slices of kv_b), the embedding whole on every device in every layout, and
 the LM head whole on every device with dp_lm_head whatever the group's tp.
 Dtypes: routed experts in `expert_dtype` (nvfp4 = 4 bits + one E4M3 scale per 16 values + two fp32
-scalars per matrix, i.e. 4.5 bits per weight; fp8 = 1 byte + one fp32 scale per 128x128 block); every
-other weight in bf16 (the router's correction bias in fp32; under `placement="jaxdp"` the router too).
+scalars per matrix, i.e. 4.5 bits per weight, ModelOpt's NVFP4 experts with every other weight bf16).
+fp8 is a DeepSeek block-FP8 checkpoint (`quantization_config.quant_method == "fp8"`, DeepSeek-V3/R1's
+own): every Linear of the layers is stored FP8, 1 byte + one fp32 scale per 128x128 block (DeepSeek's
+inference model.py sets `Linear.dtype = float8_e4m3fn` for all of them), i.e. the attention projections,
+the shared expert and the dense layers as well as the routed experts; the router, embedding, LM head,
+norms and the DSA indexer stay bf16 (as jaxdp's loader holds them, `jaxdp.model.fp8.FP8_WEIGHTS`), and
+SGLang's absorbed copies are bf16 (its post_load_weights dequantizes kv_b_proj for w_kc/w_vc). The
+router's correction bias is fp32 (under `placement="jaxdp"` the router too).
 """
 
 from __future__ import annotations
@@ -61,18 +67,21 @@ def matrix_bytes(rows: int, cols: int, dtype: str) -> float:
     raise ValueError(f"unknown weight dtype {dtype!r}; use one of {', '.join(EXPERT_DTYPES)}")
 
 
-def _attention_params(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(replicated, split, kv_b) parameters of one layer's attention projections."""
+def linear_dtype(expert_dtype: str) -> str:
+    """The dtype of the layers' other Linear weights (attention, shared expert, dense FFN) in a checkpoint
+    whose routed experts are `expert_dtype`: a block-FP8 checkpoint stores them all FP8, NVFP4 only the experts."""
+    return "fp8" if expert_dtype == "fp8" else "bf16"
+
+
+def _attention_matrices(cfg: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple[int, int]]:
+    """(replicated, split, kv_b) (in, out) matrices of one layer's attention projections."""
     h, nh = cfg.hidden_size, cfg.num_heads
-    kv_a = h * cfg.kv_cache_dim
-    kv_b = cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    o = nh * cfg.v_head_dim * h
+    kv_a = (h, cfg.kv_cache_dim)
+    kv_b = (cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+    o = (nh * cfg.v_head_dim, h)
     if cfg.q_lora_rank:
-        replicated = h * cfg.q_lora_rank + kv_a
-        q = cfg.q_lora_rank * nh * cfg.qk_head_dim
-    else:
-        replicated, q = kv_a, h * nh * cfg.qk_head_dim
-    return replicated, q + kv_b + o, kv_b
+        return [(h, cfg.q_lora_rank), kv_a], [(cfg.q_lora_rank, nh * cfg.qk_head_dim), kv_b, o], kv_b
+    return [kv_a], [(h, nh * cfg.qk_head_dim), kv_b, o], kv_b
 
 
 def indexer_params(cfg: ModelConfig) -> int:
@@ -101,11 +110,16 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
         if params:
             out.append(Component(name, params, nbytes, nbytes * share, placement, read))
 
-    rep, split, kv_b = _attention_params(cfg)
+    lin = linear_dtype(expert_dtype)
+    tag = " (fp8)" if lin == "fp8" else ""
+    rep_m, split_m, (kv_b_in, kv_b_out) = _attention_matrices(cfg)
+    rep, split = (sum(matrix_bytes(i, o, lin) for i, o in m) for m in (rep_m, split_m))
+    attn_params = sum(i * o for i, o in rep_m + split_m)
+    kv_b = kv_b_in * kv_b_out
     group = "whole on every device" if tp == 1 else f"split over the group's tp={tp}"
-    attn_share = (rep + split / tp) / (rep + split)
-    add("attention projections", (rep + split) * L, BF16 * (rep + split) * L, attn_share,
-        "all whole on every device" if tp == 1 else f"q_a, kv_a whole on every device; q_b, kv_b, o {group}")
+    add("attention projections", attn_params * L, (rep + split) * L, (rep + split / tp) / (rep + split),
+        ("all whole on every device" if tp == 1 else f"q_a, kv_a whole on every device; q_b, kv_b, o {group}")
+        + tag)
     if absorbed_copy:
         add("absorbed copies (w_kc, w_vc)", kv_b * L, BF16 * kv_b * L, 1 / tp,
             f"second copy of kv_b for decoding, {group}", read=False)
@@ -120,14 +134,15 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
         add("routed experts", 3 * h * inter * e * Lm, expert_bytes * e * Lm, 1 / n,
             f"1/{n} of every expert per device ({expert_dtype})", read=False)
     shared = 3 * h * inter * cfg.n_shared_experts * Lm
-    add("shared expert", shared, BF16 * shared, 1.0 if layout.moe == "ep" else 1 / n,
-        "whole on every device" if layout.moe == "ep" else f"split over {n} devices")
+    add("shared expert", shared, 3 * matrix_bytes(inter * cfg.n_shared_experts, h, lin) * Lm,
+        1.0 if layout.moe == "ep" else 1 / n,
+        ("whole on every device" if layout.moe == "ep" else f"split over {n} devices") + tag)
     router = (BF16 if sglang else 4) * h + 4  # jaxdp runs the router in float32 (bias in float32 in both)
     add("router", e * h * Lm, router * e * Lm, 1.0, "whole on every device")
     dense = 3 * h * cfg.intermediate_size * Ld
     dense_n = 1 if layout.dense_replicated else (n if dp > 1 else tp)
-    add("dense layers", dense, BF16 * dense, 1 / dense_n,
-        "whole on every device" if dense_n == 1 else f"split over {dense_n} devices")
+    add("dense layers", dense, 3 * matrix_bytes(cfg.intermediate_size, h, lin) * Ld, 1 / dense_n,
+        ("whole on every device" if dense_n == 1 else f"split over {dense_n} devices") + tag)
     vocab = cfg.vocab_size * h
     emb_n = 1 if (dp > 1 or not sglang) else tp
     add("embedding", vocab, BF16 * vocab, 1 / emb_n,
