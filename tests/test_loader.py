@@ -255,3 +255,27 @@ def test_an_engine_leaves_jax_compilation_cache_config_to_the_entry_points():
     assert jax.config.jax_compilation_cache_dir == before
     enable_compilation_cache("")
     assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack():
+    """XLA's memory analysis of a compiled decode step: with FP8 weights the step's temporaries stay below
+    those of the same model held dense (which on the CPU converts its bf16 weights for the dots): the
+    FP8 weights are dequantized one layer at a time inside the scan, never as a whole stack."""
+    from jaxdp.layout import Layout
+    from jaxdp.model.sharded import init_sharded
+    from jaxdp.parallel.step import StepShape
+
+    cfg = PRESETS["tiny"].with_(hidden_size=512, moe_intermediate_size=256, intermediate_size=512, num_layers=6)
+    layout = Layout()
+    mesh = layout.make_mesh(jax.devices()[:1])
+    temp, weights = {}, {}
+    for q in (None, "fp8"):
+        runner = StepRunner(init_sharded(cfg, layout, mesh, jnp.bfloat16, 0, q), layout, mesh, num_pages=4,
+                            page_size=4)
+        shape = StepShape(True, 4, 4, 2)
+        compiled = runner._build(shape).lower(*runner._abstract_args(shape)).compile()
+        temp[q] = compiled.memory_analysis().temp_size_in_bytes
+        weights[q] = sum(weight_bytes_per_device(runner.state).values())
+    assert weights["fp8"] < 0.6 * weights[None]
+    dense_stack = weights[None]  # a whole dequantized copy would add at least this much
+    assert temp["fp8"] < temp[None] and temp["fp8"] < dense_stack + 0.25 * temp[None], (temp, weights)

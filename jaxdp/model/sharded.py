@@ -154,8 +154,7 @@ def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16
         table = param_table(cfg, layout, dtype, quantization)
         shapes = {p: i.shape[1:] if p.split(".")[0] in STACKS else i.shape for p, i in table.items()}
         input_scales: list[np.ndarray] = []
-        top, stacks = sources(cfg, shapes, nvfp4_stored=stored_nvfp4, nvfp4_at_load=method == "nvfp4" and
-                              not stored_nvfp4, input_scales=input_scales)
+        top, stacks = sources(cfg, shapes, nvfp4_stored=stored_nvfp4, input_scales=input_scales)
         first = {"dense_layers": 0, "moe_layers": cfg.num_dense_layers}
         counts = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
         for src in top:

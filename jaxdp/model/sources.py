@@ -89,10 +89,10 @@ class Builder:
     """Makes the Source of each parameter for one model (config, FP8 block, quantization)."""
 
     def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], nvfp4_stored: bool,
-                 nvfp4_at_load: bool, input_scales: list):
+                 input_scales: list):
         self.cfg, self.shapes = cfg, shapes  # shapes: per-layer (stack axis dropped)
         self.block = cfg.fp8_block[0] if cfg.fp8_block else None
-        self.nvfp4_stored, self.nvfp4_at_load = nvfp4_stored, nvfp4_at_load
+        self.nvfp4_stored = nvfp4_stored  # NVFP4 experts as stored (ModelOpt), else quantized here if held so
         self.input_scales = input_scales  # ModelOpt input_scale values, appended per layer (logged)
 
     def _is_fp8(self, path: str) -> bool:
@@ -125,7 +125,7 @@ class Builder:
 
         return Source(self._paths(path), read, check)
 
-    def gate_up(self, path: str, fmt: str, experts: bool) -> Source:
+    def gate_up(self, path: str, experts: bool) -> Source:
         """[(E,) D, 2, F]: gate (0) and up (1) stacked; per expert when `experts`."""
         shape = self.shapes[path]
         D, F = shape[-3], shape[-1]
@@ -143,7 +143,7 @@ class Builder:
         return self._maybe_experts(path, experts, layer, lambda ck, pre: [
             self._check_linear(ck, f"{pre}.{p}_proj.weight", (D,), (F,), is_fp8) for p in ("gate", "up")])
 
-    def down(self, path: str, fmt: str, experts: bool) -> Source:
+    def down(self, path: str, experts: bool) -> Source:
         shape = self.shapes[path]
         F, D = shape[-2], shape[-1]
         is_fp8 = self._is_fp8(path)
@@ -202,8 +202,8 @@ class Builder:
         paths = tuple(f"{stack}.ffn.{k}" for k in NVFP4_PARAMS)
         E, D, I = self.cfg.n_routed_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
         gu_path, dn_path = f"{stack}.ffn.w_gate_up_ED2I", f"{stack}.ffn.w_down_EID"
-        dense = Builder(self.cfg, {**self.shapes, gu_path: (E, D, 2, I), dn_path: (E, I, D)}, False, False, [])
-        gu_src, dn_src = dense.gate_up(gu_path, "", True), dense.down(dn_path, "", True)
+        dense = Builder(self.cfg, {**self.shapes, gu_path: (E, D, 2, I), dn_path: (E, I, D)}, False, [])
+        gu_src, dn_src = dense.gate_up(gu_path, True), dense.down(dn_path, True)
 
         def read(ck, pre, boxes):
             if self.nvfp4_stored:
@@ -291,10 +291,10 @@ class Builder:
         return out
 
 
-def sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, nvfp4_stored: bool, nvfp4_at_load: bool,
+def sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, nvfp4_stored: bool,
             input_scales: list) -> tuple[list[Source], dict[str, list[Source]]]:
     """(the sources of the parameters outside the stacks, {stack: the sources of one of its layers})."""
-    b = Builder(cfg, shapes, nvfp4_stored, nvfp4_at_load, input_scales)
+    b = Builder(cfg, shapes, nvfp4_stored, input_scales)
     top = [Source(("embed_VD",), lambda ck, pre, boxes: {"embed_VD": ck.read("model.embed_tokens.weight",
                                                                             boxes["embed_VD"])},
                   lambda ck, pre: ck.check_shape("model.embed_tokens.weight", shapes["embed_VD"])),
@@ -321,16 +321,16 @@ def sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, nvfp4_store
         srcs += b.indexer(stack)
         f = f"{stack}.ffn."
         if stack == "dense_layers":
-            srcs += [b.gate_up(f + "w_gate_up_D2F", "", False), b.down(f + "w_down_FD", "", False)]
+            srcs += [b.gate_up(f + "w_gate_up_D2F", False), b.down(f + "w_down_FD", False)]
         else:
             srcs += [b.linear(f + "router_DE", "{pre}.mlp.gate.weight", 1),
                      b.vector(f + "router_bias_E", "{pre}.mlp.gate.e_score_correction_bias")]
             if f + "w_gate_up_packed" in shapes:
                 srcs.append(b.nvfp4_experts(stack))
             else:
-                srcs += [b.gate_up(f + "w_gate_up_ED2I", "", True), b.down(f + "w_down_EID", "", True)]
+                srcs += [b.gate_up(f + "w_gate_up_ED2I", True), b.down(f + "w_down_EID", True)]
             if f + "shared.w_gate_up_D2F" in shapes:
-                srcs += [b.gate_up(f + "shared.w_gate_up_D2F", "", False), b.down(f + "shared.w_down_FD", "", False)]
+                srcs += [b.gate_up(f + "shared.w_gate_up_D2F", False), b.down(f + "shared.w_down_FD", False)]
         stacks[stack] = srcs
     return top, stacks
 
