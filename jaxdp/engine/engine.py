@@ -31,6 +31,7 @@ import numpy as np
 from jaxdp.batch import build_rank_batch, stack_ranks
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.delayer import DelayerConfig, PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeLink, end_request
 from jaxdp.engine.pool import PagePool, PrefixCache
@@ -66,6 +67,8 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = "~/.cache/jaxdp/xla"  # JAX's persistent compilation cache; None: off
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
+    enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
+    prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
 
 
 class Engine:
@@ -108,6 +111,7 @@ class Engine:
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)
+        self.delayer = PrefillDelayer(c.prefill_delayer, dp) if c.prefill_delayer else None
         self.hosts = hosts
         self.exchange = hosts if hosts is not None else LocalExchange()
         self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
@@ -246,20 +250,27 @@ class Engine:
         """
         self._drain_inbox()
         t0 = time.perf_counter()
-        plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
+        d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
+        plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
+                                        for r, s in enumerate(self.schedulers)]
         local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
                           bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
         self.blocked = (ta, "exchanging the step's proposals")
-        proposals, messages = self.exchange.exchange(local, self.link.message() if self.link else {})
+        message = self.link.message() if self.link else {}
+        if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
+            d.post(message, [self.schedulers[r] for r in self.local_ranks])
+        proposals, messages = self.exchange.exchange(local, message)
         self.blocked = None
         if self.link:
             self.link.receive(messages)
+        if d:
+            d.read(messages)
         agreement = agree_on_step(proposals)
         agree_s = time.perf_counter() - ta
         if not agreement.run:
             if self._inflight is None:
-                return False
+                return bool(d and d.pass_again)  # a prompt announced or held: the next pass decides, at once
             self._book(self._inflight, t0)
             self._inflight = None
             return True

@@ -14,6 +14,7 @@ import logging
 from collections import deque
 
 from jaxdp.batch import Piece
+from jaxdp.engine.mixed import add_decoders, decoders_to_carry
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, State
 
@@ -107,19 +108,30 @@ class Scheduler:
         return self.pool.alloc(n)
 
     # ---- picking the next batch ----------------------------------------------------------------
-    def schedule(self) -> RankPlan | None:
+    def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
+        """`allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
+        read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/mixed.py)."""
         if self.waiting:
-            plan = self._schedule_extend()
+            carry = decoders_to_carry(self.running, self._decodable, self.cfg.chunk_size) if mixed_chunk else []
+            plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - len(carry))
             if plan is not None:
+                add_decoders(plan, carry, self.pool, self._take_pages)
                 return plan
         return self._schedule_decode() if self.running else None
 
-    def _schedule_extend(self) -> RankPlan | None:
+    @property
+    def prompt_ready(self) -> bool:
+        """A prompt waits that this rank could read now (what the prefill delayer announces)."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_running
+
+    def _schedule_extend(self, allow_new_prompt: bool = True, budget: int | None = None) -> RankPlan | None:
         plan = RankPlan("extend", [], [], [])
-        budget = self.cfg.chunk_size
+        budget = self.cfg.chunk_size if budget is None else budget
         reserved = self._reserved(self.running)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(plan.reqs) >= self.cfg.max_running:
+                break
+            if not allow_new_prompt and not req.pages:  # the prefill delayer holds new prompts back
                 break
             fresh = not req.pages
             if fresh:
