@@ -30,21 +30,25 @@ class Load:
     decoder_ranks: list[int | None]  # one entry per decoding request
     prompt_ranks: list[int | None]  # cycled over the prompts
     prompt_len: int
-    interval_s: float  # between two prompts
-    alone_s: float  # decoders alone before the first prompt
-    prompts_s: float  # how long prompts keep arriving
+    interval_steps: float  # between two prompts, in decode steps measured alone (the article: 0.5 s / 24 ms)
+    num_prompts: int
+    alone_s: float  # decoders alone before the first prompt (after they all settled into decoding)
 
 
 def run(ctx: Context) -> dict:
     q = ctx.quick
-    short, long, chunk, context = (64, 512, 1024, 1024) if q else (256, 1024, 4096, 2048)
-    alone_s, prompts_s = (5.0, 10.0) if q else (10.0, 30.0)
+    # the prompt path's attention scores every row against every sequence's whole context (rows x seqs x
+    # context per rank), so the pools, the batch and the context stay small on a CPU
+    short, long, context = (64, 384, 512) if q else (128, 768, 1024)
+    alone_s, n = (4.0, 8) if q else (10.0, 30)
     pinned = [r for r in (1, 2, 3) for _ in range(16)]
-    loads = {"pinned short": Load(pinned, [0], short, 0.5, alone_s, prompts_s),
-             "pinned long": Load(pinned, [0], long, 0.5, alone_s, prompts_s),
-             "unpinned long": Load([None] * 64, [None], long, 0.25, alone_s, prompts_s)}
-    flags = ("--max-running-requests", "256", "--max-total-tokens", "32768", "--chunked-prefill-size", str(chunk),
-             "--context-length", str(context))
+    # prompts come every 20 decode steps pinned (the article: every 0.5 s, a step 24 ms) and every 10 unpinned
+    # (4 a second), so a slower machine sees the same shape of load
+    loads = {"pinned short": Load(pinned, [0], short, 20, n, alone_s),
+             "pinned long": Load(pinned, [0], long, 20, n, alone_s),
+             "unpinned long": Load([None] * 64, [None], long, 10, 2 * n, alone_s)}
+    flags = ("--max-running-requests", "80", "--max-total-tokens", str(24 * context), "--chunked-prefill-size",
+             "1024", "--context-length", str(context))
     out = {}
     with ctx.server("dp=4", *flags) as url:
         for name, load in loads.items():
@@ -108,17 +112,22 @@ async def _measure(url: str, load: Load, context: int) -> dict:
                 raise ExperimentError("the decoding requests did not all start within 300 s "
                                       f"({next((o.error for o in dec if o.error), 'no error')})")
             await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # let the decoders settle (the last prompts read, the streams caught up)
         t_alone = time.perf_counter()
         await asyncio.sleep(load.alone_s)
         t_prompts = time.perf_counter()
-        prompts, k = [], 0
-        while time.perf_counter() < t_prompts + load.prompts_s:
+        alone = sum(np.count_nonzero(np.asarray(o.token_at) >= t_alone) for o in dec) / (t_prompts - t_alone)
+        step_s = len(dec) / max(alone, 1e-9)  # a decoder gets one token per decode step
+        interval_s = load.interval_steps * step_s
+        prompts = []
+        for k in range(load.num_prompts):
             o = bench.Outcome()
             rank = load.prompt_ranks[k % len(load.prompt_ranks)]
             prompts.append((o, asyncio.create_task(bench.send(client, args, request(load.prompt_len, 2, rank), o))))
-            k += 1
-            await asyncio.sleep(max(0.0, t_prompts + k * load.interval_s - time.perf_counter()))
+            await asyncio.sleep(max(0.0, t_prompts + (k + 1) * interval_s - time.perf_counter()))
         t_end = time.perf_counter()
+        done = [o.token_at[-1] for o, t in zip(dec, tasks, strict=True) if t.done() and o.token_at]
+        t_end = min([t_end, *done])  # count only while every decoder still runs
         _cancel(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.wait([t for _, t in prompts], timeout=120)
@@ -127,6 +136,7 @@ async def _measure(url: str, load: Load, context: int) -> dict:
     rate_prompts = np.count_nonzero((times >= t_prompts) & (times < t_end)) / (t_end - t_prompts)
     series = [(round(b - t_alone, 4), round(b - a, 5)) for o in dec for a, b in itertools.pairwise(o.token_at)
               if t_alone <= b < t_end]
+    series = series[:: 1 + len(series) // 20000]  # (every token's, up to 20,000 points in the JSON)
     ok = [o for o, _ in prompts if o.ok]
     in_phase = [g for t, g in series if t >= t_prompts - t_alone]
     return {"rate_alone": rate_alone, "rate_prompts": rate_prompts,
@@ -135,7 +145,8 @@ async def _measure(url: str, load: Load, context: int) -> dict:
             "prompt_ttft_s": statistics.median(o.ttft for o in ok) if ok else float("nan"),
             "median_itl_ms_alone": 1000 * statistics.median([g for t, g in series if t < t_prompts - t_alone] or [0]),
             "max_itl_ms_prompts": 1000 * max(in_phase or [0]),
-            "alone_s": t_prompts - t_alone, "prompts_s": t_end - t_prompts, "itl_series": series}
+            "alone_s": t_prompts - t_alone, "prompts_s": t_end - t_prompts, "decode_step_ms_alone": 1000 * step_s,
+            "prompt_interval_s": interval_s, "itl_series": series}
 
 
 def _cancel(tasks: list[asyncio.Task]) -> None:

@@ -146,6 +146,17 @@ def context_for(tokens: int, page: int = 64) -> int:
     return -(-(tokens + 8) // page) * page
 
 
+GAP_NOTE = ("ITL here is the median over requests of each request's mean time between two tokens (TPOT); the "
+            "article's is the mean time between two tokens.")
+
+
+def gap_ms(point: dict) -> float:
+    """The time between two tokens of a request, as the median over requests of each one's mean gap (TPOT).
+    Not the median of single gaps: on a loaded CPU the server's event loop can deliver two tokens back to back,
+    which splits one long gap into a long and a near-zero one."""
+    return point["tpot_ms"]["median"]
+
+
 def ms(value: float) -> str:
     return f"{value:.1f} ms"
 
