@@ -40,7 +40,7 @@ def run(ctx: Context) -> dict:
     right.set_xticks(list(x), names)
     right.set_ylabel("ITL over tp=4's ITL")
     right.axhline(1.0, color="k", lw=0.5)
-    right.legend()
+    right.legend(loc="upper left", fontsize=8)
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=8)
     table = [(f"ITL, {k}", ms(ARTICLE_ITL_MS[k]), ms(itl[k])) for k in names]

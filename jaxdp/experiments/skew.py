@@ -46,7 +46,7 @@ def run(ctx: Context) -> dict:
     right.set_xticks(list(x), labels)
     right.set_ylabel("ITL over the balanced ITL")
     right.axhline(1.0, color="k", lw=0.5)
-    right.legend()
+    right.legend(loc="upper left", fontsize=8)
     table = [(f"ITL {k} {PATTERNS[k]}", ms(ARTICLE_ITL_MS[k]), ms(median[k])) for k in names]
     table.append(("ITL ratio skewed / balanced", "1.17", f"{ratio:.2f}"))
     table.append(("ITL ratio one rank / balanced", "1.23", f"{result['itl_ratio_one_rank_over_balanced']:.2f}"))
