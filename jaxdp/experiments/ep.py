@@ -6,7 +6,7 @@ check against the rows each expert receives), beside what SGLang's TP MoE would 
 from __future__ import annotations
 
 from jaxdp.config import get_config
-from jaxdp.experiments.runner import GAP_NOTE, Context, context_for, figure, gap_ms, ms
+from jaxdp.experiments.runner import STEADY_NOTE, Context, context_for, figure, ms
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.parallel.accounting import account_step
 
@@ -26,9 +26,9 @@ def run(ctx: Context) -> dict:
                         "--context-length", str(context_for(input_len + output_len))) as url:
             for name, counts in LOADS.items():
                 n = sum(counts)
-                p = ctx.bench(url, num_prompts=n, input_len=input_len, output_len=output_len, concurrency=n,
-                              ranks="skewed:" + ",".join(map(str, counts)))
-                itl[moe][name] = gap_ms(p)
+                p = ctx.steady_gap_ms(url, num_prompts=n, input_len=input_len, output_len=output_len,
+                                      ranks="skewed:" + ",".join(map(str, counts)))
+                itl[moe][name] = p["gap_ms"]
                 a = account_step(layout, cfg, counts, is_extend=False)
                 experts[moe][name] = {"jaxdp_computed": a.experts_jaxdp.computed, "needed": a.experts_jaxdp.needed,
                                       "sglang_computed": a.experts_sglang.computed,
@@ -59,5 +59,5 @@ def run(ctx: Context) -> dict:
                       f"{e_tp['sglang_computed']} / {e_ep['sglang_computed']}",
                       f"{e_tp['jaxdp_computed']} / {e_ep['jaxdp_computed']} ({e_tp['needed']})"))
     ctx.write(result, fig, table, notes="Expert rows are the rows one device's experts compute per layer and step "
-              "(SGLang's column: what its MoE would compute for the same rows, the article's ratios). " + GAP_NOTE)
+              "(SGLang's column: what its MoE would compute for the same rows, the article's ratios). " + STEADY_NOTE)
     return result

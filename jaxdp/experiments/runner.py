@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -12,10 +13,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from jaxdp import bench
 
@@ -102,6 +105,35 @@ class Context:
         except bench.BenchError as e:
             raise ExperimentError(f"the load against {url} failed: {e}") from None
 
+    def steady_gap_ms(self, url: str, *, num_prompts: int, input_len: int, output_len: int, ranks: str) -> dict:
+        """All requests at once; the time between two tokens of a request in the steady state: from the moment
+        every request has its first token (all prompts read) until the first one finishes, that window's
+        length over the tokens a request got in it. The article's requests decode with nothing else going on."""
+        argv = ["--base-url", url, "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
+                "--random-output-len", str(output_len), "--routed-dp-rank", ranks, "--disable-tqdm"]
+        args = bench.parse_args(argv)
+        reqs = bench.random_requests(args, np.random.default_rng(args.seed))
+        for req, rank in zip(reqs, bench.rank_pattern(ranks, len(reqs)), strict=True):
+            req.rank = rank
+
+        async def drive() -> list[bench.Outcome]:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+                return await asyncio.gather(*(bench.send(client, args, r) for r in reqs))
+
+        outs = asyncio.run(drive())
+        if bad := [o.error for o in outs if not o.ok]:
+            raise ExperimentError(f"the load against {url} failed: {bad[0]}")
+        start, end = max(o.token_at[0] for o in outs), min(o.token_at[-1] for o in outs)
+        tokens = sum(int(np.count_nonzero((np.asarray(o.token_at) > start) & (np.asarray(o.token_at) <= end)))
+                     for o in outs)
+        if end <= start or tokens == 0:
+            raise ExperimentError("no steady window: the first request finished before the last one started "
+                                  "decoding; raise the output length")
+        return {"gap_ms": 1000 * (end - start) * len(outs) / tokens, "window_s": end - start,
+                "tokens_in_window": tokens,
+                "requests_per_dp_rank": dict(Counter(str(o.dp_rank) for o in outs if o.dp_rank is not None))}
+
     def write(self, result: dict, fig, table: list[tuple[str, str, str]], notes: str = "") -> list[Path]:
         """NAME.json (with the config), NAME.png, NAME.md (a table: quantity | article | jaxdp)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +178,8 @@ def context_for(tokens: int, page: int = 64) -> int:
     return -(-(tokens + 8) // page) * page
 
 
+STEADY_NOTE = ("ITL here is the time between two tokens of a request while all of them decode (from the "
+               "last first token to the first finish), so the prompts' steps do not count.")
 GAP_NOTE = ("ITL here is the median over requests of each request's mean time between two tokens (TPOT); the "
             "article's is the mean time between two tokens.")
 
