@@ -85,3 +85,18 @@ def test_bad_settings_are_one_sentence():
         DelayerConfig(max_delay_passes=-1).validate()
     with pytest.raises(ValueError, match=r"share of the KV pool in \[0, 1\]"):
         DelayerConfig(token_usage_low_watermark=1.5).validate()
+
+
+def test_metrics_export_wait_passes_and_outcomes_by_kind():
+    from types import SimpleNamespace
+
+    from jaxdp.api.metrics import _delayer_metrics
+
+    d = PrefillDelayer(DelayerConfig(max_delay_passes=1), dp=2)
+    for ready in ([True, False], [True, False], [True, True]):  # delay, wait_timeout, no_wait
+        d.read([{"prefill_delayer": [(r, False) for r in ready]}])
+    waits, outcomes = _delayer_metrics([SimpleNamespace(delayer=d), SimpleNamespace(delayer=None)])
+    assert [(s.labels, s.value) for s in waits.samples] == [({"replica": "0"}, 1.0)]
+    got = {s.labels["kind"]: s.value for s in outcomes.samples}
+    assert got == {"no_wait": 1.0, "wait_success": 0.0, "token_watermark": 0.0, "delay": 1.0, "wait_timeout": 1.0}
+    assert waits.name == "jaxdp:prefill_delayer_wait_passes" and outcomes.name == "jaxdp:prefill_delayer_outcomes"
