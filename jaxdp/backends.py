@@ -8,6 +8,9 @@ NVFP4 experts (the grouped NVFP4 GEMM, or dequantize + `lax.ragged_dot`); bf16 e
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 
 ATTENTION_BACKENDS = ("xla", "pallas")
@@ -18,16 +21,29 @@ def default_attention_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeKernels:
+    """The Pallas decode kernels: called, the dense absorbed-MLA decode over the page table; `.sparse`, the
+    DSA decode over the selected latents (the model reads it for layers with a top-k selection)."""
+
+    dense: Callable
+    sparse: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.dense(*args, **kwargs)
+
+
 def decode_kernel(backend: str | None):
-    """The absorbed-MLA decode function the model calls, or None for the XLA path."""
+    """The absorbed-MLA decode kernels the model calls (DecodeKernels), or None for the XLA path."""
     backend = backend or default_attention_backend()
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if backend == "xla":
         return None
     from kernels_pallas.mla_decode import mla_decode
+    from kernels_pallas.sparse_mla_decode import sparse_mla_decode
 
-    return mla_decode
+    return DecodeKernels(mla_decode, sparse_mla_decode)
 
 
 def moe_runner_backend(backend: str | None) -> str:

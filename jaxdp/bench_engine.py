@@ -4,6 +4,11 @@ For each layout and each concurrency C, C requests (random prompts, fixed output
 once and run to completion through `Engine.step`. Reported per run: output tokens/s, mean step time,
 host time per step and its share of the step, mean rows per rank and the padding ratio (rows computed by
 attention / rows needed), idle ranks per step. Prints a table and writes JSON.
+
+`--host-only` replaces the device step by a stand-in of the same interface that returns at once
+(`HostOnlyRunner`: no model, no device arrays), so `host_ms` is the loop's own cost per step: scheduling,
+building the step's arrays, booking the tokens. `--plot` draws host_ms against the request count, with
+`--baseline` (an earlier JSON) beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,45 @@ import sys
 import time
 
 import numpy as np
+
+HOST_ONLY_CONCURRENCY = "8,16,32,64,128,256,512,1024,2048"
+
+
+class HostOnlyRunner:
+    """A stand-in for `StepRunner` whose step returns at once: every sampled token is `token`.
+
+    It has the runner's interface as the engine uses it (config, layout, pool size, token carry, put,
+    compile, run, local values, sampling), so the engine's loop runs unchanged around it."""
+
+    def __init__(self, model: str, mesh: str, num_pages: int, page_size: int, token: int = 1):
+        from jaxdp.config import get_config
+        from jaxdp.layout import parse_mesh_spec
+
+        self.cfg, self.layout = get_config(model), parse_mesh_spec(mesh)
+        self.num_pages, self.page_size, self.token_carry = num_pages, page_size, 1
+        self.token, self.last_account, self.compiles = token, None, 0
+
+    def ensure_token_carry(self, width: int) -> None:
+        self.token_carry = max(self.token_carry, width)
+
+    def put(self, x, spec=None):
+        return x
+
+    def local_values(self, x):
+        return np.asarray(x)
+
+    def compile(self, shape) -> None:
+        pass
+
+    def run(self, shape, stacked: dict, prev_tokens=None):
+        return stacked["logits_idx_B"], None  # stands for the logits: one row per sequence
+
+    def sample_tokens(self, logits_RB, *params, width: int):
+        tokens = np.full((logits_RB.shape[0], width), self.token, np.int32)
+        return tokens, np.zeros(tokens.shape, np.float32)
+
+    def close(self) -> None:
+        pass
 
 
 def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int) -> dict:
@@ -39,6 +83,7 @@ def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int
         "host_share": s["host_share"], "rows_per_rank": s["rows_per_rank"], "padding_ratio": s["padding_ratio"],
         "idle_ranks": s["idle_ranks"],
         "decode_step_ms": 1e3 * float(np.mean([r.step_s for r in decode])) if decode else 0.0,
+        "decode_host_ms": 1e3 * float(np.mean([r.host_s for r in decode])) if decode else 0.0,
         "compiles_in_steps": engine.stats.compiles_in_steps,
     }
 
@@ -54,7 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-per-rank", type=int, default=64, help="prompt tokens per rank per step")
     ap.add_argument("--json", default="bench_engine.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-only", action="store_true",
+                    help="a stand-in device step that returns at once: the host's cost alone (defaults: dp=8, "
+                         f"concurrency {HOST_ONLY_CONCURRENCY}, 64-token prompts, 128 output tokens)")
+    ap.add_argument("--plot", help="write a plot of host ms per step against concurrency to this PNG")
+    ap.add_argument("--baseline", help="an earlier JSON of this benchmark to draw beside this run (--plot)")
     args = ap.parse_args(argv)
+    if args.host_only:
+        defaults = {"meshes": "dp=8", "concurrency": HOST_ONLY_CONCURRENCY, "input_len": 64, "output_len": 128}
+        for k, v in defaults.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     logging.basicConfig(level=logging.WARNING)
     from jaxdp.layout import LayoutError, ensure_host_devices, parse_mesh_spec
 
@@ -78,28 +133,63 @@ def main(argv: list[str] | None = None) -> int:
                            chunked_prefill_size=args.chunk_per_rank * dp, decode_buckets=buckets,
                            context_length=ctx + args.page_size, max_len_extend_rows=1 << 30)
         t0 = time.perf_counter()
-        engine = Engine(args.model_path, spec, cfg, seed=args.seed)
+        model = HostOnlyRunner(args.model_path, spec, pages, args.page_size) if args.host_only else args.model_path
+        engine = Engine(model, spec, cfg, seed=args.seed)
         warm = time.perf_counter() - t0
         for c in conc:
             r = run_one(engine, c, args.input_len, args.output_len, args.seed) | {"mesh": spec, "warmup_s": warm}
             results.append(r)
             print(f"{spec:>10} C={c:<4} {r['tokens_per_s']:9.1f} tok/s  step {r['step_ms']:7.2f} ms  "
                   f"host {r['host_ms']:6.2f} ms ({100 * r['host_share']:4.1f}%)  rows/rank {r['rows_per_rank']:6.2f}  "
-                  f"padding {r['padding_ratio']:5.2f}x  idle {r['idle_ranks']:.2f}", flush=True)
+                  f"padding {r['padding_ratio']:5.2f}x  idle {r['idle_ranks']:.2f}  "
+                  f"decode host {r['decode_host_ms']:6.2f} ms", flush=True)
         engine.shutdown()
     print()
     print(table(results))
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot, args.baseline)
+        print(f"wrote {args.plot}")
     return 0
 
 
+def plot(results: list[dict], path: str, baseline: str | None = None) -> None:
+    """Host ms per step against concurrency, all steps and decode steps, one line per mesh (the baseline's
+    dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    runs = [("", "-", results)]
+    if baseline:
+        with open(baseline) as f:
+            runs.insert(0, ("before ", "--", json.load(f)["results"]))
+    for label, style, rs in runs:
+        for mesh in dict.fromkeys(r["mesh"] for r in rs):
+            for key, marker in (("host_ms", "o"), ("decode_host_ms", "s")):
+                pts = sorted((r["concurrency"], r[key]) for r in rs if r["mesh"] == mesh and key in r)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, marker=marker, label=f"{label}{mesh} {key}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests (all ranks)")
+    ax.set_ylabel("host ms per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def table(results: list[dict]) -> str:
-    head = ("| mesh | concurrency | tokens/s | step ms | decode step ms | host ms/step | host share | rows/rank | "
-            "padding | idle ranks |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| mesh | concurrency | tokens/s | step ms | decode step ms | host ms/step | decode host ms | host share | "
+            "rows/rank | padding | idle ranks |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [f"| {r['mesh']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
-            f"{r['decode_step_ms']:.2f} | {r['host_ms']:.2f} | {100 * r['host_share']:.1f}% | "
+            f"{r['decode_step_ms']:.2f} | {r['host_ms']:.2f} | {r.get('decode_host_ms', 0.0):.2f} | "
+            f"{100 * r['host_share']:.1f}% | "
             f"{r['rows_per_rank']:.2f} | {r['padding_ratio']:.2f}x | {r['idle_ranks']:.2f} |" for r in results]
     return "\n".join([head, *rows])
 

@@ -3,8 +3,10 @@
 Two parts, both on loopback:
 
 1. **The exchange alone**: `--nodes` processes join JAX's distributed runtime and run `--rounds` exchanges
-   of `HostExchange` with the payload a busy engine sends (each node's ranks' proposals and states); node
-   0's time per exchange (post its key, read every other node's) is reported as p50 / p90 / p99 / mean.
+   of `HostExchange` with the payload a busy engine sends (each node's ranks' proposals and states), over
+   each `--transport`: ZeroMQ sockets (what the engine uses), the runtime's key-value store (what it used
+   before), and a jitted all-gather with JAX's gloo CPU collectives; node 0's time per exchange (send its
+   message, receive every other node's) is reported as p50 / p90 / p99 / mean.
 2. **Serving**: the one-process `--mesh dp=8` server and the same mesh over `--nodes` processes take the
    same `python -m jaxdp.bench` load; from each server's `/metrics` come the steps run and the time per step
    in the agreement (`jaxdp:step_agreement_seconds`, the exchange across nodes), next to the benchmark's
@@ -41,14 +43,53 @@ def _free_port() -> int:
 # ---- 1. the exchange alone ---------------------------------------------------------------------------
 
 
-def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str) -> None:
+TRANSPORTS = ("zmq", "store", "gloo")  # the exchange's transport; the two others are what it is measured against
+
+
+class GlooGather:
+    """A jitted all-gather of one int32 row per node over a mesh of one CPU device per process (JAX's gloo
+    CPU collectives): the other candidate transport for the exchange, measured here. A message travels as its
+    length and its bytes in a fixed-width row."""
+
+    def __init__(self, nnodes: int, width_bytes: int = 8192):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        first: dict = {}
+        for d in sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id)):
+            first.setdefault(d.process_index, d)
+        mesh = Mesh(np.array([first[p] for p in sorted(first)]), ("node",))
+        self.device, self.shape = first[jax.process_index()], (nnodes, 1 + width_bytes // 4)
+        self.sharding = NamedSharding(mesh, P("node"))
+        gather = jax.shard_map(lambda x: jax.lax.all_gather(x, "node", tiled=True), mesh=mesh, in_specs=P("node"),
+                               out_specs=P(), check_vma=False)
+        self._gather = jax.jit(gather).lower(jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
+                                             ).compile()
+
+    def __call__(self, payload: bytes) -> list[bytes]:
+        import jax
+        import numpy as np
+
+        row = np.zeros((1, self.shape[1]), np.int32)
+        row[0, 0] = len(payload)
+        row.view(np.uint8)[0, 4:4 + len(payload)] = np.frombuffer(payload, np.uint8)
+        mine = jax.make_array_from_single_device_arrays(self.shape, self.sharding, [jax.device_put(row, self.device)])
+        rows = np.asarray(self._gather(mine).addressable_data(0))
+        return [r.view(np.uint8)[4:4 + r[0]].tobytes() for r in rows]
+
+
+def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str, transport: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    from jaxdp.engine.hosts import DistConfig, HostExchange, init_distributed
+    from jaxdp.engine.hosts import DistConfig, HostExchange, StoreGather, _client, init_distributed
     from jaxdp.parallel.places import Proposal
 
     init_distributed(DistConfig(nodes, node, addr, timeout_s=60, init_timeout_s=120))
     dp = 8
-    ex = HostExchange(nodes, node, dp, timeout_s=60)
+    gather = {"store": lambda: StoreGather(nodes, node, 60, _client()), "gloo": lambda: GlooGather(nodes),
+              "zmq": lambda: None}[transport]()
+    ex = HostExchange(nodes, node, dp, timeout_s=60, gather=gather)
     state = {"num_running_reqs": 4, "num_queue_reqs": 1, "num_reqs": 5, "num_tokens": 300, "num_used_tokens": 320,
              "token_usage": 0.6, "max_total_num_tokens": 512, "page_size": 16, "num_pages": 32, "free_pages": 12,
              "cached_pages": 2, "cache_hit_rate": 0.1, "retracted_reqs": 0}
@@ -61,21 +102,23 @@ def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str) -> 
                    "states": {r: state for r in ex.local_ranks()}} if node else {"new": [], "abort": []}
         t0 = time.perf_counter()
         ex.exchange(proposals, message)
-        if i >= 50:  # the first rounds warm the connections
+        if i >= 50:  # the first rounds warm the connections (and compile the collective)
             times.append(time.perf_counter() - t0)
     ex.barrier("bench-done", 60)
     if node == 0:
         Path(out).write_text(json.dumps(times))
+        time.sleep(1.0)  # the coordinator lives in node 0: let the others leave the barrier first
     sys.stdout.flush()
     os._exit(0)
 
 
-def bench_exchange(nodes: int, rounds: int) -> dict:
+def bench_exchange(nodes: int, rounds: int, transport: str) -> dict:
     addr = f"127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.bench_multihost", "--exchange-worker", str(k),
-                                   "--nodes", str(nodes), "--addr", addr, "--rounds", str(rounds), "--out", out],
+                                   "--nodes", str(nodes), "--addr", addr, "--rounds", str(rounds), "--out", out,
+                                   "--transport", transport],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for k in range(nodes)]
         for p in procs:
             _, err = p.communicate(timeout=600)
@@ -83,8 +126,8 @@ def bench_exchange(nodes: int, rounds: int) -> dict:
                 raise RuntimeError(f"an exchange worker failed:\n{err.decode()[-2000:]}")
         times = json.loads(Path(out).read_text())
     q = statistics.quantiles(times, n=100)
-    return {"nodes": nodes, "rounds": len(times), "p50_us": q[49] * 1e6, "p90_us": q[89] * 1e6,
-            "p99_us": q[98] * 1e6, "mean_us": statistics.fmean(times) * 1e6}
+    return {"nodes": nodes, "transport": transport, "rounds": len(times), "p50_us": q[49] * 1e6,
+            "p90_us": q[89] * 1e6, "p99_us": q[98] * 1e6, "mean_us": statistics.fmean(times) * 1e6}
 
 
 # ---- 2. serving ----------------------------------------------------------------------------------------
@@ -165,8 +208,11 @@ def bench_serving(nodes: int, load: list[str], workdir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench_multihost", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=2, help="processes the model world spans (divides 8)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2], help="processes the model world spans (each "
+                    "divides 8); part 1 runs for each, part 2 for the first")
     ap.add_argument("--rounds", type=int, default=2000, help="exchanges in part 1")
+    ap.add_argument("--transport", choices=TRANSPORTS, nargs="+", default=list(TRANSPORTS),
+                    help="part 1: the all-gather under the exchange (the collective, the key-value store)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=32)
@@ -178,23 +224,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.exchange_worker is not None:
-        exchange_worker(args.nodes, args.exchange_worker, args.addr, args.rounds, args.out)
+        exchange_worker(args.nodes[0], args.exchange_worker, args.addr, args.rounds, args.out, args.transport[0])
         return 0
-    if args.nodes < 2 or 8 % args.nodes:
-        print(f"error: --nodes {args.nodes} must be 2, 4 or 8 (it divides the 8 CPU devices)", file=sys.stderr)
+    bad = [n for n in args.nodes if n < 2 or 8 % n]
+    if bad:
+        print(f"error: --nodes {bad[0]} must be 2, 4 or 8 (it divides the 8 CPU devices)", file=sys.stderr)
         return 2
-    results: dict = {"machine": f"{os.cpu_count()} CPU cores, loopback", "exchange": bench_exchange(args.nodes,
-                                                                                                    args.rounds)}
-    e = results["exchange"]
-    print(f"exchange alone, {e['nodes']} nodes, {e['rounds']} rounds: p50 {e['p50_us']:.0f} us, p90 "
-          f"{e['p90_us']:.0f} us, p99 {e['p99_us']:.0f} us, mean {e['mean_us']:.0f} us")
+    results: dict = {"machine": f"{os.cpu_count()} CPU cores, loopback", "exchange": []}
+    print(f"{'nodes':>5} {'transport':>10} {'rounds':>6} {'p50 us':>7} {'p90 us':>7} {'p99 us':>7} {'mean us':>7}")
+    for nodes in args.nodes:
+        for transport in args.transport:
+            e = bench_exchange(nodes, args.rounds, transport)
+            results["exchange"].append(e)
+            print(f"{nodes:>5} {transport:>10} {e['rounds']:>6} {e['p50_us']:>7.0f} {e['p90_us']:>7.0f} "
+                  f"{e['p99_us']:>7.0f} {e['mean_us']:>7.0f}", flush=True)
     if not args.skip_serving:
         load = ["--dataset-name", "random", "--num-prompts", str(args.num_prompts), "--random-input-len",
                 str(args.input_len), "--random-output-len", str(args.output_len), "--max-concurrency",
                 str(args.max_concurrency)]
         results["load"] = load
         with tempfile.TemporaryDirectory() as tmp:
-            results["serving"] = [bench_serving(n, load, Path(tmp)) for n in (1, args.nodes)]
+            results["serving"] = [bench_serving(n, load, Path(tmp)) for n in (1, args.nodes[0])]
         print(f"\n{'processes':>9} {'steps':>6} {'wall ms/step':>13} {'agreement ms/step':>18} {'host ms/step':>13} "
               f"{'device wait ms/step':>20} {'out tok/s':>10} {'TPOT ms':>8}")
         for r in results["serving"]:

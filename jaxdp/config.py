@@ -17,7 +17,8 @@ class UnsupportedConfigError(ValueError):
     """A config.json asks for something jaxdp does not implement; the message says what."""
 
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm_moe_dsa")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm_moe_dsa", "deepseek_v32")
+DSA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention: MLA plus the indexer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    # DeepSeek sparse attention (GLM-5): the indexer picks index_topk keys per query. jaxdp runs the
-    # dense-MLA part; a context longer than index_topk would need the indexer and is refused.
+    # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2; see jaxdp.model.indexer): the indexer picks
+    # index_topk earlier tokens per query; None: dense MLA. index_rope_interleave: the indexer's rope
+    # layout (interleaved pairs for GLM-5, half-split for V3.2). indexer_types: per layer "full" (runs
+    # its indexer) or "shared" (reuses the previous full layer's selection); None: all full.
     index_topk: int | None = None
     index_n_heads: int = 0
     index_head_dim: int = 0
+    index_rope_interleave: bool = True
+    indexer_types: tuple[str, ...] | None = None
     # FP8 block quantization of the checkpoint (dequantized on load): block size (rows, cols) or None
     fp8_block: tuple[int, int] | None = None
 
@@ -100,14 +105,22 @@ class ModelConfig:
     def with_(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
-    def check_context(self, num_tokens: int) -> None:
-        """Refuse a context that would need GLM-5's sparse indexer, in one sentence."""
-        if self.index_topk is not None and num_tokens > self.index_topk:
-            raise UnsupportedConfigError(
-                f"a context of {num_tokens} tokens needs the DeepSeek sparse-attention indexer "
-                f"(index_topk={self.index_topk}), which jaxdp does not support yet; keep prompts plus "
-                f"outputs at or below {self.index_topk} tokens (e.g. --context-length {self.index_topk})"
-            )
+    @property
+    def index_key_dim(self) -> int:
+        """Width of one cached DSA index key per token per layer (0 without sparse attention)."""
+        return self.index_head_dim if self.index_topk else 0
+
+    @property
+    def pool_values_per_token(self) -> int:
+        """Values one token occupies per layer in the paged pool: its latent entry and its index key."""
+        return self.kv_cache_dim + self.index_key_dim
+
+    @property
+    def indexer_full(self) -> tuple[bool, ...]:
+        """Per layer: does it run its own indexer (False: it reuses the previous full layer's top-k)."""
+        if not self.indexer_types:
+            return (True,) * self.num_layers
+        return tuple(t == "full" for t in self.indexer_types)
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -188,7 +201,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     eos = raw.get("eos_token_id")
     if isinstance(eos, list):
         eos = tuple(eos)
-    index_topk = raw.get("index_topk") if model_type == "glm_moe_dsa" else None
+    dsa = _dsa_fields(raw, model_type)
     return ModelConfig(
         model_type=model_type,
         vocab_size=raw["vocab_size"],
@@ -213,16 +226,51 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rope_interleave=bool(raw.get("rope_interleave", True)),
+        rope_interleave=True if dsa else bool(raw.get("rope_interleave", True)),  # DSA's MLA: always pairs
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos,
-        index_topk=index_topk,
-        index_n_heads=raw.get("index_n_heads", 0) if index_topk else 0,
-        index_head_dim=raw.get("index_head_dim", 0) if index_topk else 0,
+        **dsa,
         fp8_block=fp8_block,
     )
+
+
+def _indexer_types(raw: dict[str, Any]) -> tuple[str, ...] | None:
+    """GLM-5's per-layer indexer modes, as transformers' GlmMoeDsaConfig derives them: `indexer_types`,
+    else `index_topk_pattern` ("FSS..."), else every `index_topk_freq`-th layer past
+    `index_skip_topk_offset` (default 2) runs its indexer. None: every layer runs its own."""
+    n = raw["num_hidden_layers"]
+    types = raw.get("indexer_types")
+    pattern = raw.get("index_topk_pattern")
+    if types is None and pattern is not None:
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:
+        freq, offset = max(int(raw.get("index_topk_freq", 1)), 1), int(raw.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    types = tuple(types)
+    if len(types) != n or set(types) - {"full", "shared"} or types[0] != "full":
+        raise UnsupportedConfigError(
+            f"config.json's indexer layer types {list(types)} are not {n} entries of 'full'/'shared' starting "
+            "with 'full'; fix indexer_types (or index_topk_pattern / index_topk_freq)")
+    return None if all(t == "full" for t in types) else types
+
+
+def _dsa_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The DeepSeek-sparse-attention fields of a glm_moe_dsa / deepseek_v32 config.json ({} otherwise)."""
+    if model_type not in DSA_MODEL_TYPES:
+        return {}
+    defaults = {"glm_moe_dsa": 32, "deepseek_v32": 64}  # index_n_heads, as transformers defaults them
+    if raw.get("q_lora_rank") is None:
+        raise UnsupportedConfigError(f"a {model_type} config.json needs q_lora_rank: the DSA indexer's query "
+                                     "reads the q LoRA residual")
+    return {
+        "index_topk": int(raw.get("index_topk", 2048)),
+        "index_n_heads": int(raw.get("index_n_heads", defaults[model_type])),
+        "index_head_dim": int(raw.get("index_head_dim", 128)),
+        "index_rope_interleave": model_type == "glm_moe_dsa",
+        "indexer_types": _indexer_types(raw) if model_type == "glm_moe_dsa" else None,
+    }
 
 
 def load_hf_config(model_dir: str | Path) -> ModelConfig:
@@ -276,8 +324,7 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=0,
         eos_token_id=1,
     ),
-    # GLM-5 (and the article's GLM-5.3): dense-MLA dimensions; the DSA indexer's weights are counted by
-    # the planner but the indexer itself is not run.
+    # GLM-5 (and the article's GLM-5.3): MLA plus the DSA indexer (index_topk 2,048 of up to 202,752).
     "glm-5": ModelConfig(
         model_type="glm_moe_dsa",
         vocab_size=154880,
@@ -308,10 +355,17 @@ PRESETS: dict[str, ModelConfig] = {
         index_head_dim=128,
     ),
 }
+# GLM-5 at CPU size (the sparse-attention benchmark): 16 heads reading a 256 + 32 latent, an indexer of
+# 8 heads x 64 (1/17 of attention's work per context token, as in GLM-5), index_topk 2,048
+# and every other layer shared, as GLM-5's IndexCache variant runs it.
+PRESETS["glm-5-tiny"] = PRESETS["tiny"].with_(
+    model_type="glm_moe_dsa", num_layers=4, num_heads=16, kv_lora_rank=256, qk_nope_head_dim=32,
+    qk_rope_head_dim=32, v_head_dim=32, max_position_embeddings=202752, index_topk=2048, index_n_heads=8,
+    index_head_dim=64, indexer_types=("full", "shared", "full", "shared"))
 
 
 def get_config(name_or_path: str) -> ModelConfig:
-    """A preset name (tiny, deepseek-v3, glm-5) or a checkpoint directory."""
+    """A preset name (tiny, deepseek-v3, glm-5, glm-5-tiny) or a checkpoint directory."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_dir():

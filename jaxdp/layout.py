@@ -2,8 +2,10 @@
 
 Two spellings give the same Layout: `--mesh dp=A,tp=B[,moe=tp|ep][,dense=tp|replicated]
 [,lm_head=split|a2a|dp][,replicas=R]` (or a preset in meshes/), and SGLang's flags, where --tp-size is the
-total and the others divide it (`--tp-size N --attn-dp-size A` is `dp=A,tp=N/A`). Every mistake a user can
-make ends in a LayoutError whose message is one sentence that says what to change.
+total and the others divide it (`--tp-size N --attn-dp-size A` is `dp=A,tp=N/A`). They compose: SGLang's
+modifier flags add to --mesh what it leaves unsaid, as they add to --tp-size (`--mesh dp=8
+--enable-dp-lm-head` is `dp=8,lm_head=dp`). Every mistake a user can make, a flag that contradicts the mesh
+included, ends in a LayoutError whose message is one sentence that says what to change.
 """
 
 from __future__ import annotations
@@ -154,11 +156,21 @@ def parse_mesh_spec(text: str, num_devices: int | None = None) -> Layout:
 
     `num_devices` resolves `dp = "all"` (or `tp = "all"`) in presets; without it JAX's device count is used.
     """
+    return _layout_from_items(*_read_mesh(text), num_devices)
+
+
+def load_preset(name: str, num_devices: int | None = None) -> Layout:
+    """A preset by name (`meshes/NAME.toml`) or by path to a .toml file."""
+    return _layout_from_items(*_read_preset(name), num_devices)
+
+
+def _read_mesh(text: str) -> tuple[dict[str, Any], str]:
+    """--mesh text -> (the keys it gives, how to name it in a message)."""
     text = text.strip()
     if not text:
         raise LayoutError(f"--mesh is empty; give dp=A,tp=B (for example dp=8) or one of {_preset_list()}.")
     if "=" not in text:
-        return load_preset(text, num_devices)
+        return _read_preset(text)
     items: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
@@ -168,11 +180,10 @@ def parse_mesh_spec(text: str, num_devices: int | None = None) -> Layout:
         if key in items:
             raise LayoutError(f"--mesh {text} gives {key} twice; give each key once.")
         items[key] = value
-    return _layout_from_items(items, f"--mesh {text}", num_devices)
+    return items, f"--mesh {text}"
 
 
-def load_preset(name: str, num_devices: int | None = None) -> Layout:
-    """A preset by name (`meshes/NAME.toml`) or by path to a .toml file."""
+def _read_preset(name: str) -> tuple[dict[str, Any], str]:
     if name.endswith(".toml") or os.sep in name:
         path = Path(name)
         if not path.is_file():
@@ -185,8 +196,7 @@ def load_preset(name: str, num_devices: int | None = None) -> Layout:
         items = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(f"{path} is not valid TOML ({e}); fix the file.") from None
-    where = f"--mesh {name}" if path.parent == MESHES_DIR else str(path)
-    return _layout_from_items(items, where, num_devices)
+    return items, f"--mesh {name}" if path.parent == MESHES_DIR else str(path)
 
 
 def _preset_list() -> str:
@@ -242,16 +252,10 @@ def _choice(items: dict[str, Any], key: str, choices: tuple[str, ...], where: st
     return value
 
 
-_FLAG_DESTS = {
-    "tp_size": "--tp-size", "attn_dp_size": "--attn-dp-size", "dp_size": "--dp-size",
-    "enable_dp_attention": "--enable-dp-attention", "moe_a2a_backend": "--moe-a2a-backend",
-    "moe_dense_tp_size": "--moe-dense-tp-size", "enable_dp_lm_head": "--enable-dp-lm-head",
-}
-
-
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    """Adds --mesh and the SGLang-style layout flags (use one spelling or the other)."""
-    g = parser.add_argument_group("layout", "--mesh, or SGLang's flags (--tp-size is the total; not both)")
+    """Adds --mesh and the SGLang-style layout flags (either spelling, or --mesh with flags that add to it)."""
+    g = parser.add_argument_group("layout", "--mesh and/or SGLang's flags (--tp-size is the total); with --mesh, "
+                                  "--moe-a2a-backend, --moe-dense-tp-size and --enable-dp-lm-head add to it")
     g.add_argument("--mesh", default=None, metavar="SPEC",
                    help="dp=A,tp=B[,moe=tp|ep][,dense=tp|replicated][,lm_head=split|a2a|dp][,replicas=R], "
                         f"or a preset from meshes/ ({_preset_list()}), or a path to a .toml file")
@@ -275,36 +279,58 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_from_args(args: argparse.Namespace, num_devices: int | None = None) -> Layout:
-    """--mesh or the SGLang flags -> Layout; validated against `num_devices` when given."""
-    given = [flag if value is True else f"{flag} {value}" for dest, flag in _FLAG_DESTS.items()
-             if (value := getattr(args, dest, None)) is not None and value is not False]
-    flag_layout = _layout_from_flags(args) if given else None
+    """--mesh and/or the SGLang flags -> Layout; validated against `num_devices` when given.
+
+    With --mesh, the modifier flags (--moe-a2a-backend, --moe-dense-tp-size, --enable-dp-lm-head) fill in
+    what the mesh leaves unsaid, and the size flags (--tp-size, --attn-dp-size, --dp-size) must agree with
+    it; only a flag that contradicts the mesh is an error.
+    """
     mesh = getattr(args, "mesh", None)
-    if mesh is not None:
-        layout = parse_mesh_spec(mesh, num_devices)
-        if flag_layout is not None and flag_layout != layout:
-            raise LayoutError(
-                f"--mesh {mesh} ({layout.describe()}) and {' '.join(given)} ({flag_layout.describe()}) "
-                "describe different layouts; give only one of them."
-            )
+    sizes = _flag_sizes(args, mesh)
+    if mesh is None:
+        total = sizes.get("world", 1)
+        layout = Layout(dp=sizes.get("dp", 1), tp=total // sizes.get("dp", 1), replicas=sizes.get("replicas", 1))
+        modifiers = {k: value for k, (value, _) in _flag_modifiers(args, layout.world).items()}
+        layout = _layout_from_items(_items(layout) | modifiers, "the flags", None)
     else:
-        layout = flag_layout or Layout()
+        items, where = _read_mesh(mesh)
+        base = _layout_from_items(items, where, num_devices)
+        for key, (value, flag) in _flag_modifiers(args, base.world).items():
+            if key in items and str(items[key]).strip().lower() != value:
+                raise LayoutError(f"{flag} asks for {key}={value}, which contradicts {where} ({key}={items[key]}); "
+                                  "give only one of them.")
+            items = {**items, key: value}
+        layout = _layout_from_items({**items, **{k: getattr(base, k) for k in ("dp", "tp", "replicas")}}, where,
+                                    num_devices)
+        for key, (what, flag) in _SIZE_FLAGS.items():
+            if key in sizes and sizes[key] != getattr(layout, key):
+                raise LayoutError(f"{flag} {sizes[key]} contradicts {where} ({what}: {getattr(layout, key)}); "
+                                  "give only one of them or make them agree.")
     return layout.validate(num_devices) if num_devices is not None else layout
 
 
-def _layout_from_flags(args: argparse.Namespace) -> Layout:
+# size flag -> (what it counts, the flag), checked against --mesh
+_SIZE_FLAGS = {"world": ("devices per model copy", "--tp-size"), "dp": ("attention DP groups", "--attn-dp-size"),
+               "replicas": ("model copies", "--dp-size")}
+
+
+def _items(layout: Layout) -> dict[str, Any]:
+    return {"dp": layout.dp, "tp": layout.tp, "replicas": layout.replicas}
+
+
+def _flag_sizes(args: argparse.Namespace, mesh: str | None) -> dict[str, int]:
+    """The sizes the SGLang flags give (only those given): world (--tp-size), dp (--attn-dp-size, or the
+    deprecated --dp-size A --enable-dp-attention), replicas (--dp-size)."""
     tp_size = getattr(args, "tp_size", None)
     attn = getattr(args, "attn_dp_size", None)
     dp_size = getattr(args, "dp_size", None)
-    dense_tp = getattr(args, "moe_dense_tp_size", None)
     for flag, value in (("--tp-size", tp_size), ("--attn-dp-size", attn), ("--dp-size", dp_size),
-                        ("--moe-dense-tp-size", dense_tp)):
+                        ("--moe-dense-tp-size", getattr(args, "moe_dense_tp_size", None))):
         if value is not None and value < 1:
             raise LayoutError(f"{flag} {value} is not a positive number; give {flag} 1 or more.")
-    tp_size = tp_size or 1
-    replicas = dp_size or 1
+    replicas = dp_size
     if getattr(args, "enable_dp_attention", False):
-        if dp_size is None and attn is None:
+        if dp_size is None and attn is None and mesh is None:
             raise LayoutError("--enable-dp-attention needs a group count; write --attn-dp-size A instead.")
         if dp_size is not None:
             if attn is not None and attn != dp_size:
@@ -312,27 +338,39 @@ def _layout_from_flags(args: argparse.Namespace) -> Layout:
                                   f"{attn}; keep only --attn-dp-size.")
             log.warning("--dp-size %d --enable-dp-attention is deprecated; write --attn-dp-size %d instead",
                         dp_size, dp_size)
-            attn, replicas = dp_size, 1
+            attn, replicas = dp_size, None
         else:
             log.warning("--enable-dp-attention is deprecated and redundant with --attn-dp-size; drop it")
-    attn = attn or 1
-    if replicas > 1 and attn > 1:
+    if (replicas or 1) > 1 and (attn or 1) > 1:
         raise LayoutError(f"--dp-size {replicas} (model copies) cannot be combined with --attn-dp-size "
                           f"{attn} (attention groups), as in SGLang; use one of them.")
-    if tp_size % attn:
+    if mesh is None and (tp_size or 1) % (attn or 1):
+        tp_size = tp_size or 1
         divisors = ", ".join(str(d) for d in range(1, tp_size + 1) if tp_size % d == 0)
         raise LayoutError(
             f"--attn-dp-size {attn} does not divide --tp-size {tp_size} (the devices of one model copy); "
             f"use an attention DP size that divides {tp_size}: {divisors}."
         )
-    if dense_tp not in (None, 1, tp_size):
-        raise LayoutError(f"--moe-dense-tp-size {dense_tp} is not supported; use 1 (dense layers whole on "
-                          "every device) or leave it unset.")
-    backend = (getattr(args, "moe_a2a_backend", None) or "none").strip().lower()
-    return Layout(
-        dp=attn, tp=tp_size // attn, replicas=replicas, moe="tp" if backend == "none" else "ep",
-        dense_replicated=dense_tp == 1, dp_lm_head=bool(getattr(args, "enable_dp_lm_head", False)),
-    )
+    given = {"world": tp_size, "dp": attn, "replicas": replicas}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _flag_modifiers(args: argparse.Namespace, world: int) -> dict[str, tuple[str, str]]:
+    """The --mesh keys the modifier flags set (key -> (value, the flag as given)), for a model copy of
+    `world` devices."""
+    out: dict[str, tuple[str, str]] = {}
+    backend = getattr(args, "moe_a2a_backend", None)
+    if backend is not None:
+        out["moe"] = ("tp" if backend.strip().lower() == "none" else "ep", f"--moe-a2a-backend {backend}")
+    dense_tp = getattr(args, "moe_dense_tp_size", None)
+    if dense_tp is not None:
+        if dense_tp not in (1, world):
+            raise LayoutError(f"--moe-dense-tp-size {dense_tp} is not supported; use 1 (dense layers whole on "
+                              "every device) or leave it unset.")
+        out["dense"] = ("replicated" if dense_tp == 1 else "tp", f"--moe-dense-tp-size {dense_tp}")
+    if getattr(args, "enable_dp_lm_head", False):
+        out["lm_head"] = ("dp", "--enable-dp-lm-head")
+    return out
 
 
 def _backends_initialized() -> bool:

@@ -132,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-runner-backend", choices=["xla", "pallas"],
                     help="NVFP4 experts: the Pallas grouped GEMM or dequantize + ragged_dot (default: pallas on "
                          "a GPU, xla on a CPU; pallas on a CPU runs in interpret mode)")
-    ap.add_argument("--quantization", choices=["nvfp4"],
-                    help="hold the routed experts as NVFP4, quantized at load (a ModelOpt NVFP4 or "
-                         "jaxdp.quantize checkpoint is NVFP4 without it)")
+    ap.add_argument("--quantization", choices=["nvfp4", "fp8"],
+                    help="nvfp4: hold the routed experts as NVFP4, quantized at load (a ModelOpt NVFP4 or "
+                         "jaxdp.quantize checkpoint is NVFP4 without it); fp8: the layers' Linear weights in "
+                         "DeepSeek's block FP8 (a block-FP8 checkpoint stays FP8 without it)")
     ap.add_argument("--dump-logits", metavar="FILE.npz")
     add_layout_args(ap)
     return ap
@@ -145,16 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
-    from jaxdp.backends import decode_kernel, moe_runner_backend
+    from jaxdp.backends import moe_runner_backend
+    from jaxdp.engine.setup import build_runners
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
-    from jaxdp.model.loader import load_model
+    from jaxdp.model.checkpoint import CheckpointError
+    from jaxdp.model.loader import model_config
 
     try:
         layout = layout_from_args(args)
         ensure_host_devices(layout.world)
         layout = layout_from_args(args, num_devices=len(jax.devices()))
-        cfg, model = load_model(args.model_path, args.dtype, seed=args.seed, num_layers=args.num_layers,
-                                tiny_width=args.width == "tiny", quantization=args.quantization)
+        cfg = model_config(args.model_path, args.num_layers, args.width == "tiny")
         if args.prompt_ids:
             prompts = parse_prompt_ids(args.prompt_ids)
         else:
@@ -171,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                     for k in range(layout.dp)]
         mesh = layout.make_mesh(jax.devices()[: layout.world])
         layout.check_memory(jax.devices()[: layout.world])  # before the KV pool is sized
-        runner = StepRunner(model, layout, mesh, num_pages=max(per_rank) + 1, page_size=S,
-                            decode_kernel=decode_kernel(args.attention_backend),
-                            moe_backend=moe_runner_backend(args.moe_runner_backend))
-    except (LayoutError, ValueError, FileNotFoundError) as e:
+        t_load = time.perf_counter()
+        runner = build_runners(args.model_path, layout, [mesh], dtype=args.dtype, seed=args.seed,
+                               quantization=args.quantization, num_pages=max(per_rank) + 1, page_size=S,
+                               attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend,
+                               num_layers=args.num_layers, tiny_width=args.width == "tiny")[0]
+        load_s = time.perf_counter() - t_load
+        cfg = runner.cfg
+    except (LayoutError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t: dict = {}
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                if runner.expert_quantization else "dense")
     print(f"model {args.model_path}: {cfg.num_layers} layers ({cfg.num_dense_layers} dense, "
           f"{cfg.num_moe_layers} MoE; experts {experts}), layout {layout.describe()}")
+    print(f"load: {load_s:.2f} s")
     print(f"compile: prefill {t['prefill_compile_s']:.2f} s, decode {t['decode_compile_s']:.2f} s")
     print(f"prefill: {t['prefill_tokens']} tokens in {t['prefill_s'] * 1e3:.1f} ms "
           f"({t['prefill_tokens'] / max(t['prefill_s'], 1e-9):.1f} tok/s, gather {t['gather_mode']})")

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.decoder import DeepseekV3
-from jaxdp.model.quant import QUANTIZATIONS, expert_quantization, quantize_experts
+from jaxdp.model.quant import QUANTIZATIONS, apply_quantization, expert_quantization
 
 log = logging.getLogger("jaxdp.quantize")
 
@@ -44,7 +44,7 @@ def save_converted(model: DeepseekV3, out: str | Path) -> Path:
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = model.cfg.with_(fp8_block=None)  # FP8 blocks were dequantized on load
+    cfg = model.cfg  # fp8_block set: the layers' Linear weights are saved in block FP8 as held
     quantization = expert_quantization(model)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / "state", nnx.state(model), force=True)
@@ -71,7 +71,7 @@ def load_converted(path: str | Path, dtype=jnp.bfloat16) -> tuple[ModelConfig, D
         if isinstance(raw.get(key), list):
             raw[key] = tuple(raw[key])
     cfg = ModelConfig(**raw)
-    abstract = nnx.eval_shape(lambda: quantize_experts(DeepseekV3(cfg, nnx.Rngs(0), dtype), meta["quantization"]))
+    abstract = nnx.eval_shape(lambda: apply_quantization(DeepseekV3(cfg, nnx.Rngs(0), dtype), meta["quantization"]))
     graphdef, abstract_state = nnx.split(abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract_state)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -63,13 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLA decode: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
     g.add_argument("--moe-runner-backend", choices=["xla", "pallas"], default=None,
                    help="NVFP4 expert GEMM: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
-    g.add_argument("--quantization", choices=["nvfp4"], default=None,
-                   help="hold the routed experts as NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself)")
+    g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
+                   help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
+                        "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")
     g = ap.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="every endpoint but /health needs 'Authorization: Bearer KEY'")
+    g.add_argument("--max-request-bytes", type=int, default=16 * 2**20, metavar="N",
+                   help="largest request body; a larger one gets a 413 before it is read (default 16 MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests waiting for a rank, all ranks together; beyond it a 503 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="a request still running after this many seconds ends with an error (default: none)")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, new requests get a 503 and those in flight may finish within this many "
+                        "seconds; the rest then end with an error (default 30)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
                    help="a Decode batch log line per rank every this many decode steps")
@@ -141,6 +150,18 @@ def check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
 
 
+def server_limits(args):
+    """The HTTP limits of `args`, checked (a UserError names the flag)."""
+    from jaxdp.api.context import Limits
+
+    for name, low in (("max_request_bytes", 1024), ("max_queued_requests", 1), ("request_timeout", 1e-3),
+                      ("graceful_shutdown_timeout", 1e-3)):
+        if (value := getattr(args, name)) is not None and not value >= low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low:g}, got {value}")
+    return Limits(args.max_request_bytes, args.max_queued_requests, args.request_timeout,
+                  args.graceful_shutdown_timeout)
+
+
 def engine_config(args, num_pages: int):
     from jaxdp.engine import EngineConfig
     from jaxdp.engine.delayer import DelayerConfig
@@ -188,7 +209,7 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
         return args.max_total_tokens // S
     if not 0 < args.mem_fraction_static <= 1:
         raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
-    page_bytes = cfg.num_layers * S * cfg.kv_cache_dim * jax.numpy.dtype(runner.cache_dtype).itemsize
+    page_bytes = cfg.num_layers * S * cfg.pool_values_per_token * jax.numpy.dtype(runner.cache_dtype).itemsize
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]  # this node's
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if not all(s and "bytes_limit" in s for s in stats):
@@ -208,11 +229,9 @@ def build_backend(args, layout, tokenizer, dist=None):
     import jax
 
     from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.engine import Engine
     from jaxdp.engine.hosts import HostExchange, world_devices
-    from jaxdp.model.loader import load_model
-    from jaxdp.parallel.step import StepRunner
+    from jaxdp.engine.setup import build_runners
 
     devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -227,13 +246,11 @@ def build_backend(args, layout, tokenizer, dist=None):
     meshes = layout.replica_meshes(devices) if layout.replicas > 1 else [layout.make_mesh(devices[: layout.world])]
     one = dataclasses.replace(layout, replicas=1)
     t0 = time.perf_counter()
-    cfg, model = load_model(args.model_path, dtype, seed=args.random_seed, quantization=args.quantization)
+    runners = build_runners(args.model_path, one, meshes, dtype=dtype, seed=args.random_seed,
+                            quantization=args.quantization, num_pages=1, page_size=args.page_size,
+                            attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend)
+    cfg = runners[0].cfg
     one.validate(n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
-    runners = [StepRunner(model, one, mesh, num_pages=1, page_size=args.page_size,
-                          decode_kernel=decode_kernel(args.attention_backend),
-                          moe_backend=moe_runner_backend(args.moe_runner_backend)) for mesh in meshes]
-    del model
-    gc.collect()
     log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,
              args.model_path, cfg.num_layers, layout.describe())
     engines = []
@@ -321,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.timeout_s <= 0 or dist.init_timeout_s <= 0:
             raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
         check_port(args.host, args.port)
+        server_limits(args)
         layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
         if dist.multi:
             if layout.replicas > 1:
@@ -332,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
         import jax
 
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        from jaxdp.engine.setup import enable_compilation_cache
+
+        enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
         layout = layout_from_args(args, num_devices=len(jax.devices()))
         tokenizer = resolve_model(args)
         backend = build_backend(args, layout, tokenizer, dist)
@@ -402,6 +421,7 @@ def run_server(args, layout, backend, tokenizer) -> int:
     import uvicorn
 
     from jaxdp.api.app import create_app
+    from jaxdp.api.draining import DrainingServer
     from jaxdp.api.metrics import ServerMetrics
     from jaxdp.api.monitor import Monitor
 
@@ -413,12 +433,13 @@ def run_server(args, layout, backend, tokenizer) -> int:
     name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
                                       else args.model_path)
     app = create_app(backend, tokenizer=tokenizer, served_model_name=name, model_path=args.model_path,
-                     server_args=server_args, api_key=args.api_key, metrics=metrics)
+                     server_args=server_args, api_key=args.api_key, metrics=metrics, limits=server_limits(args),
+                     bind=(args.host, args.port))
     backend.start()
     monitor.start()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.ctx)
 
     def announce():
         while not server.started and not server.should_exit:
@@ -428,18 +449,12 @@ def run_server(args, layout, backend, tokenizer) -> int:
                      backend.num_ranks)
 
     threading.Thread(target=announce, daemon=True).start()
-
-    def on_term(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)  # uvicorn re-raises SIGTERM after its shutdown: end like Ctrl-C
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        log.info("shutting down")
     finally:
         monitor.stop()
         backend.shutdown()
+    log.info("shut down")
     return 0
 
 

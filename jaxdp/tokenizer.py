@@ -9,6 +9,7 @@ alphabet, no merges), so any text round-trips; a few special tokens come first: 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,12 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self.token_id(self.pad_token)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its longest vocabulary entry, special tokens included):
+        a text of C characters has at least C / max_token_chars tokens, a bound known before tokenizing."""
+        return max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdp.data import (
+from jaxdp.model.loader import default_model_path
+from jaxdp.tokenizer import Tokenizer
+from jaxdp.training.data import (
     ARITHMETIC,
     SKILLS,
     PackShape,
@@ -22,8 +24,6 @@ from jaxdp.data import (
     train_batches,
     training_example,
 )
-from jaxdp.model.loader import default_model_path
-from jaxdp.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_training_forward_is_the_serving_forward(tok):
     from jaxdp.model.decoder import DeepseekV3, empty_kv_cache
     from jaxdp.model.mla import AttnBatch
     from jaxdp.parallel.local import LocalComm
-    from jaxdp.train import DEFAULT_OVERRIDES, flat_logits, parse_overrides
+    from jaxdp.training.train import DEFAULT_OVERRIDES, flat_logits, parse_overrides
 
     cfg = parse_overrides(DEFAULT_OVERRIDES, PRESETS["tiny"])
     model = DeepseekV3(cfg, nnx.Rngs(3))
@@ -152,13 +152,13 @@ def test_training_forward_is_the_serving_forward(tok):
 
 
 def test_train_cli_end_to_end(tmp_path, capsys):
-    """A few steps of `python -m jaxdp.train` on a small shape: the loss log, an orbax checkpoint, the
+    """A few steps of `python -m jaxdp.training.train` on a small shape: the loss log, an orbax checkpoint, the
     summary, and an export the serving loader reads back with the trained weights."""
     import jax
     from flax import nnx
 
     from jaxdp.model.loader import load_model
-    from jaxdp.train import main
+    from jaxdp.training.train import main
 
     out = tmp_path / "run"
     argv = ["--steps", "4", "--groups", "2", "--eval-n", "2", "--ckpt-every", "2", "--out", str(out),
@@ -182,7 +182,7 @@ def test_default_model_held_out_arithmetic():
     """Greedy, through the compiled mesh step on one device, on held-out arithmetic: the issue's goal is
     95% (the shipped model measures 99.3% with 100 problems per skill, see
     jaxdp/assets/default-model/README.md)."""
-    from jaxdp.eval import evaluate_local
+    from jaxdp.training.eval import evaluate_local
 
     acc = evaluate_local("default", "dp=1", n=40, skills=ARITHMETIC)
     assert acc["arithmetic"] >= 0.95, acc
@@ -194,8 +194,8 @@ LAYOUTS = ["dp=8", "tp=8", "dp=2,tp=4", "dp=8,moe=ep"]
 
 def test_default_model_answers_the_same_under_every_layout():
     """The held-out answers on one device and under dp=8, tp=8, dp=2,tp=4 and dp=8 with EP are identical."""
-    from jaxdp.data import held_out_problems
-    from jaxdp.eval import answers_local
+    from jaxdp.training.data import held_out_problems
+    from jaxdp.training.eval import answers_local
 
     problems = held_out_problems(4, ARITHMETIC + ("sort",))
     one = answers_local("default", problems, "dp=1")
@@ -210,12 +210,12 @@ def test_retrain_reproduces_accuracy(tmp_path):
     whole command (start-up, training, the final check, the export) takes under 15 minutes."""
     import time
 
-    from jaxdp.eval import evaluate_local
+    from jaxdp.training.eval import evaluate_local
 
     record = json.loads((default_model_path() / "training.json").read_text())
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxdp.train", *record["args"], "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "jaxdp.training.train", *record["args"], "--out", str(out)], check=True,
                    env={**os.environ, "XLA_FLAGS": ""})
     assert time.perf_counter() - t0 < 15 * 60
     n = 100

@@ -87,13 +87,13 @@ def test_long_prompt_is_chunked_and_matches_unchunked(engine):
     assert req.output_ids == ref["tokens"][0].tolist()
 
 
-def _single_device_runner(runner):
+def _single_device_runner(runner, num_pages=16):
     from jaxdp.layout import Layout
     from jaxdp.parallel.step import StepRunner
 
     model = __import__("flax").nnx.merge(runner.graphdef, jax.device_get(runner.state))
     lay = Layout()
-    return StepRunner(model, lay, lay.make_mesh(jax.devices()[:1]), num_pages=16, page_size=4)
+    return StepRunner(model, lay, lay.make_mesh(jax.devices()[:1]), num_pages=num_pages, page_size=4)
 
 
 def test_abort_frees_pages(engine):
@@ -212,3 +212,27 @@ def test_stop_strings_through_the_tokenizer(engine):
         assert r.stop_check is not None and r.params.stop == ["=4"]
     finally:
         engine.tokenizer = None
+
+
+def test_greedy_outputs_equal_one_batch_reference_with_cache_chunks_retraction_and_overlap(engine):
+    """The loop's greedy tokens equal an independent reference (all prompts in one batch on one device, no
+    scheduler) while the prefix cache, chunked prefill, retraction and the overlap all take part."""
+    rng = np.random.default_rng(12)
+    prefix = rng.integers(0, 512, 8).tolist()  # two pages of 4 shared by every prompt
+    ps = [prefix + rng.integers(0, 512, 32).tolist() for _ in range(6)]  # 40 tokens: chunks of 16, 16, 8
+    sp = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    assert engine.cfg.overlap
+    with jax.default_matmul_precision("highest"):
+        engine.flush_cache()
+        warm = engine.generate([prefix + [1, 2, 3]], sp, ranks=[3])[0]  # puts the prefix in rank 3's cache
+        retracted = engine.schedulers[3].retracted_total
+        # rank 3 runs 4 at a time: 2 shared pages and 4 x 16 of their own (72 tokens each) pass its 64
+        reqs = engine.generate(ps, sp, ranks=[3] * len(ps))
+        assert engine.schedulers[3].retracted_total > retracted
+        assert all(r.cached_tokens >= 8 for r in reqs)
+        ref = run_prompts(_single_device_runner(engine.runner, num_pages=160), [prefix + [1, 2, 3], *ps],
+                          [0] * 7, 32)
+    assert warm.output_ids == ref["tokens"][0].tolist()
+    for i, r in enumerate(reqs):
+        assert r.finish_reason == "length" and r.output_ids == ref["tokens"][i + 1].tolist(), i
+    pools_are_full(engine)

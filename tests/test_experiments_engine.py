@@ -93,3 +93,27 @@ def test_delayer_reads_prompts_of_two_ranks_in_one_step(engine):
     assert any(r.kind == "extend" and r.rows == [6, 7] for r in records)  # both prompts in one step
     alone = [run(engine, [(ids(6, 5), 3, 0)], [])[0][0], run(engine, [(ids(7, 6), 3, 1)], [])[0][0]]
     assert out == alone
+
+
+def test_mixed_chunk_rows_keep_the_persistent_batch_and_its_pages():
+    """Host only (a stand-in step): the decoders a prompt's chunks carry are decode rows of the persistent
+    batch: every one gets all its tokens, those crossing a page take it in the mixed step, none leaks."""
+    from jaxdp.bench_engine import HostOnlyRunner
+
+    cfg = EngineConfig(page_size=4, num_pages=32, max_running_requests=8, chunked_prefill_size=16,
+                       decode_buckets=[1, 2, 4], extend_buckets=[8, 16], enable_mixed_chunk=True)
+    eng = Engine(HostOnlyRunner("tiny", "dp=2", cfg.num_pages, cfg.page_size), "dp=2", cfg)
+    p = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    decoders = [eng.submit(eng.make_request([5, 6, 7], p, rank=0)) for _ in range(3)]
+    eng.step()  # their prompts
+    prompt = eng.submit(eng.make_request(list(range(1, 41)), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                                         rank=0))
+    eng.run_until_idle()
+    assert all(r.output_ids == [1] * 12 for r in decoders) and prompt.output_ids == [1, 1]
+    mixed = [r for r in eng.stats.records if r.kind == "extend" and r.rows[0] == 8]
+    assert len(mixed) >= 5  # the 40-token prompt in chunks of 5 beside the 3 decoders
+    assert sum(r.new_tokens for r in mixed) >= 3 * 5  # the decoders got a token in each (the prompt's first: 1)
+    for s in eng.schedulers:
+        assert not s.running and not s.waiting and len(s.rows) == 0
+        assert s.pool.free + s.cache.size == s.pool.num_pages  # no page leaked, none still locked
+        assert s.cache.evictable() == s.cache.size

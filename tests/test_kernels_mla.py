@@ -130,3 +130,72 @@ def test_bench_tiny_preset_runs_and_writes_json(tmp_path, capsys):
     assert all(r["error"] is None and r["time_us"] > 0 and r["gbs"] > 0 for r in report["results"])
     assert all(r["max_abs_diff"] < 0.1 for r in report["results"] if r["path"] == "pallas")
     assert "GB/s" in capsys.readouterr().out
+
+
+# ---- the sparse (DSA) decode kernel --------------------------------------------------------------
+
+
+def make_sparse_case(batch, heads, page_size, num_pages, k, nums, dtype, seed=0):
+    """Random queries and cache; row b selects k distinct cache rows (its first nums[b] valid)."""
+    rng = np.random.default_rng(seed)
+    q_latent = jnp.asarray(rng.standard_normal((batch, heads, C)), dtype)
+    q_rope = jnp.asarray(rng.standard_normal((batch, heads, R)), dtype)
+    kv_cache = jnp.asarray(rng.standard_normal((num_pages, page_size, C + R)), dtype)
+    slots = np.stack([rng.permutation(num_pages * page_size)[:k] for _ in range(batch)])
+    return q_latent, q_rope, kv_cache, jnp.asarray(slots, jnp.int32), jnp.asarray(nums, jnp.int32)
+
+
+@needs_kernel_backend
+@pytest.mark.parametrize("k, nums, block_t, num_splits", [
+    (40, [40, 0, 1, 23], 16, None),  # a selection that is not a whole number of blocks; empty and 1-token rows
+    (64, [64, 64, 5, 33], 32, 1),  # one split
+    (48, [48, 17, 0, 47], 16, 3),  # a split boundary inside the selection
+])
+def test_sparse_mla_decode_matches_the_xla_path_f32(k, nums, block_t, num_splits):
+    from jaxdp.model.mla import sparse_mla_decode_xla
+    from kernels_pallas.sparse_mla_decode import sparse_mla_decode
+
+    q_latent, q_rope, kv, slots, num = make_sparse_case(4, 4, 8, 16, k, nums, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        out = sparse_mla_decode(q_latent, q_rope, kv, slots, num, softmax_scale=0.2, kv_lora_rank=C,
+                                block_t=block_t, num_splits=num_splits, interpret=INTERPRET)
+        expected = sparse_mla_decode_xla(q_latent, q_rope, kv, slots, num, softmax_scale=0.2, kv_lora_rank=C)
+    assert out.shape == (4, 4, C) and out.dtype == jnp.float32
+    live = np.asarray(num) > 0  # the XLA path gives a uniform average where nothing is selected: unused
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(expected)[live], rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out)[~live], 0.0)
+    one = nums.index(1) if 1 in nums else None
+    if one is not None:  # a single selected token: its latent, for every head
+        flat = np.asarray(kv).reshape(-1, C + R)
+        np.testing.assert_allclose(out[one], np.broadcast_to(flat[int(slots[one, 0]), :C], (4, C)), atol=1e-5)
+
+
+@needs_kernel_backend
+def test_sparse_mla_decode_over_every_token_is_the_dense_decode():
+    """Independent of the XLA sparse path: selecting a row's whole context gives mla_decode's reference."""
+    from kernels_pallas.sparse_mla_decode import sparse_mla_decode
+
+    page_size, max_pages, lengths = 4, 6, [21, 9, 24]
+    q_latent, q_rope, kv, table, lens = make_case(3, 20, page_size, max_pages, lengths, jnp.bfloat16, seed=2)
+    pos = np.arange(max_pages * page_size)
+    slots = np.asarray(table)[:, pos // page_size] * page_size + pos % page_size  # -1 pages: masked anyway
+    out = sparse_mla_decode(q_latent, q_rope, kv, jnp.asarray(slots, jnp.int32), lens, softmax_scale=0.15,
+                            kv_lora_rank=C, block_t=16, interpret=INTERPRET)
+    expected = mla_decode_reference(q_latent, q_rope, kv, table, lens, softmax_scale=0.15, kv_lora_rank=C)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_sparse_mla_decode_lowers_to_triton_at_real_shapes():
+    from jax import export
+
+    from kernels_pallas.sparse_mla_decode import sparse_mla_decode
+
+    spec = jax.ShapeDtypeStruct
+    b, h, c, r, page_size, pages, k = 5, 64, 512, 64, 64, 80, 2048  # GLM-5's heads and index_topk
+    fn = jax.jit(lambda *a: sparse_mla_decode(*a, softmax_scale=0.1, kv_lora_rank=c, interpret=False))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        spec((b, h, c), jnp.bfloat16), spec((b, h, r), jnp.bfloat16),
+        spec((pages, page_size, c + r), jnp.bfloat16), spec((b, k), jnp.int32), spec((b,), jnp.int32))
+    assert exported.mlir_module().count("xla.gpu.triton") == 1

@@ -133,6 +133,58 @@ def test_mesh_and_agreeing_flags_are_accepted():
     assert flags("--mesh dp=2,tp=4 --tp 8 --attn-dp-size 2") == Layout(dp=2, tp=4)
 
 
+@pytest.mark.parametrize(
+    "argv, spec",
+    [  # SGLang's modifier flags add to --mesh what it leaves unsaid, as they add to --tp-size
+        ("--mesh dp=8 --enable-dp-lm-head", "dp=8,lm_head=dp"),
+        ("--mesh dp=8 --moe-dense-tp-size 1", "dp=8,dense=replicated"),
+        ("--mesh dp=8 --moe-dense-tp-size 8", "dp=8,dense=tp"),
+        ("--mesh dp=8 --moe-a2a-backend deepep", "dp=8,moe=ep"),
+        ("--mesh dp=8 --moe-a2a-backend none", "dp=8"),
+        ("--mesh dp=8 --moe-a2a-backend deepep --moe-dense-tp-size 1 --enable-dp-lm-head",
+         "dp=8,moe=ep,dense=replicated,lm_head=dp"),
+        ("--mesh dp=2,tp=4 --tp 8 --attn-dp-size 2 --enable-dp-lm-head", "dp=2,tp=4,lm_head=dp"),
+        ("--mesh dp=8,moe=ep --moe-a2a-backend mooncake", "dp=8,moe=ep"),  # saying the same twice is fine
+        ("--mesh dp=8,lm_head=dp --enable-dp-lm-head", "dp=8,lm_head=dp"),
+        ("--mesh dp4 --enable-dp-lm-head", "dp=4,lm_head=dp"),  # a preset
+        ("--mesh dp=8 --tp-size 8 --attn-dp-size 8 --enable-dp-attention", "dp=8"),
+        ("--mesh tp=4,replicas=2 --dp-size 2 --moe-a2a-backend deepep", "tp=4,replicas=2,moe=ep"),
+    ],
+)
+def test_modifier_flags_compose_with_mesh(argv, spec):
+    assert flags(argv) == parse_mesh_spec(spec)
+    assert flags(argv, num_devices=8) == parse_mesh_spec(spec)
+
+
+def test_modifier_flags_compose_with_a_scaled_preset():
+    assert flags("--mesh dp8-ep8 --moe-dense-tp-size 1 --enable-dp-lm-head", num_devices=8) == parse_mesh_spec(
+        "dp=8,moe=ep,dense=replicated,lm_head=dp")
+    layout = flags("--mesh decode-ep --moe-a2a-backend deepep --tp-size 16", num_devices=16)
+    assert layout == parse_mesh_spec("decode-ep", num_devices=16) and layout.world == 16
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [  # only a real contradiction is an error
+        ("--mesh dp=8 --attn-dp-size 4", "--attn-dp-size 4 contradicts --mesh dp=8 (attention DP groups: 8)"),
+        ("--mesh dp=8 --tp-size 4", "--tp-size 4 contradicts --mesh dp=8 (devices per model copy: 8)"),
+        ("--mesh dp=8 --dp-size 2", "--dp-size 2 contradicts --mesh dp=8 (model copies: 1)"),
+        ("--mesh dp=8,moe=tp --moe-a2a-backend deepep", "moe=ep, which contradicts --mesh dp=8,moe=tp (moe=tp)"),
+        ("--mesh dp=8,moe=ep --moe-a2a-backend none", "contradicts --mesh dp=8,moe=ep"),
+        ("--mesh dp=8,dense=tp --moe-dense-tp-size 1", "dense=replicated, which contradicts"),
+        ("--mesh dp=8,lm_head=a2a --enable-dp-lm-head", "lm_head=dp, which contradicts"),
+        ("--mesh dp8-ep8 --moe-a2a-backend none", "contradicts --mesh dp8-ep8"),
+        ("--mesh tp=8 --enable-dp-lm-head", "needs attention DP but dp=1"),
+        ("--mesh dp=8 --moe-dense-tp-size 4", "use 1"),
+    ],
+)
+def test_flags_that_contradict_the_mesh_are_one_sentence(argv, words):
+    with pytest.raises(LayoutError) as info:
+        flags(argv)
+    assert_one_sentence(str(info.value))
+    assert words in str(info.value)
+
+
 def test_layout_from_args_validates_against_devices():
     assert flags("--mesh dp=8", num_devices=8) == Layout(dp=8)
     with pytest.raises(LayoutError, match="only 4 exist"):

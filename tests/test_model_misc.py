@@ -49,15 +49,13 @@ def test_unsupported_rope_and_quantization_refused():
     assert fp8.fp8_block == (128, 128)
 
 
-def test_glm5_sparse_indexer_refused_when_the_context_needs_it():
+def test_glm5_preset_and_config_carry_the_sparse_indexer():
     cfg = get_config("glm-5")
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.qk_nope_head_dim) == (78, 6144, 154880, 192)
-    cfg.check_context(2048)
-    with pytest.raises(UnsupportedConfigError, match="indexer"):
-        cfg.check_context(2049)
+    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_key_dim) == (2048, 32, 128)
     glm = config_from_hf_dict({**BASE, "model_type": "glm_moe_dsa", "index_topk": 64, "index_n_heads": 4,
-                               "index_head_dim": 32})
-    assert glm.index_topk == 64
+                               "index_head_dim": 32, "q_lora_rank": 16})
+    assert glm.index_topk == 64  # tests/test_dsa.py checks the indexer itself against transformers
 
 
 def test_fp8_block_dequantization():

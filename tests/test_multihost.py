@@ -4,8 +4,10 @@ Completions through node 0 equal the single-process dp=8 server's greedy outputs
 ranks 0-3 (node 0) and 4-7 (node 1), over IPv4 and over IPv6 (`--dist-init-addr [::1]:PORT`), and under
 dp=4,tp=2 (two whole TP groups per node). Killing node 1 mid-load, or stalling it (SIGSTOP), makes node 0
 fail its requests and refuse new ones (503) within `--dist-timeout`; stopping node 0 ends node 1.
-Start-up mistakes end in one line. The exchange itself is checked against a fake key-value store (every
-node reaches the same proposals; a silent node raises PeerFailure within the timeout).
+SGLang's modifier flags compose with --mesh on one node and on two, and /flush_cache on node 0 flushes
+every node's ranks, refusing while a request runs, with one line per node. Start-up mistakes end in one
+line. The exchange itself runs in threads, over ZeroMQ and over a fake key-value store (every node reaches
+the same proposals and messages, large ones included; a silent node raises PeerFailure within the timeout).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -27,7 +30,7 @@ import openai
 import pytest
 from servers import Server, free_port
 
-from jaxdp.engine.hosts import DistError, HostExchange, PeerFailure, parse_dist_addr
+from jaxdp.engine.hosts import DistError, HostExchange, PeerFailure, StoreGather, ZmqGather, parse_dist_addr
 from jaxdp.model.loader import default_model_path
 from jaxdp.parallel.places import Proposal
 
@@ -62,9 +65,10 @@ def generate(server, prompt: str, rank: int | None = None, max_new_tokens: int =
 class Cluster:
     """Node 0 (HTTP) and node 1 (its ranks' loop and /health) of one dp=8 model world."""
 
-    def __init__(self, tmp, host: str, mesh: str = "dp=8"):
+    def __init__(self, tmp, host: str, mesh: str = "dp=8", extra: tuple[str, ...] = ()):
         addr = f"[{host}]:{free_port()}" if ":" in host else f"{host}:{free_port()}"
-        common = ["--mesh", mesh, "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(TIMEOUT), *ARGS]
+        common = ["--mesh", mesh, *extra, "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(TIMEOUT),
+                  *ARGS]
         self.node0 = Server([*common, "--node-rank", "0"], tmp / "node0.log", env=NODE_ENV)
         self.node1 = Server([*common, "--node-rank", "1"], tmp / "node1.log", env=NODE_ENV)
 
@@ -180,6 +184,80 @@ def test_tp_groups_stay_on_a_node_and_a_stalled_node_fails_node_0_within_the_tim
         assert "error: node 1:" in cluster.node1.log.read_text()
 
 
+COMPOSED = ("--enable-dp-lm-head", "--moe-dense-tp-size", "1")  # SGLang's modifier flags on top of --mesh dp=8
+COMPOSED_SPEC = "dp=8,tp=1,moe=tp,dense=replicated,lm_head=dp"
+
+
+def used_tokens(server) -> list[float]:
+    """jaxdp:num_used_tokens per rank (another node's ranks as of their last report to node 0)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = dict(re.findall(r'^jaxdp:num_used_tokens\{dp_rank="(\d+)"[^}]*\} (\S+)$', text, re.M))
+    return [float(found[str(r)]) for r in range(8)]
+
+
+def wait_for(condition, what: str, timeout: float = 5):
+    t0 = time.monotonic()
+    while not (value := condition()):
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.1)
+    return value
+
+
+def check_flush(node0, nodes: list[tuple[range, str]]) -> None:
+    """After a load on every rank: a flush while a request runs is refused everywhere; once idle it frees
+    every rank's cached tokens, on every node, and says per node what it did."""
+    for i, p in enumerate(PROMPTS):  # prompts of whole pages (16 tokens): their pages stay in the prefix cache
+        generate(node0, " ".join([p] * 5), rank=i, max_new_tokens=4)
+    wait_for(lambda: all(x > 0 for x in used_tokens(node0)), "cached tokens on every rank")
+
+    async def flush_while_busy():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"text": "9+9=", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+                    "routed_dp_rank": 7}
+            task = asyncio.create_task(c.post(node0.url + "/generate", json=body))
+            await asyncio.sleep(1.0)
+            refused = await c.post(node0.url + "/flush_cache")
+            return refused, await task
+
+    refused, answer = asyncio.run(flush_while_busy())
+    assert answer.status_code == 200
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "requests are running or waiting" in message and all(f"{n}: not flushed" in message for _, n in nodes)
+    time.sleep(0.5)  # node 1's ranks' states reach node 0 four times a second
+    before = used_tokens(node0)
+    assert all(u > 0 for u in before)  # nothing was flushed anywhere
+    r = httpx.post(node0.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    lines = r.text.splitlines()
+    assert lines[0] == "Cache flushed."
+    for (ranks, name), line in zip(nodes, lines[1:], strict=True):  # each node freed what its ranks held
+        assert line == f"{name}: flushed, {sum(before[r] for r in ranks):.0f} cached tokens freed", line
+    wait_for(lambda: used_tokens(node0) == [0.0] * 8, f"no tokens left on any rank: {used_tokens(node0)}")
+
+
+def test_composed_flags_and_flush_on_one_node(tmp_path, reference):
+    server = Server(["--mesh", "dp=8", *COMPOSED, *ARGS], tmp_path / "server.log")
+    try:
+        server.wait()
+        assert httpx.get(server.url + "/get_server_info", timeout=10).json()["mesh"] == COMPOSED_SPEC
+        for i, p in enumerate(PROMPTS):
+            assert generate(server, p, rank=i)["output_ids"] == reference[p], (p, i)
+        check_flush(server, [(range(8), "node 0 (ranks 0-7)")])
+    finally:
+        server.stop()
+
+
+def test_composed_flags_and_flush_reach_every_node(tmp_path, reference):
+    """Two nodes under --mesh dp=8 plus SGLang's modifier flags: the same answers as one process, and
+    /flush_cache on node 0 flushes node 1's ranks too (before, 256 tokens stayed cached there)."""
+    with Cluster(tmp_path, "127.0.0.1", extra=COMPOSED) as cluster:
+        assert httpx.get(cluster.node0.url + "/get_server_info", timeout=10).json()["mesh"] == COMPOSED_SPEC
+        for i, p in enumerate(PROMPTS):
+            assert generate(cluster.node0, p, rank=i)["output_ids"] == reference[p], (p, i)
+        check_flush(cluster.node0, [(range(4), "node 0 (ranks 0-3)"), (range(4, 8), "node 1 (ranks 4-7)")])
+
+
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_two_nodes_over_ipv6(tmp_path, reference):
     with Cluster(tmp_path, "::1") as cluster:
@@ -259,40 +337,72 @@ class FakeStore:
                 del self.data[k]
 
 
-def test_exchange_gives_every_node_the_same_proposals_and_messages():
-    store, nodes, dp = FakeStore(), 4, 8
+    def key_value_set(self, key, value):
+        self.key_value_set_bytes(key, value)
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.blocking_key_value_get_bytes(key, timeout_ms)
+
+
+def run_nodes(nodes: int, dp: int, steps: int, make_gather) -> list:
+    """`nodes` threads, each a HostExchange over `make_gather(node)`, exchanging `steps` times; every
+    proposal names its step and rank, every message its node and step (every 10th one is large)."""
     results = [None] * nodes
 
     def node(k):
-        ex = HostExchange(nodes, k, dp, timeout_s=5, client=store)
+        ex = HostExchange(nodes, k, dp, timeout_s=10, client=STORE, gather=make_gather(k))
         out = []
-        for step in range(200):
+        for step in range(steps):
             local = [Proposal(0, False, False)] * dp
             for r in ex.local_ranks():
                 local[r] = Proposal(10 * step + r, r % 2 == 0, True)
-            out.append(ex.exchange(local, {"from": k, "step": step}))
+            out.append(ex.exchange(local, {"from": k, "step": step, "pad": "x" * (100_000 if step % 10 == 0 else 0)}))
+        ex.gather.close()
         results[k] = out
 
     threads = [threading.Thread(target=node, args=(k,)) for k in range(nodes)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    for step in range(200):
+        t.join(60)
+    for step in range(steps):
         proposals = [results[k][step][0] for k in range(nodes)]
         assert all(p == proposals[0] for p in proposals)
         assert [p.rows for p in proposals[0]] == [10 * step + r for r in range(dp)]
+        assert [p.is_extend for p in proposals[0]] == [r % 2 == 0 for r in range(dp)]
         for k in range(nodes):
-            assert [m["from"] for m in results[k][step][1]] == list(range(nodes))
+            assert [(m["from"], m["step"]) for m in results[k][step][1]] == [(j, step) for j in range(nodes)]
+    return results
+
+
+STORE = FakeStore()
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_zmq_exchange_gives_every_node_the_same_proposals_and_messages(nodes):
+    prefix = f"zmq-test-{nodes}"
+    run_nodes(nodes, 8, 300, lambda k: ZmqGather(nodes, k, 10, STORE, "127.0.0.1", init_timeout_s=10,
+                                                 prefix=prefix))
+
+
+def test_store_exchange_gives_every_node_the_same_proposals_and_deletes_old_keys():
+    store, nodes = FakeStore(), 4
+    run_nodes(nodes, 8, 200, lambda k: StoreGather(nodes, k, 10, store))
     # the keys of finished iterations are deleted, a directory of BLOCK at a time
-    assert len(store.data) <= 2 * HostExchange.BLOCK * nodes
+    assert len(store.data) <= 2 * StoreGather.BLOCK * nodes
     assert max(pickle.loads(v)[1]["step"] for v in store.data.values()) == 199
 
 
-def test_a_silent_node_fails_the_exchange_within_the_timeout():
+@pytest.mark.parametrize("transport", ["zmq", "store"])
+def test_a_silent_node_fails_the_exchange_within_the_timeout(transport):
     store = FakeStore()
-    ex = HostExchange(2, 0, 8, timeout_s=0.5, client=store)
+    if transport == "zmq":  # node 1 sets up its sockets, then never exchanges
+        threading.Thread(target=ZmqGather, args=(2, 1, 0.5, store, "127.0.0.1"), daemon=True).start()
+        gather = ZmqGather(2, 0, 0.5, store, "127.0.0.1", init_timeout_s=5)
+    else:
+        gather = StoreGather(2, 0, 0.5, store)
+    ex = HostExchange(2, 0, 8, timeout_s=0.5, client=store, gather=gather)
     t0 = time.monotonic()
-    with pytest.raises(PeerFailure, match="node 1 did not answer"):
+    with pytest.raises(PeerFailure, match="node 1 did not answer the step exchange #0 within"):
         ex.exchange([Proposal(0, False, False)] * 8, {})
     assert time.monotonic() - t0 < 2

@@ -16,10 +16,12 @@ from safetensors.numpy import save_file
 
 from jaxdp.config import UnsupportedConfigError
 from jaxdp.layout import parse_mesh_spec
-from jaxdp.model.loader import CheckpointReader, hf_config_dict, hf_state_dict, load_model, save_hf_checkpoint
+from jaxdp.model.checkpoint import Checkpoint
+from jaxdp.model.loader import hf_config_dict, hf_state_dict, load_model, save_hf_checkpoint
 from jaxdp.model.modelopt import read_quant_config
 from jaxdp.model.moe import NVFP4_PARAMS
 from jaxdp.model.quant import quantize_experts
+from jaxdp.model.sources import read_dense
 from jaxdp.one_batch import run_prompts
 from jaxdp.parallel.step import StepRunner
 from kernels_pallas.nvfp4 import dequantize_nvfp4, quantize_nvfp4, quantize_nvfp4_gate_up
@@ -160,10 +162,10 @@ def test_modelopt_checkpoint_loads_like_quantize_at_load(dense, hf_dir, referenc
     assert_same_params(from_modelopt, at_load)
     np.testing.assert_array_equal(logits(from_modelopt), reference)
     # any other NVFP4 weight is dequantized on read
-    reader = CheckpointReader(tmp_path, dense.cfg)
     name = "model.layers.1.mlp.experts.3.down_proj"
     expected = dequantize_nvfp4(*quantize_nvfp4(hf_state_dict(dense)[f"{name}.weight"]))
-    np.testing.assert_array_equal(reader.get(f"{name}.weight"), np.asarray(expected))
+    with Checkpoint(tmp_path) as ck:
+        np.testing.assert_array_equal(read_dense(ck, f"{name}.weight", None), np.asarray(expected))
 
 
 @pytest.mark.parametrize("quant,needle", [({"quant_algo": "FP8"}, "quant_algo 'FP8'"),

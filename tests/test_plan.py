@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from jaxdp.gpus import GPUError, get_gpu, parse_memory
-from jaxdp.plan import main
+from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory
+from jaxdp.planner.plan import main
 
 GiB = 2**30
 ARTICLE = ["--model", "glm-5", "--gpus", "4", "--gpu", "B300", "--gpu-memory", "269GiB", "--mesh", "dp=4",
@@ -98,16 +98,31 @@ def test_rows_and_other_layouts(tmp_path):
     (["--gpus", "4", "--mesh", "dp=3"], "--gpus"),
     (["--gpus", "8", "--tp-size", "8", "--attn-dp-size", "3"], "divide"),
     (["--gpus", "4", "--mesh", "dp=4", "--gpu", "Z9"], "unknown GPU"),
-    (["--gpus", "1", "--mesh", "dp=1", "--gpu", "H100", "--model", "deepseek-v3"], "do not fit"),
+    (["--gpus", "1", "--mesh", "dp=1", "--gpu", "H100", "--model", "deepseek-v3"], "1251.8 GiB per GPU but 70.4"),
     (["--gpus", "4", "--mesh", "dp=4", "--rows", "1,2"], "--rows"),
     (["--gpus", "4", "--mesh", "dp=4", "--model", "no-such-model"], "preset"),
     (["--gpus", "4"], "--mesh"),
     (["--mesh", "dp=4"], "--gpus"),
+    (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--kv-dtype", "fp8"], "--kv-dtype bf16"),
+    (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--compile-steps", "x"], "decode,"),
+    (["--gpus", "4", "--mesh", "dp=4", "--compile", "--extend-rows", "0"], "must be positive"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, words, capsys):
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and words in err and "Traceback" not in err
+
+
+def test_a_layout_that_does_not_fit_names_one_that_does(capsys, tmp_path):
+    argv = ["--model", "deepseek-v3", "--gpu", "H100", "--expert-dtype", "fp8"]
+    assert _exit_code([*argv, "--gpus", "8", "--mesh", "dp=8"]) == 2
+    err = capsys.readouterr().err
+    assert "102.3 GiB per GPU but 70.4 GiB are available" in err
+    advice = err.split("a layout that fits: ")[1].split(" (")[0].split()
+    assert advice == ["--gpus", "16", "--mesh", "dp=16,tp=1"]
+    out = tmp_path / "fits.json"
+    assert main([*argv, *advice, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["plan"]["fits"]
 
 
 def _exit_code(argv):
@@ -129,7 +144,7 @@ def test_gpu_presets_and_custom():
 def test_placement_rules_sglang_and_jaxdp():
     from jaxdp.config import get_config
     from jaxdp.layout import Layout
-    from jaxdp.weights import weights_per_device
+    from jaxdp.planner.weights import weights_per_device
 
     cfg = get_config("glm-5")
 
@@ -144,3 +159,13 @@ def test_placement_rules_sglang_and_jaxdp():
     dp = per_device(Layout(dp=4), "sglang")
     assert ep["shared expert"] == 4 * dp["shared expert"] and ep["dense layers"] == 4 * dp["dense layers"]
     assert ep["routed experts"] == dp["routed experts"]  # 64 whole experts = a quarter of each
+
+
+@pytest.mark.parametrize("module", ["jaxdp.plan", "jaxdp.planner"])
+def test_both_commands_run_the_planner(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--gpus", "4", "--mesh", "dp=4", "--gpu", "Z9"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown GPU" in out.stderr

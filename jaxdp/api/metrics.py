@@ -40,6 +40,8 @@ class ServerMetrics:
         self.num_requests = Counter(P + "num_requests", "Finished requests", RANK, registry=r)
         self.num_aborted = Counter(P + "num_aborted_requests", "Requests aborted (client gone or refused)", RANK,
                                    registry=r)
+        self.http_errors = Counter(P + "http_errors", "Answers with an error status (refused requests, limits, "
+                                   "shutdown), by status", ["status"], registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", RANK,
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between streamed tokens", RANK,

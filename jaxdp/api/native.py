@@ -1,11 +1,14 @@
 """SGLang's native endpoints: /generate, /health, /health_generate, /ready, /server_info, /get_load,
-/model_info, /flush_cache, /metrics (and the older names /get_server_info and /get_model_info, which
-SGLang keeps as deprecated aliases; sglang.bench_serving asks for /server_info and /model_info).
+/model_info, /flush_cache, /abort_request, /metrics (and the older names /get_server_info and
+/get_model_info, which SGLang keeps as deprecated aliases; sglang.bench_serving asks for /server_info and
+/model_info).
 
 /generate takes `text` or `input_ids` (one prompt or a batch), `sampling_params`, `stream`, `rid`,
 `return_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
 `X-Data-Parallel-Rank` header. It answers {"text", "output_ids", "meta_info"} (a list for a batch); with
 `stream`, one `data:` line per update with the cumulative text and meta_info, then `data: [DONE]`.
+/abort_request takes SGLang's body {"rid": "...", "abort_all": false}; the aborted request answers what it
+has generated with finish_reason abort. Every field is checked in `jaxdp.api.fields`.
 """
 
 from __future__ import annotations
@@ -19,76 +22,64 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdp.api.app import Job, ServerContext, complete_jobs, job_error, run_jobs
-from jaxdp.api.common import (
-    ApiError,
-    check_n,
-    done_ids,
-    error_response,
-    field,
-    finish_reason,
+from jaxdp.api.common import ApiError, done_ids, error_response, finish_reason, sse
+from jaxdp.api.context import (
+    Job,
+    ServerContext,
+    complete_jobs,
+    event_stream,
+    job_error,
+    pinned_rank,
     read_json,
+    run_jobs,
+)
+from jaxdp.api.fields import (
+    MAX_PROMPTS,
+    check_n,
+    field,
+    rids,
     sampling_params,
-    sse,
+    token_ids,
 )
 from jaxdp.engine import BadRequest, SamplingParams
 
 log = logging.getLogger("jaxdp.serve")
 router = APIRouter()
-_warned = set()
-
-
-def pinned_rank(body: dict, http: HttpRequest) -> int | None:
-    """The rank a request asks for: routed_dp_rank, data_parallel_rank (deprecated) or the header."""
-    rank = body.get("routed_dp_rank")
-    if rank is None and body.get("data_parallel_rank") is not None:
-        if "data_parallel_rank" not in _warned:
-            _warned.add("data_parallel_rank")
-            log.warning("data_parallel_rank is deprecated; send routed_dp_rank instead")
-        rank = body["data_parallel_rank"]
-    header = http.headers.get("x-data-parallel-rank")
-    if rank is None and header is not None:
-        try:
-            rank = int(header)
-        except ValueError:
-            raise ApiError(f"the X-Data-Parallel-Rank header {header!r} is not an integer rank") from None
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise ApiError(f"routed_dp_rank must be an integer, got {rank!r}", param="routed_dp_rank")
-    return rank
-
-
-def _prompts(ctx: ServerContext, body: dict) -> tuple[list[list[int]], bool]:
+async def _prompts(ctx: ServerContext, body: dict, rank: int | None) -> tuple[list[list[int]], bool]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError("send exactly one of text or input_ids", param="text")
     if text is not None:
         if isinstance(text, str):
-            return [ctx.encode(text)], False
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [ctx.encode(t) for t in text], True
-        raise ApiError("text must be a string or a non-empty list of strings", param="text")
+            return await ctx.encode([text], rank=rank), False
+        if isinstance(text, list) and 0 < len(text) <= MAX_PROMPTS and all(isinstance(t, str) for t in text):
+            return await ctx.encode(text, rank=rank), True
+        raise ApiError(f"text must be a string or a list of 1 to {MAX_PROMPTS} strings", param="text")
     if isinstance(ids, list) and ids and all(isinstance(t, list) for t in ids):
         batch, is_batch = ids, True
     elif isinstance(ids, list):
         batch, is_batch = [ids], False
     else:
         raise ApiError("input_ids must be a list of token ids or a list of such lists", param="input_ids")
-    for p in batch:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise ApiError("input_ids must hold integer token ids", param="input_ids")
+    if len(batch) > MAX_PROMPTS:
+        raise ApiError(f"input_ids holds {len(batch)} prompts, more than the {MAX_PROMPTS} allowed; split it",
+                       param="input_ids")
+    context = ctx.context_len(rank)
+    for p in batch:  # the length first: a prompt too long for any rank is refused before its ids are read
+        token_ids(p, "input_ids", ctx.vocab_size, context)
     return batch, is_batch
 
 
-def _params(body: dict, count: int) -> tuple[list[SamplingParams], int, bool]:
-    sp = body.get("sampling_params") or {}
+def _params(ctx: ServerContext, body: dict, count: int) -> tuple[list[SamplingParams], int, bool]:
+    sp = field(body, "sampling_params", (dict, list), {})
     sps = sp if isinstance(sp, list) else [sp] * count
     if len(sps) != count or not all(isinstance(s, dict) for s in sps):
         raise ApiError("sampling_params must be an object (or one object per prompt)", param="sampling_params")
-    params = [sampling_params(s, max_new=128, where="sampling_params.") for s in sps]
-    n = check_n(sps[0].get("n", 1))
+    params = [sampling_params(s, max_new=128, vocab_size=ctx.vocab_size, where="sampling_params.") for s in sps]
+    n = check_n(sps[0], count)
     skip = field(sps[0], "skip_special_tokens", bool, True, where="sampling_params.")
     return params, n, skip
 
@@ -114,26 +105,23 @@ def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
 async def generate(http: HttpRequest):
     ctx: ServerContext = http.app.state.ctx
     body = await read_json(http)
-    prompts, is_batch = _prompts(ctx, body)
-    params, n, skip = _params(body, len(prompts))
-    with_logprobs = bool(field(body, "return_logprob", bool, False))
+    rank = pinned_rank(body, http)
+    stream = field(body, "stream", bool, False)
+    with_logprobs = field(body, "return_logprob", bool, False)
+    prompts, is_batch = await _prompts(ctx, body, rank)
+    params, n, skip = _params(ctx, body, len(prompts))
     for p in params:
         p.return_logprob = with_logprobs
-    rid = field(body, "rid", (str, list))
-    rids = rid if isinstance(rid, list) else [rid] if rid is not None else None
-    if rids is not None and (len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids)):
-        raise ApiError("rid must be a string (or one string per prompt)", param="rid")
-    jobs = ctx.make_jobs(prompts, params, n, rank=pinned_rank(body, http), rids=rids, skip_special_tokens=skip)
-    if field(body, "stream", bool, False):
-        return StreamingResponse(_stream(ctx, jobs, with_logprobs, is_batch or n > 1),
-                                 media_type="text/event-stream")
-    await complete_jobs(http, ctx.backend, jobs)
+    jobs = ctx.make_jobs(prompts, params, n, rank=rank, rids=rids(body, len(prompts)), skip_special_tokens=skip)
+    if stream:
+        return event_stream(_stream(ctx, jobs, with_logprobs, is_batch or n > 1))
+    await complete_jobs(http, ctx, jobs)
     out = [result(ctx, job, with_logprobs) for job in jobs]
     return JSONResponse(out if is_batch or n > 1 else out[0])
 
 
 async def _stream(ctx: ServerContext, jobs: list[Job], with_logprobs: bool, indexed: bool):
-    async for i in run_jobs(ctx.backend, jobs):
+    async for i in run_jobs(ctx, jobs):
         job = jobs[i]
         if (err := job_error(job)) is not None:
             yield sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
@@ -216,13 +204,34 @@ def _hf_config(model_path: str) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(http: HttpRequest):
-    ok = await asyncio.to_thread(http.app.state.ctx.backend.flush_cache)
-    if not ok:
-        raise ApiError("the prefix cache was not flushed because requests are running or waiting; retry when "
-                       "the server is idle")
-    return PlainTextResponse("Cache flushed.\n")
+    """Flush the prefix cache of every rank on every node (refused while requests run or wait, as SGLang);
+    the answer says, per node, what it did."""
+    ctx: ServerContext = http.app.state.ctx
+    reports = await asyncio.to_thread(ctx.backend.flush_cache)
+    if reports is None:
+        raise ApiError("the cache flush did not reach every node (a node failed or did not answer within 30 s); "
+                       "check /health and the nodes' logs", 503, "server_error")
+    lines = [f"replica {i}, {r.describe()}" if ctx.backend.num_replicas > 1 else r.describe() for i, r in reports]
+    if not all(r.flushed for _, r in reports):
+        raise ApiError(f"the prefix cache was not flushed everywhere because requests are running or waiting "
+                       f"({'; '.join(lines)}); retry when the server is idle")
+    return PlainTextResponse("Cache flushed.\n" + "".join(f"{line}\n" for line in lines))
+
+
+@router.post("/abort_request")
+async def abort_request(http: HttpRequest):
+    """SGLang's body: {"rid": "...", "abort_all": false}; 200 whether or not such a request was running."""
+    ctx: ServerContext = http.app.state.ctx
+    body = await read_json(http)
+    rid = field(body, "rid", str, "")
+    abort_all = field(body, "abort_all", bool, False)
+    if not rid and not abort_all:
+        raise ApiError("send the rid of the request to abort, or abort_all: true", param="rid")
+    count = ctx.abort(None if abort_all else rid)
+    log.info("/abort_request aborted %d requests (%s)", count, "all" if abort_all else f"rid {rid[:60]!r}")
+    return Response(status_code=200)
 
 
 @router.get("/metrics")

@@ -16,21 +16,28 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
 
-from jaxdp.api.app import Job, ServerContext, complete_jobs, job_error, run_jobs
-from jaxdp.api.common import (
-    ApiError,
-    check_n,
-    done_ids,
-    field,
-    finish_reason,
-    openai_finish,
+from jaxdp.api.common import ApiError, done_ids, finish_reason, openai_finish, sse
+from jaxdp.api.context import (
+    Job,
+    ServerContext,
+    complete_jobs,
+    event_stream,
+    job_error,
+    pinned_rank,
     read_json,
-    sampling_params,
-    sse,
+    run_jobs,
 )
-from jaxdp.api.native import pinned_rank
+from jaxdp.api.fields import (
+    INT32_MAX,
+    MAX_PROMPTS,
+    MAX_TOP_LOGPROBS,
+    check_n,
+    field,
+    integer,
+    sampling_params,
+    token_ids,
+)
 
 router = APIRouter()
 
@@ -43,30 +50,31 @@ async def models(http: HttpRequest):
                                         "max_model_len": ctx.context_len(None)}]}
 
 
-def _params(body: dict, default_max: int | None):
-    max_tokens = field(body, "max_tokens", int)
+def _params(ctx: ServerContext, body: dict, default_max: int | None):
+    max_tokens = integer(body, "max_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = field(body, "max_completion_tokens", int, default_max)
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        max_tokens = integer(body, "max_completion_tokens", default_max, 1, INT32_MAX, param="max_tokens")
     sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                                "ignore_eos") if body.get(k) is not None}
-    sp["max_new_tokens"] = max_tokens
-    params = sampling_params(sp, max_new=None)
+    params = sampling_params(sp, max_new=None, vocab_size=ctx.vocab_size)
     params.max_new_tokens = max_tokens
     return params
 
 
-def _completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(ctx: ServerContext, prompt: Any, rank: int | None) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [ctx.encode(prompt, "a text prompt")]
+        return await ctx.encode([prompt], "a text prompt", rank)
     if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS and not all(isinstance(t, int) for t in prompt):
+            raise ApiError(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} allowed; split it",
+                           param="prompt")
+        context = ctx.context_len(rank)
         if all(isinstance(p, str) for p in prompt):
-            return [ctx.encode(p, "a text prompt") for p in prompt]
+            return await ctx.encode(prompt, "a text prompt", rank)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            return prompt
+            return [token_ids(prompt, "prompt", ctx.vocab_size, context)]
+        if all(isinstance(p, list) for p in prompt):
+            return [token_ids(p, "prompt", ctx.vocab_size, context) for p in prompt]
     if prompt is None:
         raise ApiError("prompt is required: a string, a list of strings, token ids, or a list of token id lists",
                        param="prompt")
@@ -74,7 +82,7 @@ def _completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
                    "an empty prompt is not allowed", param="prompt")
 
 
-def _chat_prompt(ctx: ServerContext, messages: Any) -> list[int]:
+async def _chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages is required: a non-empty list of {role, content} objects", param="messages")
     flat = []
@@ -83,37 +91,41 @@ def _chat_prompt(ctx: ServerContext, messages: Any) -> list[int]:
             raise ApiError("each message must be an object with a role and a content", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
                 raise ApiError("this server reads text message parts only", param="messages")
             content = "".join(parts)
         if not isinstance(content, str):
             raise ApiError("a message's content must be a string or a list of text parts", param="messages")
         flat.append({"role": m["role"], "content": content})
-    if ctx.tokenizer is None:
-        ctx.encode("", "chat messages")  # raises: no tokenizer
-    try:
-        text = ctx.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
-    except Exception as e:  # a template that refuses the conversation (jinja2 raise_exception, no template)
-        raise ApiError(f"the chat template refused these messages: {e}", param="messages") from None
-    return ctx.tokenizer.encode(text)
+    return await ctx.encode_chat(flat, rank)
+
+
+def _token_text(ctx: ServerContext, token: int) -> str:
+    return ctx.tokenizer.decode([token], skip_special_tokens=False) if ctx.tokenizer else str(token)
 
 
 def _logprobs_completion(ctx: ServerContext, job: Job) -> dict:
-    tok, req = ctx.tokenizer, job.req
-    tokens = [tok.decode([t], skip_special_tokens=False) if tok else str(t) for t in done_ids(req)]
-    lps = list(req.output_logprobs)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps,
-                                                                                                 strict=False)],
-            "text_offset": None}
+    req = job.req
+    ids, lps = done_ids(req), list(req.output_logprobs)
+    tokens = [_token_text(ctx, t) for t in ids]
+    if req.params.top_logprobs:
+        top = [{_token_text(ctx, t): lp for t, lp in alts} for alts in req.output_top_logprobs[:len(ids)]]
+    else:
+        top = [{t: lp} for t, lp in zip(tokens, lps, strict=False)]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": None}
 
 
 def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0) -> dict:
-    tok, req = ctx.tokenizer, job.req
+    req = job.req
+    ids = done_ids(req)
+    tops = req.output_top_logprobs if req.params.top_logprobs else [[] for _ in ids]
     content = []
-    for t, lp in list(zip(done_ids(req), req.output_logprobs, strict=False))[start:]:
-        text = tok.decode([t], skip_special_tokens=False) if tok else str(t)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    for t, lp, alts in list(zip(ids, req.output_logprobs, tops, strict=False))[start:]:
+        text = _token_text(ctx, t)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (a := _token_text(ctx, tid)), "logprob": alp,
+                                          "bytes": list(a.encode())} for tid, alp in alts]})
     return {"content": content}
 
 
@@ -137,27 +149,29 @@ def _usage(jobs: list[Job]) -> dict:
 async def _handle(http: HttpRequest, chat: bool):
     ctx: ServerContext = http.app.state.ctx
     body = await read_json(http)
+    if not chat and field(body, "echo", bool, False):
+        raise ApiError("echo is not supported; leave it false", param="echo")
+    rank = pinned_rank(body, http)
+    params = _params(ctx, body, None if chat else 16)
     if chat:
-        prompts = [_chat_prompt(ctx, body.get("messages"))]
+        want_logprobs = field(body, "logprobs", bool, False)
+        top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        if top and not want_logprobs:
+            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        prompts = _completion_prompts(ctx, body.get("prompt"))
-        if field(body, "echo", bool, False):
-            raise ApiError("echo is not supported; leave it false", param="echo")
-    params = _params(body, None if chat else 16)
-    logprobs = body.get("logprobs")
-    want_logprobs = bool(logprobs) if chat else logprobs is not None
-    if not chat and logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                              or not 0 <= logprobs <= 5):
-        raise ApiError("logprobs must be an integer from 0 to 5", param="logprobs")
-    params.return_logprob = want_logprobs
-    n = check_n(body.get("n", 1))
-    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=pinned_rank(body, http))
+        top = integer(body, "logprobs", None, 0, 5)
+        want_logprobs = top is not None
+    params.return_logprob, params.top_logprobs = want_logprobs, top or 0
+    stream = field(body, "stream", bool, False)
+    usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False, where="stream_options.")
+    prompts = [await _chat_prompt(ctx, body.get("messages"), rank)] if chat else \
+        await _completion_prompts(ctx, body.get("prompt"), rank)
+    n = check_n(body, len(prompts))
+    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    if field(body, "stream", bool, False):
-        options = field(body, "stream_options", dict, {}) or {}
-        usage = bool(options.get("include_usage", False))
-        return StreamingResponse(_stream(ctx, jobs, cid, chat, want_logprobs, usage), media_type="text/event-stream")
-    await complete_jobs(http, ctx.backend, jobs)
+    if stream:
+        return event_stream(_stream(ctx, jobs, cid, chat, want_logprobs, usage))
+    await complete_jobs(http, ctx, jobs)
     choices = []
     for i, job in enumerate(jobs):
         text, req = job.view.text(job.req), job.req
@@ -188,7 +202,7 @@ async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, wan
     if chat:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(jobs))])
-    async for i in run_jobs(ctx.backend, jobs):
+    async for i in run_jobs(ctx, jobs):
         job = jobs[i]
         if (err := job_error(job)) is not None:
             yield sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})

@@ -2,11 +2,11 @@
 each an Engine on its own contiguous sub-mesh with its own pools and schedulers, behind one controller.
 
 Ranks are numbered globally (replica r's local rank j is rank offset_r + j), which is what
-`routed_dp_rank`, /get_load and the metrics' `dp_rank` label mean. The controller sees every request
-from the moment it is assigned, not only once the engine loop has admitted it, so a burst of requests
-is balanced too. `total_tokens` weighs each rank's tokens against its pool: an unequal small replica
-(the guide's two-L4 story) gets a share of the work in proportion to what it can hold, instead of
-half of it (round_robin) or a queue it cannot drain.
+`routed_dp_rank`, /get_load and the metrics' `dp_rank` label mean. The server has one controller, here, over
+all ranks, and its ledger is the only record of the load assigned (see `jaxdp.engine.controller`); the
+engines get their ranks pinned. `total_tokens` weighs each rank's tokens against its pool: an
+unequal small replica (the guide's two-L4 story) gets a share of the work in proportion to what it can
+hold, instead of half of it (round_robin) or a queue it cannot drain.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from jaxdp.api.common import done_ids
-from jaxdp.engine import BadRequest, Engine, Request, SamplingParams
+from jaxdp.engine import Engine, Request, SamplingParams
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.nodes import NodeFlush
 
 
 @dataclasses.dataclass
@@ -40,10 +41,9 @@ class ReplicaSet:
             raise ValueError("a ReplicaSet needs at least one engine")
         self.engines = engines
         self.ranks: list[tuple[Engine, int]] = [(e, j) for e in engines for j in range(e.layout.dp)]
-        self.controller = Controller(len(self.ranks), method)
+        self.controller = Controller(len(self.ranks), method, [self.capacity(r) for r in range(len(self.ranks))])
         self.method = method
         self._lock = threading.Lock()
-        self._live: dict[str, tuple[int, Request]] = {}  # rid -> (global rank, request)
         self.counters = [RankCounters() for _ in self.ranks]
         # (rank, seconds since the last update, new tokens, first update of the request)
         self.on_token: list[Callable[[int, float, int, bool], None]] = []
@@ -87,44 +87,20 @@ class ReplicaSet:
     # ---- requests ----------------------------------------------------------------------------------
     def loads(self) -> list[tuple[float, int]]:
         """(tokens held / pool size, requests) per rank, counting requests not yet admitted by the loop."""
-        tokens, reqs = [0] * self.num_ranks, [0] * self.num_ranks
-        with self._lock:
-            live = list(self._live.values())
-        for rank, req in live:
-            tokens[rank] += req.num_tokens
-            reqs[rank] += 1
-        return [(tokens[r] / self.capacity(r), reqs[r]) for r in range(self.num_ranks)]
-
-    def choose_rank(self, pinned: int | None = None) -> int:
-        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int)):
-            raise BadRequest(f"routed_dp_rank must be an integer, got {pinned!r}")
-        loads = self.loads() if pinned is None else []
-        with self._lock:
-            return self.controller.assign(loads, pinned)
+        return self.controller.loads()
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                      rank: int | None = None) -> Request:
         """A request assigned to a global rank (chosen, or pinned by `rank`); BadRequest when it cannot run."""
         with self._lock:
-            if rid is not None and rid in self._live:
-                raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
             self._rids += 1
             rid = rid or f"req-{self._rids}-{time.time_ns() % 10**9}"
-        g = self.choose_rank(rank)
+        self.controller.check_rid(rid)
+        g = self.controller.choose(rank)
         engine, local = self.ranks[g]
-        if len(prompt_ids) + 1 > engine.context_len:
-            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens but rank {g} holds at most "
-                             f"{engine.context_len} (context length / KV pool); shorten the prompt")
-        for attempt in range(3):  # the engine reads its queues, which its loop thread may be changing
-            try:
-                req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
-                break
-            except RuntimeError:
-                if attempt == 2:
-                    raise
+        req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
         req.dp_rank = g  # the global rank, for meta_info and metrics
-        with self._lock:
-            self._live[rid] = (g, req)
+        self.controller.add(req, g)
         return req
 
     async def stream(self, req: Request) -> AsyncIterator[Request]:
@@ -148,8 +124,6 @@ class ReplicaSet:
                         last, seen = now, n
                     yield r
         finally:
-            with self._lock:
-                self._live.pop(req.rid, None)
             for cb in self.on_finish:  # an unfinished request here is one whose client went away
                 cb(g, req)
 
@@ -161,14 +135,12 @@ class ReplicaSet:
 
     def discard(self, req: Request) -> None:
         """Forget a request that was made but will not be streamed (a later one of its batch was refused)."""
-        with self._lock:
-            self._live.pop(req.rid, None)
+        self.controller.discard(req.rid)
 
     def abort(self, rid: str) -> None:
-        with self._lock:
-            entry = self._live.get(rid)
-        if entry is not None:
-            self.ranks[entry[0]][0].abort(rid)
+        rank = self.controller.rank_of(rid)
+        if rank is not None:
+            self.ranks[rank][0].abort(rid)
 
     async def generate(self, req: Request) -> Request:
         async for _ in self.stream(req):
@@ -183,8 +155,17 @@ class ReplicaSet:
     def alive(self) -> bool:
         return all(e.is_running for e in self.engines)
 
-    def flush_cache(self) -> bool:
-        return all(e.flush_cache() for e in self.engines)
+    def flush_cache(self) -> list[tuple[int, NodeFlush]] | None:
+        """Every replica's flush, per node: (replica, what that node did); None if a node did not answer."""
+        out, offset = [], 0
+        for i, e in enumerate(self.engines):
+            reports = e.flush_cache()
+            if reports is None:
+                return None
+            out += [(i, dataclasses.replace(r, ranks=range(offset + r.ranks.start, offset + r.ranks.stop)))
+                    for r in reports]
+            offset += e.layout.dp
+        return out
 
     def shutdown(self) -> None:
         for e in self.engines:

@@ -52,6 +52,13 @@ class Buckets:
         sizes = [rows << i for i in range(self.dp.bit_length())]
         return [s for s in sizes if s < self.dp * rows] + [self.dp * rows]
 
+    def shapes(self, pages_per_seq: int) -> list[StepShape]:
+        """Every step shape a serving step may take (compiled at start-up)."""
+        out = [StepShape(True, b, b, pages_per_seq) for b in self.decode]
+        for t in self.extend:
+            out += [StepShape(False, t, self.extend_seqs(t), pages_per_seq, m, s) for m, s in self.extend_modes(t)]
+        return out
+
     def shape_for(self, rows: list[int], agreement: Agreement, pages_per_seq: int) -> StepShape:
         busiest = max(rows)
         if agreement.use_decode_bucket:

@@ -16,8 +16,6 @@ exchange keeps up to date with that node's tokens.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -25,21 +23,23 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import jax
 import numpy as np
 
-from jaxdp.batch import build_rank_batch, stack_ranks
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
-from jaxdp.engine.delayer import DelayerConfig, PrefillDelayer
+from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
-from jaxdp.engine.nodes import NodeLink, end_request
+from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
+from jaxdp.engine.options import EngineConfig
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
-from jaxdp.engine.sampling import sample_tokens, sampling_arrays
+from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
+from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
-from jaxdp.engine.setup import enable_compilation_cache, find_tokenizer, make_runner, stop_string_check
-from jaxdp.engine.stats import StepStats, compiles_total
+from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner, stop_string_check
+from jaxdp.engine.stats import InFlight, StepStats, compiles_total
+from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
@@ -50,41 +50,21 @@ class EngineFailed(Exception):
     """The engine cannot serve any more (another node died); the message says what happened (HTTP 503)."""
 
 
-@dataclasses.dataclass
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 256  # per DP rank
-    max_running_requests: int = 64  # all ranks together (divided among them)
-    chunked_prefill_size: int = 256  # all ranks together (divided among them under attention DP)
-    context_length: int | None = None  # default: min(max_position_embeddings, pool size)
-    schedule_conservativeness: float = 1.0
-    decode_buckets: list[int] | None = None  # default: SGLang's list up to the per-rank batch
-    extend_buckets: list[int] | None = None  # default: powers of two up to the per-rank chunk
-    max_len_extend_rows: int = 256  # extend steps up to this many rows per rank pad (MAX_LEN); beyond: SUM_LEN
-    disable_cuda_graph: bool = False  # compile steps on first use instead of at start-up
-    load_balance_method: str = "round_robin"
-    enable_prefix_cache: bool = True
-    seed: int = 0
-    compilation_cache_dir: str | None = "~/.cache/jaxdp/xla"  # JAX's persistent compilation cache; None: off
-    overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
-    enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
-    prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
-
-
 class Engine:
     def __init__(self, model: str | StepRunner = "default", mesh: str = "dp=1", config: EngineConfig | None = None,
                  *, dtype: str = "float32", tokenizer=None, warmup: bool = True, attention_backend: str | None = None,
                  moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0,
                  hosts: HostExchange | None = None):
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
-        or a ready StepRunner. `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
+        or a ready StepRunner (or a stand-in of its interface: `jaxdp.bench_engine.HostOnlyRunner`). `mesh`: a
+        --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
         self.cfg = config or EngineConfig()
-        enable_compilation_cache(self.cfg.compilation_cache_dir)
-        runner = model if isinstance(model, StepRunner) else make_runner(
+        runner = model if not isinstance(model, str) else make_runner(
             model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
         self.runner = runner
+        self._sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
         self.model_cfg, self.layout = runner.cfg, runner.layout
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
         dp, c = self.layout.dp, self.cfg
@@ -100,12 +80,14 @@ class Engine:
         self.context_len = context_len
         self.pages_per_seq = -(-context_len // c.page_size)
         sched_cfg = SchedulerConfig(chunk, self.max_running_per_rank, context_len, conservativeness,
-                                    self.model_cfg.eos_token_ids)
+                                    self.model_cfg.eos_token_ids, self.model_cfg.vocab_size, c.seed)
+        self.rows = RowArrays.zeros(dp, self.max_running_per_rank, self.pages_per_seq)  # the persistent batch
         self.schedulers = []
         for r in range(dp):
             pool = PagePool(c.num_pages, c.page_size)
-            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg))
-        self.controller = Controller(dp, c.load_balance_method)
+            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
+                                             RankRows(self.rows.rank(r), c.page_size)))
+        self.controller = Controller(dp, c.load_balance_method)  # (a server's ReplicaSet pins ranks itself)
         carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
         runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
@@ -118,9 +100,9 @@ class Engine:
         self.link = NodeLink(self, hosts) if hosts is not None else None  # what rides on the exchange
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
-        self._inflight: _InFlight | None = None
-        self._pending = [[0, 0] for _ in range(dp)]  # (tokens, requests) submitted, not yet queued
-        self._pending_lock = threading.Lock()
+        self._inflight: InFlight | None = None
+        self.wakeups = Wakeups()  # the streams' event loops, woken once per step
+        self._steps = itertools.count()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -132,36 +114,18 @@ class Engine:
             self.warmup()
 
     # ---- start-up ------------------------------------------------------------------------------
-    def shapes(self) -> list[StepShape]:
-        N, out = self.pages_per_seq, []
-        for b in self.buckets.decode:
-            out.append(StepShape(True, b, b, N))
-        for t in self.buckets.extend:
-            for mode, s in self.buckets.extend_modes(t):
-                out.append(StepShape(False, t, self.buckets.extend_seqs(t), N, mode, s))
-        return out
-
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
-        from tqdm import tqdm
-
-        shapes = self.shapes()
-        t0 = time.perf_counter()
-        for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
-            self.runner.compile(shape)
-            dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
-            zeros = {k: self.runner.put(v) for k, v in sampling_arrays([[] for _ in range(dp)], B, 0).items()}
-            logits = self.runner.put(np.zeros((dp, B, V), np.float32))
-            jax.block_until_ready(sample_tokens(logits, *(zeros[k] for k in _SAMPLING_KEYS),
-                                                width=self.runner.token_carry))
+        compile_steps(self.runner, self._sample, self.buckets, self.pages_per_seq, self.layout.dp,
+                      self.model_cfg.vocab_size)
         self.compiles_at_warmup = compiles_total()
-        log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
-                 time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
                      rid: str | None = None, rank: int | None = None) -> Request:
-        """A validated request (token ids, or text when the model has a tokenizer); raises BadRequest."""
+        """A validated request (token ids, or text when the model has a tokenizer) on a rank: `rank`, or the
+        controller's choice (then it counts in the controller's ledger; a caller that pins ranks, such as
+        the server's ReplicaSet, keeps its own); raises BadRequest."""
         if self.failed:
             raise EngineFailed(self.failed)
         params = (params or SamplingParams()).validate()
@@ -175,27 +139,21 @@ class Engine:
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
         rid = rid or f"req-{next(self._ids)}"
-        if rid in self.requests and not self.requests[rid].finished:
-            raise BadRequest(f"a request with rid {rid!r} is already running; use a unique rid")
+        self.controller.check_rid(rid)
         req = Request(rid, [int(t) for t in prompt_ids], params)
-        loads = None
-        if rank is None:  # requests assigned but not yet queued count too, so a burst spreads out
-            loads = [(s.num_tokens + self._pending[r][0], len(s.running) + len(s.waiting) + self._pending[r][1])
-                     for r, s in enumerate(self.schedulers)]
-        req.rank = self.controller.assign(loads, rank)
-        self.model_cfg.check_context(len(prompt_ids) + params.max_new_tokens)
-        self.schedulers[req.rank].check(req)
+        self.schedulers[0].check(req)  # (every rank of an engine has the same pool and context length)
         if params.stop:
             if self.tokenizer is None:
                 raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
             req.stop_check = stop_string_check(self.tokenizer, params.stop)
+        req.rank = req.dp_rank = self.controller.choose(rank)
+        if rank is None:
+            self.controller.add(req, req.rank)
         return req
 
     def submit(self, req: Request) -> Request:
         """Queue a request made by `make_request` (thread-safe); the loop admits it on its next iteration."""
-        with self._pending_lock:
-            self._pending[req.rank][0] += len(req.prompt_ids)
-            self._pending[req.rank][1] += 1
+        req.submitted = True
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -215,17 +173,11 @@ class Engine:
                 return
             now = time.perf_counter()
             if cmd == "add":
-                with self._pending_lock:
-                    self._pending[arg.rank][0] -= len(arg.prompt_ids)
-                    self._pending[arg.rank][1] -= 1
                 if arg.rank not in self.local_ranks:  # node 0: another node's rank
                     self.link.forward(arg)
                     continue
-                try:
-                    self.schedulers[arg.rank].add(arg)
-                    self.requests[arg.rid] = arg
-                except BadRequest as e:
-                    end_request(arg, "abort", str(e), now)
+                self.schedulers[arg.rank].add(arg)
+                self.requests[arg.rid] = arg
             elif cmd == "abort":
                 req = self.requests.get(arg)
                 if req is not None and not req.finished:
@@ -233,8 +185,11 @@ class Engine:
                         self.schedulers[req.rank].abort(arg, now)
                     else:
                         self.link.forward_abort(req, now)
-            elif cmd == "flush":
-                arg.set_result(all(s.cache.flush() for s in self.schedulers) if not self.busy else False)
+            elif cmd == "flush":  # several nodes: every node's ranks, the others' through the exchange
+                if self.link:
+                    self.link.flush(arg)
+                else:
+                    arg.set_result([flush_ranks(self.schedulers, self.local_ranks, 0, self.busy)])
 
     @property
     def busy(self) -> bool:
@@ -253,14 +208,12 @@ class Engine:
         d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
         plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
                                         for r, s in enumerate(self.schedulers)]
-        local = [Proposal(p.rows if p else 0, bool(p and p.kind == "extend"),
-                          bool(p) and p.rows <= self.buckets.decode[-1]) for p in plans]
         ta = time.perf_counter()
         self.blocked = (ta, "exchanging the step's proposals")
         message = self.link.message() if self.link else {}
         if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
             d.post(message, [self.schedulers[r] for r in self.local_ranks])
-        proposals, messages = self.exchange.exchange(local, message)
+        proposals, messages = self.exchange.exchange(self._proposals(plans), message)
         self.blocked = None
         if self.link:
             self.link.receive(messages)
@@ -276,56 +229,104 @@ class Engine:
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
         shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
-        c = self.cfg
-        batches = [build_rank_batch(p.pieces if p else [], num_rows=shape.num_rows, num_seqs=shape.num_seqs,
-                                    pages_per_seq=self.pages_per_seq, page_size=c.page_size,
-                                    num_pages=c.num_pages) for p in plans]
-        stacked = stack_ranks(batches)
-        stacked["rows_R"] = np.asarray(rows, np.int32)
-        params = {k: self.runner.put(v) for k, v in
-                  sampling_arrays([p.reqs if p else [] for p in plans], shape.num_seqs, c.seed).items()}
-        for plan in plans:  # each sampled row's token goes to the end of its request's outputs
-            if plan:
-                plan.out_pos = [len(r.output_ids) if smp else -1 for r, smp in zip(plan.reqs, plan.sample,
-                                                                                    strict=True)]
-                for j, (r, smp) in enumerate(zip(plan.reqs, plan.sample, strict=True)):
-                    if smp:
-                        r.output_ids.append(-1 - j)
-        t1 = time.perf_counter()
         compiles_before = compiles_total()
-        prev = self._inflight.tokens if self._inflight is not None else None
-        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
-        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
-        logits, _ = self.runner.run(shape, stacked, prev_tokens=prev)
-        tokens, logprobs = sample_tokens(logits, *(params[k] for k in _SAMPLING_KEYS),
-                                         width=self.runner.token_carry)
-        self.blocked = None
-        t2 = time.perf_counter()
-        current = _InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                            host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s)
+        step = next(self._steps)
+        try:
+            current = self._queue(plans, shape, rows, agreement, t0, agree_s)
+        except Exception:
+            if self.link:  # a step across the nodes: every node must run it; the loop fails the engine
+                raise
+            # not a user error (requests are validated, sampling clamps): find the request that fails it
+            log.exception("engine step failed; retrying its requests in smaller steps to find the one that fails")
+            if self._inflight is not None:
+                self._book(self._inflight, time.perf_counter())
+                self._inflight = None
+            self._isolate(plans)
+            return True
+        for r, plan in enumerate(plans):
+            if plan:
+                self.schedulers[r].commit(plan, step)
         previous, self._inflight = self._inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
-        if not c.overlap:
+        if current is not None and not self.cfg.overlap:
             self._book(current, time.perf_counter())
             self._inflight = None
         self.stats.compiles_in_steps += compiles_total() - compiles_before
         return True
 
-    def _book(self, f: _InFlight, t_start: float) -> None:
+    def _proposals(self, plans: list[RankPlan | None]) -> list[Proposal]:
+        """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket"."""
+        return [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
+                         bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
+
+    def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
+               t0: float, agree_s: float) -> InFlight:
+        """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
+        c = self.cfg
+        out = plan_arrays(plans, self.rows, shape, self.pages_per_seq, c.page_size, c.num_pages * c.page_size)
+        out["rows_R"] = np.asarray(rows, np.int32)
+        params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
+        t1 = time.perf_counter()
+        prev = self._inflight.tokens if self._inflight is not None else None
+        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
+        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
+        logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
+        tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
+        self.blocked = None
+        wants_top = any(r.params.top_logprobs for p in plans if p for r in p.reqs)
+        t2 = time.perf_counter()
+        return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
+                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
+                        top=top_logprobs(logits) if wants_top else None)
+
+    def _isolate(self, plans: list[RankPlan | None]) -> None:
+        """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
+        that fails, until the request that fails is alone; it fails, the others run (and are booked) as usual.
+        Only this node's ranks (a step across nodes does not get here)."""
+        todo = [(r, p) for r, p in enumerate(plans) if p]
+        while todo:
+            r, plan = todo.pop()
+            plan = plan.unfinished()
+            if plan is None:
+                continue
+            only: list[RankPlan | None] = [None] * self.layout.dp
+            only[r] = plan
+            agreement = agree_on_step(self._proposals(only))
+            rows = list(agreement.rows_per_rank)
+            shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
+            step, t0 = next(self._steps), time.perf_counter()
+            try:
+                f = self._queue(only, shape, rows, agreement, t0, 0.0)
+            except Exception as e:
+                if len(plan.reqs) > 1:
+                    todo += [(r, half) for half in plan.halves()]
+                    continue
+                req = plan.reqs[0]
+                log.error("request %s fails the engine step (%s); it alone is aborted", req.rid, first_line(e, 160))
+                req.error = f"this request failed the engine step ({first_line(e, 120)}); see the server log"
+                self.schedulers[r].finish(req, "abort", time.perf_counter())
+                continue
+            self.schedulers[r].commit(plan, step)
+            self._book(f, time.perf_counter())
+
+    def _book(self, f: InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
         self.blocked = (t0, "waiting for a step that runs on every node")
         tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
         logprobs = self.runner.local_values(f.logprobs)
         self.blocked = None
         t1 = time.perf_counter()
+        top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
         for r, plan in enumerate(f.plans):
             if plan:
-                self.schedulers[r].book(plan, tokens[r].tolist(), logprobs[r].tolist(), t1)
+                if top is not None:
+                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, top[0][r], top[1][r])
+                self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
                           dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
-                          new_tokens=sum(sum(p.sample) for p in f.plans if p))
+                          new_tokens=sum(p.num_sampled for p in f.plans if p))
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0
@@ -374,14 +375,15 @@ class Engine:
                 if self.link and self.failed is None:  # a collective with a dead node fails here
                     self.fail(f"a step across the nodes failed ({first_line(e, 160)}); another node died or stopped")
                     return
-                # a bug, not a user error: fail every request loudly instead of hanging
-                log.exception("engine step failed; aborting all requests")
+                # a bug outside the step's own requests (a failed step is isolated in `step`): fail loudly
+                log.exception("the engine loop failed; aborting all requests")
                 now = time.perf_counter()
                 for s in self.schedulers:
-                    for req in list(s.running) + list(s.waiting):
-                        req.error = "internal error in the engine step; see the server log"
+                    for req in [*s.running.values(), *s.waiting]:
+                        req.error = "internal error in the engine loop; see the server log"
                         s.finish(req, "abort", now)
                 ran = False
+            self.wakeups.deliver()
             if self.failed:
                 return
             if not ran and (self.hosts is None or self.hosts.node_rank == 0):
@@ -403,6 +405,7 @@ class Engine:
             if not req.finished:
                 req.error_status = 503
                 end_request(req, "abort", message, now)
+        self.wakeups.deliver()
         self._stop = True
         self._wake.set()
 
@@ -412,24 +415,15 @@ class Engine:
             return self.schedulers[rank].state()
         return self.link.remote_state.get(rank) or self.schedulers[rank].state()
 
-    async def stream(self, req: Request) -> AsyncIterator[Request]:
-        """Yield the request after every new token and once when it finishes (the loop must be running)."""
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-        req.on_update = lambda r: loop.call_soon_threadsafe(updates.put_nowait, len(r.output_ids))
-        self.submit(req)
-        try:
-            while True:
-                await updates.get()
-                yield req
-                if req.finished:
-                    return
-        finally:
-            if not req.finished:  # the client went away: free its pages
-                self.abort(req.rid)
+    def stream(self, req: Request) -> AsyncIterator[Request]:
+        """Yield the request after every new token and once when it finishes (the loop must be running); the
+        request is submitted here, and aborted if the caller stops reading."""
+        return self.wakeups.stream(req, self.submit, self.abort)
 
-    def flush_cache(self) -> bool:
-        fut: _Result = _Result()
+    def flush_cache(self) -> list[NodeFlush] | None:
+        """Flush the prefix cache of every rank unless requests run or wait: what each node did, or None when
+        not every node answered within 30 s."""
+        fut = Result()
         self._inbox.put(("flush", fut))
         self._wake.set()
         if self._thread is None:
@@ -453,35 +447,3 @@ class Engine:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
         self.runner.close()
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A step queued on the device whose tokens have not been read back yet."""
-
-    plans: list
-    tokens: jax.Array  # [dp, token_carry] on the device
-    logprobs: jax.Array
-    shape: StepShape
-    rows: list[int]
-    agreement: object
-    account: object
-    host_s: float
-    dispatch_s: float
-    agree_s: float
-
-
-class _Result:
-    def __init__(self):
-        self._event, self._value = threading.Event(), None
-
-    def set_result(self, value) -> None:
-        self._value = value
-        self._event.set()
-
-    def wait(self, timeout: float = 30):
-        self._event.wait(timeout)
-        return self._value
-
-
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "keys")

@@ -6,11 +6,12 @@ the tokenizer and the controller; every node runs an `Engine` whose loop drives 
 ranks and feeds their rows to the same compiled step (multi-controller SPMD: each process supplies its
 devices' shards, the collectives run across processes; gloo on the CPU).
 
-Each loop iteration the nodes trade one small message each through the runtime's key-value store
-(`HostExchange.exchange`): their ranks' proposals (the agreement's few integers per rank), so every node
-reaches the same bucket and mode; riding on it, node 0's new requests and aborts for other nodes' ranks,
-and from the other nodes their requests' new tokens and their ranks' states. Every wait is bounded by
-`timeout_s`: a node that dies or stops answering ends the others with a `PeerFailure` that names it.
+Each loop iteration the nodes trade one message each (`HostExchange.exchange`, over ZeroMQ sockets whose
+addresses go through the runtime's key-value store once): their ranks' proposals (the agreement's few
+integers per rank), so every node reaches the same bucket and mode; riding on it, node 0's new requests and
+aborts for other nodes' ranks and admin commands (a cache flush), and from the other nodes their requests'
+new tokens, their ranks' states and their answers to those commands. Every wait is bounded by `timeout_s`:
+a node that dies or stops answering ends the others with a `PeerFailure` that names it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import pickle
 import socket
+import struct
 import time
 from typing import Any
 
@@ -167,16 +169,143 @@ def _client():
     return distributed.global_state.client
 
 
-class HostExchange:
-    """The agreement's exchange across nodes, through the distributed runtime's key-value store.
+def _coordinator_host() -> str:
+    from jax._src import distributed
 
-    `exchange(proposals, message)`: every node posts its own ranks' proposals and a message under the
-    iteration's key, then reads every other node's; all return the same full list of proposals and all
-    messages. Keys live in directories of BLOCK iterations, which node 0 deletes once every node is past.
+    return parse_dist_addr(distributed.global_state.coordinator_address)[0]
+
+
+class ZmqGather:
+    """All-gather of one message (bytes) per node and iteration over ZeroMQ, the per-step exchange's
+    transport: each node binds one PULL socket and keeps a PUSH socket to every other node's, so an
+    exchange is one send to each other node and one receive from each (a single hop; the runtime's
+    key-value store costs a gRPC round trip to node 0 per call, JAX's gloo all-gather several thread hand-offs:
+    docs/multihost.md measures the three). The sockets' addresses are traded once through the store.
+    A node can be at most one iteration ahead of another (it waits for everyone's message of this one), so
+    a message for the next iteration is kept until then. A node silent for `timeout_s` raises PeerFailure.
+    """
+
+    def __init__(self, nnodes: int, node_rank: int, timeout_s: float, client, coordinator_host: str, *,
+                 init_timeout_s: float = 300.0, prefix: str = "jaxdp"):
+        import zmq
+
+        self.nnodes, self.node_rank, self.timeout_s = nnodes, node_rank, timeout_s
+        self.ctx = zmq.Context(io_threads=1)
+        host = _reachable_address(coordinator_host)
+        url_host = f"[{host}]" if ":" in host else host
+        self.pull = self._socket(zmq.PULL)
+        port = self.pull.bind_to_random_port(f"tcp://{url_host}")
+        client.key_value_set(f"{prefix}/zmq/n{node_rank}", f"tcp://{url_host}:{port}")
+        self.push = {}
+        for node in range(nnodes):
+            if node != node_rank:
+                try:
+                    addr = client.blocking_key_value_get(f"{prefix}/zmq/n{node}", int(init_timeout_s * 1000))
+                except Exception as e:
+                    raise PeerFailure(f"node {node} did not post its exchange address within {init_timeout_s:.0f} s "
+                                      f"({_short(e)})") from None
+                self.push[node] = self._socket(zmq.PUSH)
+                self.push[node].connect(addr)
+        self.seq = 0
+        self._next: dict[int, bytes] = {}  # messages of the next iteration from nodes already there
+
+    def _socket(self, kind: int):
+        import zmq
+
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def __call__(self, payload: bytes) -> list[bytes]:
+        import zmq
+
+        header = struct.pack("<qi", self.seq, self.node_rank)
+        for node, sock in self.push.items():
+            try:
+                sock.send_multipart([header, payload], flags=zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: it has not read for many iterations
+                raise PeerFailure(f"node {node} stopped reading the step exchange (#{self.seq}): it died or "
+                                  "stopped") from None
+        got, self._next = self._next, {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < self.nnodes - 1:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0 or not self.pull.poll(left_ms):
+                missing = ", ".join(f"node {k}" for k in self.push if k not in got)
+                raise PeerFailure(f"{missing} did not answer the step exchange #{self.seq} within "
+                                  f"{self.timeout_s:.0f} s: it died or stopped")
+            head, body = self.pull.recv_multipart()
+            seq, node = struct.unpack("<qi", head)
+            (got if seq == self.seq else self._next)[node] = body
+        self.seq += 1
+        return [payload if k == self.node_rank else got[k] for k in range(self.nnodes)]
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _reachable_address(coordinator_host: str) -> str:
+    """This machine's address on the interface that reaches node 0 (what the other nodes can connect to)."""
+    family = socket.AF_INET6 if ":" in coordinator_host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((coordinator_host, 9))  # a UDP "connect" only picks the route; nothing is sent
+            return s.getsockname()[0]
+    except OSError as e:
+        raise DistError(f"node 0's address {coordinator_host!r} is not reachable from here ({e.strerror}); "
+                        "check --dist-init-addr") from None
+
+
+class StoreGather:
+    """The same all-gather through the runtime's key-value store (a set, then a blocking get per other node):
+    how the exchange went before, kept to measure against and to test without processes. Keys live in
+    directories of BLOCK iterations, which node 0 deletes once every node is past."""
+
+    BLOCK = 64
+
+    def __init__(self, nnodes: int, node_rank: int, timeout_s: float, client, prefix: str = "jaxdp/g"):
+        self.nnodes, self.node_rank, self.timeout_s = nnodes, node_rank, timeout_s
+        self.client, self.prefix, self.seq = client, prefix, 0
+
+    def _key(self, seq: int, node: int) -> str:
+        return f"{self.prefix}/b{seq // self.BLOCK}/x{seq}/n{node}"
+
+    def __call__(self, payload: bytes) -> list[bytes]:
+        self.client.key_value_set_bytes(self._key(self.seq, self.node_rank), payload)
+        out = []
+        for node in range(self.nnodes):
+            if node == self.node_rank:
+                out.append(payload)
+                continue
+            try:
+                out.append(self.client.blocking_key_value_get_bytes(self._key(self.seq, node),
+                                                                    int(self.timeout_s * 1000)))
+            except Exception as e:
+                raise PeerFailure(f"node {node} did not answer the step exchange #{self.seq} within "
+                                  f"{self.timeout_s:.0f} s ({_short(e)}): it died or stopped") from None
+        # every node has posted this iteration, so every node has read all keys of the ones before it
+        if self.node_rank == 0 and self.seq % self.BLOCK == 0 and self.seq > 0:
+            try:
+                self.client.key_value_delete(f"{self.prefix}/b{self.seq // self.BLOCK - 1}")
+            except Exception:  # the coordinator is going away; the next exchange reports it
+                pass
+        self.seq += 1
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class HostExchange:
+    """The agreement's exchange across nodes: every iteration each node sends the others its own ranks'
+    proposals and a message (pickled together), and receives theirs; all return the same full list of
+    proposals and all messages. `gather` moves the bytes (default: `ZmqGather`, sockets set up through
+    the runtime's key-value store; `StoreGather` uses the store for every message).
     """
 
     def __init__(self, nnodes: int, node_rank: int, dp: int, timeout_s: float, *, init_timeout_s: float = 300.0,
-                 client=None, prefix="jaxdp"):
+                 client=None, gather=None, prefix="jaxdp"):
         if dp % nnodes:
             raise DistError(f"{dp} DP ranks do not split evenly over --nnodes {nnodes}")
         self.nnodes, self.node_rank, self.dp, self.timeout_s = nnodes, node_rank, dp, timeout_s
@@ -184,7 +313,8 @@ class HostExchange:
         self.per_node = dp // nnodes
         self.client = client or _client()
         self.prefix = prefix
-        self.seq = 0
+        self.gather = gather or ZmqGather(nnodes, node_rank, timeout_s, self.client, _coordinator_host(),
+                                          init_timeout_s=init_timeout_s, prefix=prefix)
 
     def local_ranks(self, node: int | None = None) -> range:
         node = self.node_rank if node is None else node
@@ -193,35 +323,18 @@ class HostExchange:
     def owner(self, rank: int) -> int:
         return rank // self.per_node
 
-    BLOCK = 64  # iterations per key directory; node 0 deletes a finished directory in one call
-
-    def _key(self, seq: int, node: int) -> str:
-        return f"{self.prefix}/b{seq // self.BLOCK}/x{seq}/n{node}"
-
     def exchange(self, proposals: list, message: dict) -> tuple[list, list[dict]]:
         mine = self.local_ranks()
-        self.client.key_value_set_bytes(self._key(self.seq, self.node_rank),
-                                        pickle.dumps((proposals[mine.start:mine.stop], message)))
-        full, messages = list(proposals), [message] * self.nnodes
-        for node in range(self.nnodes):
+        payloads = self.gather(pickle.dumps((proposals[mine.start:mine.stop], message), pickle.HIGHEST_PROTOCOL))
+        full, messages = list(proposals), []
+        for node, raw in enumerate(payloads):
             if node == self.node_rank:
+                messages.append(message)
                 continue
-            try:
-                raw = self.client.blocking_key_value_get_bytes(self._key(self.seq, node), int(self.timeout_s * 1000))
-            except Exception as e:
-                raise PeerFailure(f"node {node} did not answer the step exchange #{self.seq} within "
-                                  f"{self.timeout_s:.0f} s ({_short(e)}): it died or stopped") from None
             theirs, msg = pickle.loads(raw)
             r = self.local_ranks(node)
             full[r.start:r.stop] = theirs
-            messages[node] = msg
-        # every node has posted this iteration, so every node has read all keys of the ones before it
-        if self.node_rank == 0 and self.seq % self.BLOCK == 0 and self.seq > 0:
-            try:
-                self.client.key_value_delete(f"{self.prefix}/b{self.seq // self.BLOCK - 1}")
-            except Exception:  # the coordinator is going away; the next exchange reports it
-                pass
-        self.seq += 1
+            messages.append(msg)
         return full, messages
 
     def barrier(self, name: str, timeout_s: float) -> None:

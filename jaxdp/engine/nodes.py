@@ -4,30 +4,51 @@ Node 0 (HTTP, controller) keeps a stand-in `Request` for each request it sends t
 message it posts each iteration carries those new requests and their aborts. Every other node adds what it
 receives to its own schedulers, and its message carries back, per request, the tokens booked since the last
 one (and the finish), plus its ranks' states a few times a second. Node 0 applies them to the stand-ins, so
-streaming, metrics and the controller see remote requests as local ones. `watchdog` bounds every wait on
-another node that the exchange's own timeout does not cover (a step that never finishes).
+streaming, metrics and the controller see remote requests as local ones. An admin command (a prefix-cache
+flush) rides the same way: node 0 sends it, every node carries it out on its own ranks and answers, and
+node 0 answers the HTTP request once every node has (`NodeFlush`, one per node). `watchdog` bounds every
+wait on another node that the exchange's own timeout does not cover (a step that never finishes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
 from jaxdp.engine.request import Request, SamplingParams, State
+from jaxdp.engine.scheduler import Scheduler
 from jaxdp.engine.setup import stop_string_check
 from jaxdp.parallel.places import Proposal
-
-if TYPE_CHECKING:
-    from jaxdp.engine.engine import Engine
 
 STATES_EVERY_S = 0.25  # rank states for /get_load and metrics: four times a second is enough
 
 
+class EngineSide(Protocol):
+    """What a NodeLink uses of its engine (`jaxdp.Engine`), so that this module need not import it."""
+
+    requests: dict[str, Request]
+    schedulers: list[Scheduler]
+    local_ranks: range
+    tokenizer: Any
+    failed: str | None
+    blocked: tuple[float, str] | None
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def submit(self, req: Request) -> Request: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
 class NodeLink:
-    def __init__(self, engine: Engine, hosts: HostExchange):
+    def __init__(self, engine: EngineSide, hosts: HostExchange):
         self.engine, self.hosts = engine, hosts
         self.is_node_0 = hosts.node_rank == 0
         self.remote_state: dict[int, dict] = {}  # node 0: the other nodes' ranks' states
@@ -35,6 +56,9 @@ class NodeLink:
         self.origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
         self._states_sent = 0.0
         self.node_0_stopped = False  # other nodes: node 0 said "stop" (an orderly end, not a failure)
+        self._flush_ids = itertools.count(1)
+        self._flushing: dict[int, tuple[Any, dict[int, NodeFlush]]] = {}  # node 0: id -> (result, answers)
+        self._flush_answers: list[tuple[int, NodeFlush]] = []  # other nodes: answers for the next message
 
     # ---- node 0 -------------------------------------------------------------------------------------
     def forward(self, req: Request) -> None:
@@ -46,6 +70,25 @@ class NodeLink:
         """The owning node frees the pages; the stand-in ends now."""
         self._outgoing["abort"].append(req.rid)
         end_request(req, "abort", None, now)
+
+    def flush(self, result: Any) -> None:
+        """/flush_cache on every node: node 0 flushes its ranks now and asks the others in the next message;
+        `result.set_result` gets one NodeFlush per node once all have answered. Every request comes through
+        node 0, so node 0 knows whether any runs anywhere: then no node flushes (as SGLang)."""
+        hosts, engine = self.hosts, self.engine
+        if engine.failed:  # the other nodes will not answer
+            result.set_result(None)
+            return
+        busy = any(s.running or s.waiting for s in engine.schedulers) or any(
+            not r.finished for r in engine.requests.values())
+        mine = flush_ranks(engine.schedulers, self.engine.local_ranks, 0, busy)
+        if busy:
+            result.set_result([mine] + [dataclasses.replace(mine, node=k, ranks=hosts.local_ranks(k))
+                                        for k in range(1, hosts.nnodes)])
+            return
+        flush_id = next(self._flush_ids)
+        self._flushing[flush_id] = (result, {0: mine})
+        self._outgoing.setdefault("flush", []).append(flush_id)
 
     def say_stop(self) -> None:
         """Node 0 leaving in order: the others read "stop" in the next exchange and end."""
@@ -63,6 +106,7 @@ class NodeLink:
             out, self._outgoing = self._outgoing, {"new": [], "abort": []}
             return out
         requests, updates = self.engine.requests, []
+        flushed, self._flush_answers = self._flush_answers, []
         for rid, sent in list(self.origin.items()):
             req = requests.get(rid)
             if req is None:
@@ -78,7 +122,7 @@ class NodeLink:
                     del requests[rid]
                 else:
                     self.origin[rid] = len(ids)
-        msg = {"updates": updates}
+        msg = {"updates": updates, "flushed": flushed} if flushed else {"updates": updates}
         now = time.perf_counter()
         if now - self._states_sent >= STATES_EVERY_S:
             msg["states"] = {r: self.engine.schedulers[r].state() for r in self.engine.local_ranks}
@@ -93,6 +137,8 @@ class NodeLink:
         now = time.perf_counter()
         for msg in messages[1:]:
             self.remote_state.update(msg.get("states", {}))
+            for flush_id, answer in msg.get("flushed", ()):
+                self._flush_answered(flush_id, answer)
             for rid, ids, lps, cached, finish, error in msg.get("updates", ()):
                 req = self.engine.requests.get(rid)
                 if req is None or req.finished:
@@ -114,6 +160,10 @@ class NodeLink:
             self.node_0_stopped = True
             raise PeerStopped("node 0 shut down; this node ends too")
         engine = self.engine
+        for flush_id in msg.get("flush", ()):  # before this message's new requests, which came after it
+            busy = any(engine.schedulers[r].running or engine.schedulers[r].waiting for r in engine.local_ranks)
+            answer = flush_ranks(engine.schedulers, engine.local_ranks, self.hosts.node_rank, busy)
+            self._flush_answers.append((flush_id, answer))
         for rid, prompt_ids, params, rank in msg.get("new", ()):
             if rank not in engine.local_ranks:
                 continue
@@ -125,6 +175,15 @@ class NodeLink:
         for rid in msg.get("abort", ()):
             if rid in self.origin:
                 engine.abort(rid)
+
+    def _flush_answered(self, flush_id: int, answer: NodeFlush) -> None:
+        if flush_id not in self._flushing:
+            return
+        result, answers = self._flushing[flush_id]
+        answers[answer.node] = answer
+        if len(answers) == self.hosts.nnodes:
+            del self._flushing[flush_id]
+            result.set_result([answers[k] for k in sorted(answers)])
 
     def start_watchdog(self) -> None:
         threading.Thread(target=self._watchdog, name="jaxdp-watchdog", daemon=True).start()
@@ -149,3 +208,35 @@ def end_request(req: Request, reason: str, error: str | None, now: float) -> Non
     req.state, req.finished_at = State.FINISHED, now
     if req.on_update:
         req.on_update(req)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFlush:
+    """What a prefix-cache flush did on one node's ranks."""
+
+    node: int
+    ranks: range
+    flushed: bool
+    freed_tokens: int = 0  # cached tokens whose pages went back to the pools
+    reason: str | None = None  # why not flushed
+
+    def describe(self) -> str:
+        where = f"node {self.node} (rank{'s' if len(self.ranks) > 1 else ''} {_span(self.ranks)})"
+        if self.flushed:
+            return f"{where}: flushed, {self.freed_tokens} cached tokens freed"
+        return f"{where}: not flushed, {self.reason}"
+
+
+def _span(ranks: range) -> str:
+    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
+
+
+def flush_ranks(schedulers: list[Scheduler], ranks: range, node: int, busy: bool) -> NodeFlush:
+    """Flush the prefix cache of these ranks unless requests run or wait (SGLang's /flush_cache rule)."""
+    if busy:
+        return NodeFlush(node, ranks, False, reason="requests are running or waiting")
+    before = sum(schedulers[r].pool.free for r in ranks)
+    ok = all([schedulers[r].cache.flush() for r in ranks])  # a list: every rank flushes, even after a False
+    freed = sum(schedulers[r].pool.free for r in ranks) - before
+    page = schedulers[ranks.start].pool.page_size
+    return NodeFlush(node, ranks, ok, freed * page, None if ok else "some cached pages are still in use")

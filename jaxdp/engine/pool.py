@@ -53,6 +53,7 @@ class PrefixCache:
         self.root = _Node(-1, None, ())
         self._clock = itertools.count()
         self._node_of_page: dict[int, _Node] = {}
+        self._unreferenced = 0  # nodes with refs == 0 (what eviction could free)
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -76,6 +77,7 @@ class PrefixCache:
             node = node.children.get(key)
             if node is None:
                 break
+            self._unreferenced -= node.refs == 0
             node.refs += 1
             node.last_used = now
             pages.append(node.page)
@@ -84,7 +86,9 @@ class PrefixCache:
 
     def unlock(self, pages: list[int]) -> None:
         for p in pages:
-            self._node_of_page[p].refs -= 1
+            node = self._node_of_page[p]
+            node.refs -= 1
+            self._unreferenced += node.refs == 0
 
     def insert(self, tokens: list[int], pages: list[int], shared: int) -> None:
         """Give the cache the full pages of a finished (or retracted) request and release the rest.
@@ -109,6 +113,7 @@ class PrefixCache:
                 child = _Node(page, node, chunks[i], last_used=now)
                 node.children[chunks[i]] = child
                 self._node_of_page[page] = child
+                self._unreferenced += 1
             elif i >= shared and child.page != page:
                 release.append(page)
             node = child
@@ -124,13 +129,14 @@ class PrefixCache:
             for leaf in sorted(leaves, key=lambda n: n.last_used)[: pages_needed - freed]:
                 del leaf.parent.children[leaf.key]
                 del self._node_of_page[leaf.page]
+                self._unreferenced -= 1
                 self.pool.release([leaf.page])
                 freed += 1
         return freed
 
     def evictable(self) -> int:
         """Pages eviction could free: nodes no running request holds (holding a node holds its path)."""
-        return sum(1 for n in self._node_of_page.values() if n.refs == 0)
+        return self._unreferenced
 
     def flush(self) -> bool:
         """Drop every unlocked page (SGLang's /flush_cache); False if some are in use."""

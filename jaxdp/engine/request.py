@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     return_logprob: bool = False
+    top_logprobs: int = 0  # alternatives per output token (0..MAX_TOP_LOGPROBS), best first
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -52,13 +53,17 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    rank: int = -1
+    rank: int = -1  # its DP rank in its engine
+    dp_rank: int = -1  # its rank among all the server's ranks (replicas numbered one after the other)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)  # pages of the context, in order
     shared_pages: int = 0  # the first `shared_pages` pages belong to the prefix cache
-    computed: int = 0  # tokens whose latent is in the cache
+    computed: int = 0  # tokens whose latent is in the cache (written by a step that was booked)
+    scheduled: int = 0  # tokens whose latent a committed step writes (computed, plus steps in flight)
+    row: int = -1  # its row in its rank's persistent batch while it decodes
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     retractions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -66,17 +71,18 @@ class Request:
     error_status: int | None = None  # the HTTP status of that error when not a 400 (503: the engine failed)
     stop_check: Callable[[Request], bool] | None = None  # stop strings, checked by the API layer
     on_update: Callable[[Request], None] | None = None  # called after each token and at the end
+    submitted: bool = False  # handed to an engine's loop (Engine.submit)
     created: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
 
     @property
     def done_ids(self) -> list[int]:
-        """Output tokens read back so far (a negative entry is a token still on the device)."""
-        for i, t in enumerate(self.output_ids):
-            if t < 0:
-                return self.output_ids[:i]
-        return self.output_ids
+        """Output tokens read back so far (negative entries, always last, are tokens still on the device)."""
+        ids, k = self.output_ids, len(self.output_ids)
+        while k and ids[k - 1] < 0:
+            k -= 1
+        return ids if k == len(ids) else ids[:k]
 
     @property
     def all_ids(self) -> list[int]:
@@ -89,7 +95,7 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.state == State.WAITING and self.computed > 0
+        return self.state == State.WAITING and self.scheduled > 0
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,9 @@
 
 One jitted function over the step's logits [dp, B, V] (sharded over `dp`, so each rank samples its own
 rows) and per-row parameters. The key of a row is (seed, number of tokens generated so far): a request
-with a seed samples the same tokens whatever else runs beside it.
+with a seed samples the same tokens whatever else runs beside it. `sampling_row` turns a request's
+parameters into the values of its row, clamped to what the arrays and the vocabulary hold, so no value the
+API lets through can fail a step (a top_k past the vocabulary means all of it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.request import Request
+from jaxdp.engine.request import Request, SamplingParams
+
+_MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
 
 def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
@@ -24,8 +28,9 @@ def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
     probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(logits_V.shape[0])
-    keep = rank < jnp.where(top_k > 0, top_k, logits_V.shape[0])
+    V = logits_V.shape[0]
+    rank = jnp.arange(V)
+    keep = rank < jnp.where((top_k > 0) & (top_k < V), top_k, V)
     keep &= (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (always >= 1 token)
     keep &= probs >= min_p * probs[0]
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
@@ -47,19 +52,45 @@ def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys
     return tokens, logprobs
 
 
-def sampling_arrays(reqs_by_rank: list[list[Request]], num_seqs: int, engine_seed: int) -> dict[str, np.ndarray]:
-    """Per-row parameters of a step, padded to B rows per rank (padding rows are greedy)."""
-    dp = len(reqs_by_rank)
-    out = {"temperature": np.zeros((dp, num_seqs), np.float32), "top_p": np.ones((dp, num_seqs), np.float32),
-           "top_k": np.full((dp, num_seqs), -1, np.int32), "min_p": np.zeros((dp, num_seqs), np.float32),
-           "keys": np.zeros((dp, num_seqs, 2), np.uint32)}
-    for r, reqs in enumerate(reqs_by_rank):
-        for i, req in enumerate(reqs):
-            p = req.params
-            out["temperature"][r, i] = p.temperature
-            out["top_p"][r, i] = p.top_p
-            out["top_k"][r, i] = p.top_k
-            out["min_p"][r, i] = p.min_p
-            seed = p.seed if p.seed is not None else zlib.crc32(f"{engine_seed}:{req.rid}".encode())
-            out["keys"][r, i] = (seed & 0xFFFFFFFF, len(req.output_ids))
-    return out
+def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int) -> tuple:
+    """(temperature, top_p, top_k, min_p, seed) of a request's row, each within its array's range."""
+    def unit(x, default: float) -> float:
+        x = _real(x)
+        return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
+
+    t = _real(params.temperature)
+    t = 0.0 if t != t or t <= 0 else min(t, _MAX_TEMPERATURE)
+    k = _real(params.top_k)
+    k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
+    seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
+    top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
+    return t, top_p, k, unit(params.min_p, 0.0), int(seed) & 0xFFFFFFFF
+
+
+def _real(x) -> float:
+    """x as a float; an integer too large for one is +-inf (NaN stays NaN)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf") if x > 0 else float("-inf")
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs range)
+
+
+@jax.jit
+def top_logprobs(logits_RBV):
+    """The MAX_TOP_LOGPROBS most likely tokens of each row and their log-probabilities under the unmodified
+    distribution, best first: ids and values [dp, B, MAX_TOP_LOGPROBS] (run only for steps that ask)."""
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_RBV.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
+def book_top_logprobs(reqs: list[Request], sample: np.ndarray, ids_BK: np.ndarray, values_BK: np.ndarray) -> None:
+    """Give each sampled row whose request asks for top_logprobs its k best (token, logprob) pairs, in
+    the same order as its output tokens (called before the scheduler books the step)."""
+    for i, req in enumerate(reqs):
+        k = req.params.top_logprobs
+        if k and sample[i] and not req.finished:
+            req.output_top_logprobs.append(list(zip(ids_BK[i, :k].tolist(), values_BK[i, :k].tolist(),
+                                                    strict=True)))

@@ -13,25 +13,60 @@ import dataclasses
 import logging
 from collections import deque
 
+import numpy as np
+
 from jaxdp.batch import Piece
 from jaxdp.engine.mixed import add_decoders, decoders_to_carry
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, State
+from jaxdp.engine.rows import RankRows
+from jaxdp.engine.sampling import sampling_row
 
 log = logging.getLogger("jaxdp.scheduler")
 
 
 @dataclasses.dataclass
 class RankPlan:
+    """What a rank runs in one step and what booking it needs; the scheduler's own (the engine only reads it).
+
+    `schedule` makes it (choosing requests and giving them pages), `commit` applies it once the step is
+    queued (markers for the tokens in flight, prompt progress, requests that start decoding), `book` takes
+    its tokens back. A plan that is never committed (its step failed) changes nothing but page ownership."""
+
     kind: str  # "extend" | "decode"
-    reqs: list[Request]
-    pieces: list[Piece]
-    sample: list[bool]  # the piece ends its request's context: its last row yields a token
-    out_pos: list[int] = dataclasses.field(default_factory=list)  # where that token goes in output_ids
+    reqs: list[Request]  # those of the pieces, then those of the rows
+    pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per prompt read
+    rows: np.ndarray | None = None  # rows of the persistent batch that decode (in an extend: a mixed chunk's)
+    step: int = -1  # set by commit
+    sampled_rows: np.ndarray | None = None  # per request: its row if this step samples it, else -1 (commit)
+    out_pos: np.ndarray | None = None  # per request: where its token goes in output_ids, -1: none (commit)
+    ends: np.ndarray | None = None  # per request: its context length once this step's latents are written
+    sampling: list[tuple] = dataclasses.field(default_factory=list)  # each piece's request's sampling row
 
     @property
-    def rows(self) -> int:
-        return sum(len(p.tokens) for p in self.pieces)
+    def num_rows(self) -> int:
+        return sum(len(p.tokens) for p in self.pieces) + (0 if self.rows is None else len(self.rows))
+
+    @property
+    def num_sampled(self) -> int:
+        return int((self.out_pos >= 0).sum()) if self.out_pos is not None else 0
+
+    def subset(self, keep: list[int]) -> RankPlan | None:
+        """The plan of requests `keep` only (an uncommitted plan; None if empty)."""
+        if not keep:
+            return None
+        n = len(self.pieces)
+        pieces, rows = [i for i in keep if i < n], [i - n for i in keep if i >= n]
+        return RankPlan("extend" if pieces else "decode", [self.reqs[i] for i in keep],
+                        [self.pieces[i] for i in pieces], self.rows[rows] if self.rows is not None else None,
+                        sampling=[self.sampling[i] for i in pieces])
+
+    def halves(self) -> list[RankPlan]:
+        n = len(self.reqs)
+        return [p for p in (self.subset(list(range(n // 2))), self.subset(list(range(n // 2, n)))) if p]
+
+    def unfinished(self) -> RankPlan | None:
+        return self.subset([i for i, r in enumerate(self.reqs) if not r.finished])
 
 
 @dataclasses.dataclass
@@ -41,31 +76,45 @@ class SchedulerConfig:
     context_len: int
     conservativeness: float = 1.0  # reservation for future tokens (x0.3 under attention DP)
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 1 << 30  # sampling clamps top_k to it
+    seed: int = 0  # the engine's: a request without a seed samples with one made from it and its rid
 
 
 class Scheduler:
-    def __init__(self, rank: int, pool: PagePool, cache: PrefixCache, cfg: SchedulerConfig):
-        self.rank, self.pool, self.cache, self.cfg = rank, pool, cache, cfg
+    def __init__(self, rank: int, pool: PagePool, cache: PrefixCache, cfg: SchedulerConfig, rows: RankRows):
+        self.rank, self.pool, self.cache, self.cfg, self.rows = rank, pool, cache, cfg, rows
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[str, Request] = {}  # by rid, in the order they started decoding
         self.retracted_total = 0
+        self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
+        self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
 
     # ---- admission -----------------------------------------------------------------------------
+    def limit(self, req: Request) -> int:
+        """Output tokens the request may have in all: max_new_tokens, or what the context leaves."""
+        return min(req.params.max_new_tokens, self.cfg.context_len - len(req.prompt_ids))
+
     def check(self, req: Request) -> None:
-        """Refuse what this rank can never serve (the context is capped by the pool, so this covers both)."""
-        if len(req.prompt_ids) + 1 > self.cfg.context_len:
-            raise BadRequest(f"the prompt has {len(req.prompt_ids)} tokens but a rank holds at most "
-                             f"{self.cfg.context_len} (context length / KV pool); shorten the prompt")
+        """Refuse at once what this rank can never serve: the prompt past the context (capped by the pool),
+        or the prompt's pages and its output's reservation past the whole pool."""
+        n, ctx = len(req.prompt_ids), self.cfg.context_len
+        if n + 1 > ctx:
+            raise BadRequest(f"the prompt has {n} tokens but a rank holds at most {ctx} (context length / KV "
+                             "pool); shorten the prompt")
+        reserve = int(self.limit(req) * self.cfg.conservativeness)
+        pages = self.pool.pages_for(n) + self.pool.pages_for(reserve)
+        if pages > self.pool.num_pages:
+            raise BadRequest(f"the prompt's {n} tokens and the {reserve} tokens reserved for its output need "
+                             f"{pages} pages but a rank's KV pool has {self.pool.num_pages} of "
+                             f"{self.pool.page_size} tokens; shorten the prompt or ask for fewer tokens")
 
     def add(self, req: Request) -> None:
-        self.check(req)
-        req.rank = self.rank
         self.waiting.append(req)
 
     @property
     def num_tokens(self) -> int:
         """Tokens held by this rank's requests (the total_tokens balancing signal)."""
-        running, waiting = list(self.running), list(self.waiting)  # snapshots: other threads read this
+        running, waiting = list(self.running.values()), list(self.waiting)  # snapshots: other threads read this
         return sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting)
 
     @property
@@ -78,12 +127,11 @@ class Scheduler:
         node can send them to node 0). Other threads read this while the loop changes it: retried."""
         for _ in range(3):
             try:
-                running, waiting = list(self.running), list(self.waiting)
                 pool, cache = self.pool, self.cache
+                running, waiting = len(self.running), len(self.waiting)
                 return {
-                    "num_running_reqs": len(running), "num_queue_reqs": len(waiting),
-                    "num_reqs": len(running) + len(waiting),
-                    "num_tokens": sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting),
+                    "num_running_reqs": running, "num_queue_reqs": waiting, "num_reqs": running + waiting,
+                    "num_tokens": self.num_tokens,
                     "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
                     "token_usage": self.token_usage,
                     "max_total_num_tokens": pool.num_pages * pool.page_size,
@@ -99,8 +147,15 @@ class Scheduler:
     def _available(self) -> int:
         return self.pool.free + self.cache.evictable()
 
-    def _reserved(self, reqs) -> int:
-        return sum(self.pool.pages_for(int(r.remaining_new_tokens() * self.cfg.conservativeness)) for r in reqs)
+    def _reserve(self, req: Request) -> int:
+        """Pages held back for a request's future tokens when it is admitted."""
+        return self.pool.pages_for(int(max(0, self.limit(req) - len(req.output_ids)) * self.cfg.conservativeness))
+
+    def _reserved_by_running(self) -> int:
+        a = self.rows.a
+        left = np.where(a.occupied, a.limit - a.n_out, 0).clip(0)
+        tokens = (left * self.cfg.conservativeness).astype(np.int64)
+        return int((-(-tokens // self.pool.page_size)).sum())
 
     def _take_pages(self, n: int) -> list[int] | None:
         if n > self.pool.free:
@@ -109,136 +164,172 @@ class Scheduler:
 
     # ---- picking the next batch ----------------------------------------------------------------
     def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
-        """`allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
+        """The rank's next batch: prompt chunks first, else a decode of every running request.
+        `allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
         read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/mixed.py)."""
+        self._finishing = 0
         if self.waiting:
-            carry = decoders_to_carry(self.running, self._decodable, self.cfg.chunk_size) if mixed_chunk else []
-            plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - len(carry))
+            carry = decoders_to_carry(self.rows, self.cfg.chunk_size) if mixed_chunk else None
+            plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - (0 if carry is None else len(carry)))
             if plan is not None:
-                add_decoders(plan, carry, self.pool, self._take_pages)
+                if carry is not None and len(carry):
+                    add_decoders(plan, carry, self.rows, self.pool, self._take_pages)
                 return plan
         return self._schedule_decode() if self.running else None
 
     @property
     def prompt_ready(self) -> bool:
-        """A prompt waits that this rank could read now (what the prefill delayer announces)."""
-        return bool(self.waiting) and len(self.running) < self.cfg.max_running
+        """A prompt waits that this rank could read in the next pass, besides those its last plan finishes
+        reading (what the prefill delayer announces, between `schedule` and `commit`)."""
+        done = self._finishing
+        return len(self.waiting) > done and len(self.running) + done < self.cfg.max_running
 
     def _schedule_extend(self, allow_new_prompt: bool = True, budget: int | None = None) -> RankPlan | None:
-        plan = RankPlan("extend", [], [], [])
+        plan = RankPlan("extend", [])
         budget = self.cfg.chunk_size if budget is None else budget
-        reserved = self._reserved(self.running)
+        reserved = self._reserved_by_running()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(plan.reqs) >= self.cfg.max_running:
                 break
-            if not allow_new_prompt and not req.pages:  # the prefill delayer holds new prompts back
-                break
+            if self._available() < reserved:
+                break  # the pool is short of the running requests' reservation: nothing fits now
+            if not allow_new_prompt and not req.pages:
+                continue  # the prefill delayer holds new prompts back (one being read goes on)
             fresh = not req.pages
             if fresh:
                 shared = self.cache.match(req.all_ids[: req.num_tokens - 1])
-                req.pages, req.shared_pages, req.computed = shared, len(shared), len(shared) * self.pool.page_size
+                req.pages, req.shared_pages = shared, len(shared)
+                req.computed = req.scheduled = len(shared) * self.pool.page_size
                 if not req.output_ids:
                     req.cached_tokens = req.computed
-            n = min(budget, req.num_tokens - req.computed)
-            need = self.pool.pages_for(req.computed + n) - len(req.pages)
-            ends = req.computed + n == req.num_tokens
-            reserve = self._reserved([req]) if ends else 0
+            n = min(budget, req.num_tokens - req.scheduled)
+            need = self.pool.pages_for(req.scheduled + n) - len(req.pages)
+            reserve = self._reserve(req) if req.scheduled + n == req.num_tokens else 0
             if need + reserve > self._available() - reserved or (pages := self._take_pages(need)) is None:
                 if fresh:  # give the prefix back; try again on a later step
                     self.cache.unlock(req.pages[: req.shared_pages])
-                    req.pages, req.shared_pages, req.computed = [], 0, 0
-                break
+                    req.pages, req.shared_pages, req.computed, req.scheduled = [], 0, 0, 0
+                continue  # it cannot fit now: the ones behind it may
             req.pages += pages
+            plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size))
             plan.reqs.append(req)
-            plan.pieces.append(Piece(req.all_ids[req.computed: req.computed + n], req.computed, req.pages))
-            plan.sample.append(ends)
-            req.computed += n  # the step writes these latents, whenever its tokens are booked
+            plan.pieces.append(Piece(req.all_ids[req.scheduled: req.scheduled + n], req.scheduled, req.pages))
             budget -= n
             reserved += reserve
-            if ends:  # decodes from the next step on (its first token may still be in flight)
-                self.waiting.remove(req)
-                req.state = State.RUNNING
-                self.running.append(req)
+            self._finishing += req.scheduled + n == req.num_tokens
         return plan if plan.reqs else None
-
-    def _decodable(self, req: Request) -> bool:
-        """False while the request's last token is in flight and will end it (length or context)."""
-        return req.remaining_new_tokens() > 0 and req.num_tokens < self.cfg.context_len
 
     def _schedule_decode(self) -> RankPlan | None:
-        for req in list(self.running):
-            if req.state != State.RUNNING or not self._decodable(req):
+        rows = self.rows.decodable()
+        retracted = False
+        for row in self.rows.needing_page(rows):  # about one request in page_size per step
+            req = self.rows.reqs[row]
+            if req is None or req.rid not in self.running:  # retracted below for an earlier one
                 continue
-            need = self.pool.pages_for(req.num_tokens) - len(req.pages)
-            if need <= 0:
-                continue
+            need = self.pool.pages_for(self.rows.a.length[row]) - len(req.pages)
             while (pages := self._take_pages(need)) is None and self.running:
-                self._retract(self.running[-1])
-                if req.state != State.RUNNING:
+                self._retract(next(reversed(self.running.values())))
+                retracted = True
+                if req.rid not in self.running:
                     break
-            if req.state == State.RUNNING and pages is not None:
-                req.pages += pages
-        plan = RankPlan("decode", [], [], [])
-        for req in self.running:
-            if not self._decodable(req):
-                continue
-            plan.reqs.append(req)
-            plan.pieces.append(Piece([req.all_ids[-1]], req.num_tokens - 1, req.pages))
-            plan.sample.append(True)
-            req.computed = req.num_tokens
-        return plan if plan.reqs else None
+            if req.rid in self.running and pages is not None:
+                self.rows.add_pages(req, pages)
+        if retracted:
+            rows = self.rows.decodable()
+        if not len(rows):
+            return None
+        reqs = self.rows.reqs
+        return RankPlan("decode", [reqs[i] for i in rows], rows=rows)
 
     def _retract(self, req: Request) -> None:
         """Back to the front of the queue; its full pages go to the prefix cache, so resuming is cheap."""
-        self.running.remove(req)
+        del self.running[req.rid]
+        self.rows.leave(req)
         self.cache.insert(req.all_ids[: req.computed], req.pages, req.shared_pages)
-        req.pages, req.shared_pages, req.computed = [], 0, 0
+        req.pages, req.shared_pages, req.computed, req.scheduled = [], 0, 0, 0
         req.state = State.WAITING
         req.retractions += 1
         self.retracted_total += 1
         self.waiting.appendleft(req)
         log.info("rank %d: retracted request %s (KV pool full); it resumes when pages free up", self.rank, req.rid)
 
+    # ---- the step is queued ----------------------------------------------------------------------
+    def commit(self, plan: RankPlan, step: int) -> None:
+        """Step `step` runs this plan: its sampled tokens are in flight (markers -1-j in output_ids), prompt
+        chunks are scheduled, and requests whose prompt it finishes start decoding in a row of the batch."""
+        plan.step = step
+        m, n = len(plan.pieces), len(plan.reqs)
+        if not m:  # a decode
+            plan.out_pos = self.rows.sampled(plan.rows, step)
+            plan.sampled_rows = plan.rows
+            plan.ends = self.rows.a.length[plan.rows] - 1
+            for j, req in enumerate(plan.reqs):
+                req.output_ids.append(-1 - j)
+            return
+        plan.out_pos, plan.sampled_rows = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        plan.ends = np.zeros(n, np.int64)
+        if n > m:  # a mixed chunk: its decoders, sequences m.. of the step, as in a decode
+            plan.out_pos[m:] = self.rows.sampled(plan.rows, step, first=m)
+            plan.sampled_rows[m:] = plan.rows
+            plan.ends[m:] = self.rows.a.length[plan.rows] - 1
+            for j in range(m, n):
+                plan.reqs[j].output_ids.append(-1 - j)
+        for j, (req, piece) in enumerate(zip(plan.reqs[:m], plan.pieces, strict=True)):
+            req.scheduled = plan.ends[j] = piece.start + len(piece.tokens)
+            if req.scheduled < req.num_tokens:
+                continue  # a prompt chunk that samples nothing
+            self.waiting.remove(req)
+            req.state = State.RUNNING
+            self.running[req.rid] = req
+            plan.out_pos[j] = len(req.output_ids)
+            req.output_ids.append(-1 - j)
+            plan.sampled_rows[j] = self.rows.join(req, -1 - j, step, self.limit(req), plan.sampling[j])
+
     # ---- booking the results -------------------------------------------------------------------
-    def book(self, plan: RankPlan, tokens: list[int], logprobs: list[float] | None, now: float) -> list[Request]:
+    def book(self, plan: RankPlan, tokens: np.ndarray, logprobs: np.ndarray | None, now: float) -> list[Request]:
         """Put one step's sampled tokens in place of their markers; returns the requests that finished.
 
-        With the overlap the next step was already planned: a request that finishes here may have a row
-        in it, whose token is dropped when that step is booked.
-        """
+        The step has run, so its latents are in the cache (`computed`). With the overlap the next step was
+        already planned: a request that finishes here may have a row in it, whose token is dropped when that
+        step is booked."""
+        m = len(plan.reqs)
+        tokens = tokens[:m]
+        self.rows.booked(plan.sampled_rows, plan.step, tokens)
+        eos = np.isin(tokens, self._eos)
+        toks, lps = tokens.tolist(), logprobs[:m].tolist() if logprobs is not None else None
+        out_pos, ends = plan.out_pos.tolist(), plan.ends.tolist()
         done = []
         for i, req in enumerate(plan.reqs):
-            if not plan.sample[i] or req.finished:  # a prompt chunk, or aborted / finished meanwhile
+            if req.finished:  # aborted, or finished by an earlier step meanwhile
                 continue
-            pos = plan.out_pos[i]
-            req.output_ids[pos] = int(tokens[i])
-            if req.params.return_logprob and logprobs is not None:
-                req.output_logprobs.append(float(logprobs[i]))
+            if ends[i] > req.computed:
+                req.computed = ends[i]
+            pos = out_pos[i]
+            if pos < 0:  # a prompt chunk
+                continue
+            tok = req.output_ids[pos] = toks[i]
+            p = req.params
+            if p.return_logprob and lps is not None:
+                req.output_logprobs.append(lps[i])
             if req.first_token_at is None:
                 req.first_token_at = now
-            reason = self._finish_reason(req, pos)
-            if reason:
-                del req.output_ids[pos + 1:]  # tokens of a step planned before this one was booked
-                req.computed = min(req.computed, req.num_tokens - 1)
-                self.finish(req, reason, now)
-                done.append(req)
-            elif req.on_update:
-                req.on_update(req)
+            if (eos[i] and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids) or (
+                    req.stop_check is not None and req.stop_check(req)):
+                reason = "stop"
+            elif pos + 1 >= self.limit(req):
+                reason = "length"
+            else:
+                if req.on_update:
+                    req.on_update(req)
+                continue
+            del req.output_ids[pos + 1:]  # tokens of a step planned before this one was booked
+            self.finish(req, reason, now)
+            done.append(req)
         return done
 
-    def _finish_reason(self, req: Request, pos: int) -> str | None:
-        tok, p = req.output_ids[pos], req.params
-        if (tok in self.cfg.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if req.stop_check is not None and req.stop_check(req):
-            return "stop"
-        if pos + 1 >= p.max_new_tokens or len(req.prompt_ids) + pos + 1 >= self.cfg.context_len:
-            return "length"
-        return None
-
     def finish(self, req: Request, reason: str, now: float) -> None:
-        if req in self.running:
-            self.running.remove(req)
+        if self.running.pop(req.rid, None) is not None:
+            self.rows.leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.pages:
@@ -250,8 +341,7 @@ class Scheduler:
             req.on_update(req)
 
     def abort(self, rid: str, now: float) -> Request | None:
-        for req in list(self.running) + list(self.waiting):
-            if req.rid == rid:
-                self.finish(req, "abort", now)
-                return req
-        return None
+        req = self.running.get(rid) or next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.finish(req, "abort", now)
+        return req

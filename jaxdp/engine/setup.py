@@ -1,16 +1,32 @@
-"""What an Engine needs before its loop starts: the step runner on its mesh, the tokenizer, the
-persistent compilation cache, and the stop-string check that needs the tokenizer."""
+"""What an Engine needs before its loop starts: the step runners on their meshes (the one construction
+path), the tokenizer, the persistent compilation cache (for entry points to turn on), the steps compiled
+ahead of time, and the stop-string check that needs the tokenizer."""
 
 from __future__ import annotations
 
-import jax
+import logging
+import time
+from typing import TYPE_CHECKING
 
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxdp.batch import SAMPLING_KEYS, empty_step
 from jaxdp.engine.request import Request
+from jaxdp.engine.sampling import sample_tokens, top_logprobs
 from jaxdp.parallel.step import StepRunner
+
+if TYPE_CHECKING:
+    from jaxdp.engine.buckets import Buckets
+
+log = logging.getLogger("jaxdp.setup")
 
 
 def enable_compilation_cache(directory: str | None) -> None:
-    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again."""
+    """Turn on JAX's persistent compilation cache, so a restart does not compile the buckets again; None
+    or '' leaves it off. This changes JAX's global configuration: entry points call it (serve's
+    --compilation-cache-dir), a library constructor does not."""
     if not directory:
         return
     import os
@@ -19,6 +35,23 @@ def enable_compilation_cache(directory: str | None) -> None:
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def compile_steps(runner: StepRunner, sample, buckets: Buckets, pages_per_seq: int, dp: int, vocab: int) -> None:
+    """Compile every step shape and its sampling ahead of time (the stand-in for CUDA graph capture)."""
+    from tqdm import tqdm
+
+    shapes = buckets.shapes(pages_per_seq)
+    t0 = time.perf_counter()
+    for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
+        runner.compile(shape)
+        idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
+        logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
+        jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))
+        if sample is sample_tokens:  # (a stand-in runner has no real logits)
+            jax.block_until_ready(top_logprobs(logits))
+    log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
+             time.perf_counter() - t0, buckets.decode, buckets.extend)
 
 
 def find_tokenizer(model):
@@ -32,25 +65,54 @@ def find_tokenizer(model):
 
 
 def stop_string_check(tokenizer, stops: list[str]):
-    """True once the decoded output contains a stop string (the text is cut there by the API layer)."""
+    """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
+    at least one character, so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
+    window = max(len(s) for s in stops) + 8
+
     def check(req: Request) -> bool:
-        tail = tokenizer.decode([t for t in req.output_ids[-32:] if t >= 0])  # negative: still in flight
+        tail = tokenizer.decode([t for t in req.output_ids[-window:] if t >= 0])  # negative: still in flight
         return any(s in tail for s in stops)
 
     return check
 
 
+def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: int = 0,
+                  quantization: str | None = None, num_pages: int, page_size: int, attention_backend=None,
+                  moe_backend: str | None = None, num_layers: int | None = None,
+                  tiny_width: bool = False) -> list[StepRunner]:
+    """The one construction path (serve, Engine, one_batch): the model built in its final sharding on the
+    first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each further replica's
+    mesh, one StepRunner per mesh. Logs what the weights take per device, by dtype."""
+    from jaxdp.backends import decode_kernel, moe_runner_backend
+    from jaxdp.model.loader import build_model
+    from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
+
+    first = build_model(model, layout, meshes[0], dtype, seed=seed, quantization=quantization,
+                        num_layers=num_layers, tiny_width=tiny_width)
+    log.info("Model %s built on the mesh; %s", model or "default", describe_weight_bytes(first.state))
+    runners = []
+    for i, mesh in enumerate(meshes):
+        if i == 0:
+            sharded = first
+        else:  # another replica: the same arrays, copied device to device in the same specs
+            sharded = ShardedModel(first.cfg, first.graphdef, jax.tree.map(
+                lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), first.state))
+        runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size,
+                                  decode_kernel=decode_kernel(attention_backend),
+                                  moe_backend=moe_runner_backend(moe_backend)))
+    return runners
+
+
 def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int, quantization: str | None = None,
                 moe_backend: str | None = None) -> StepRunner:
-    from jaxdp.backends import decode_kernel, moe_runner_backend
+    """The runner an Engine builds for itself from a model name and a --mesh spec (or Layout)."""
     from jaxdp.layout import ensure_host_devices, parse_mesh_spec
-    from jaxdp.model.loader import load_model
 
     layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
     ensure_host_devices(layout.world)
     devices = jax.devices()[: layout.world]
     layout.validate(num_devices=len(jax.devices()))
     layout.check_memory(devices)  # before the KV pool is sized
-    _, m = load_model(model, dtype, seed=seed, quantization=quantization)
-    return StepRunner(m, layout, layout.make_mesh(devices), num_pages=cfg.num_pages, page_size=cfg.page_size,
-                      decode_kernel=decode_kernel(attention_backend), moe_backend=moe_runner_backend(moe_backend))
+    return build_runners(model, layout, [layout.make_mesh(devices)], dtype=dtype, seed=seed,
+                         quantization=quantization, num_pages=cfg.num_pages, page_size=cfg.page_size,
+                         attention_backend=attention_backend, moe_backend=moe_backend)[0]

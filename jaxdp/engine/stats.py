@@ -87,3 +87,20 @@ class StepStats:
             "idle_ranks": sum(r.idle_ranks for r in recs) / len(recs),
             "imbalance": sum(r.imbalance for r in recs) / len(recs),
         }
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step queued on the device whose tokens have not been read back yet, and its figures so far."""
+
+    plans: list
+    tokens: object  # [dp, token_carry] on the device
+    logprobs: object
+    shape: StepShape
+    rows: list[int]
+    agreement: object
+    account: object
+    host_s: float
+    dispatch_s: float
+    agree_s: float
+    top: object = None  # top_logprobs' (ids, values) on the device, when a request of the step asks

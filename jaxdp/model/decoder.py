@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.indexer import selection_size
 from jaxdp.model.layers import MLP, init_normal, rms_norm
-from jaxdp.model.mla import MLA, AttnBatch
+from jaxdp.model.mla import MLA, AttnBatch, IndexState
 from jaxdp.model.moe import MoE
 
 
@@ -74,22 +75,36 @@ class DeepseekV3(nnx.Module):
                  absorbed: bool, decode_kernel=None):
         """One step over the rows of this device.
 
-        kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, or None: no cache, each sequence is
+        kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, plus with DSA (`cfg.index_topk`) the
+        index keys {"dense_index": [Ld, P, S, E], "moe_index": ...}; or None: no cache, each sequence is
         the step's rows alone (training; `batch` needs only positions_T and seq_T). Returns
         (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache (None without one),
         rows received per expert summed over MoE layers [E_local]).
         """
+        cfg = self.cfg
         x_TD = self.embed_VD[...][tokens_T]
         new_cache = None if kv_cache is None else dict(kv_cache)
         expert_rows = jnp.zeros((0,), jnp.int32)
-        for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+        sel_TK = _no_selection(cfg, tokens_T.shape[0], batch, kv_cache)  # carried across both stacks
+        full = cfg.indexer_full
+        stacks = (("dense", self.dense_layers, 0, cfg.num_dense_layers),
+                  ("moe", self.moe_layers, cfg.num_dense_layers, cfg.num_layers))
+        for name, stack, first, end in stacks:
             if stack is None:
                 continue
             kv = None if kv_cache is None else kv_cache[name]
-            x_TD, kv, rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv, comm, absorbed, decode_kernel,
-                                           is_moe=name == "moe")
+            index = None
+            if cfg.index_topk:
+                keys = None if kv_cache is None else kv_cache[f"{name}_index"]
+                index = (keys, sel_TK, full[first:end])
+            x_TD, kv, index, rows_LE = _run_stack(stack, x_TD, valid_T, batch, kv, comm, absorbed, decode_kernel,
+                                                  is_moe=name == "moe", index=index)
             if new_cache is not None:
                 new_cache[name] = kv
+                if index is not None:
+                    new_cache[f"{name}_index"] = index[0]
+            if index is not None:
+                sel_TK = index[1]
             if name == "moe":
                 expert_rows = rows_LE.sum(0)
         h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
@@ -97,39 +112,64 @@ class DeepseekV3(nnx.Module):
         return logits_BV, new_cache, expert_rows
 
 
+def _no_selection(cfg: ModelConfig, T: int, batch: AttnBatch, kv_cache) -> jax.Array | None:
+    """The DSA selection a step starts from ([T, index_topk] zeros; layer 0 is always a full one), or None
+    when its context fits in index_topk and attention stays dense."""
+    context = T if kv_cache is None else batch.page_table_BN.shape[1] * kv_cache["dense"].shape[2]
+    k = selection_size(cfg, context)
+    return jnp.zeros((T, k), jnp.int32) if k else None
+
+
 def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, absorbed, decode_kernel,
-               is_moe: bool):
+               is_moe: bool, index=None):
     """Run a stack of layers under lax.scan. The whole stack's cache is carried through the scan as one
     pool of L * P pages (layer i owns pages i*P ..), so each layer scatters its new entries in place
-    instead of the scan copying the cache out as a new stacked array. kv_LPSK None: no cache."""
+    instead of the scan copying the cache out as a new stacked array. kv_LPSK None: no cache.
+    index (DSA): (index keys [L, P, S, E] or None, the selection carried in, per-layer "full" flags: a
+    tuple of L bools); the same comes back with the stack's keys and the last selection."""
     graphdef, state = nnx.split(stack)
     eps = stack.attn.cfg.rms_norm_eps
     L, P, S, K = kv_LPSK.shape if kv_LPSK is not None else (jax.tree.leaves(state)[0].shape[0], 0, 0, 0)
+    keys_LPSE, sel_TK, full = index if index is not None else (None, None, (True,) * L)
+    # a stack whose layers all run their indexer needs no per-layer switch (V3.2, GLM-5's dense stack)
+    full_L = None if all(full) else jnp.asarray(full)
+    E = 0 if keys_LPSE is None else keys_LPSE.shape[-1]
 
     def body(carry, xs):
-        x_TD, kv_PSK = carry
-        layer_state, i = xs
+        x_TD, kv_PSK, idx = carry
+        layer_state, i, full_i = xs
         layer = nnx.merge(graphdef, layer_state)
         h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
-        a_TD, kv_PSK = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel,
-                                  page_offset=i * P, pages_per_layer=P)
+        a_TD, kv_PSK, idx = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel,
+                                       page_offset=i * P, pages_per_layer=P, index=idx,
+                                       index_full=True if full_i is None else full_i)
         x_rows, h_rows = comm.attn_to_ffn(a_TD, x_TD, layer.ffn_norm[...], eps)
         if is_moe:
             y_rows, rows_E = comm.moe(h_rows, valid_T, layer.ffn)
         else:
             y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
-        return (comm.ffn_to_attn(y_rows, x_rows), kv_PSK), rows_E
+        return (comm.ffn_to_attn(y_rows, x_rows), kv_PSK, idx), rows_E
 
     kv = None if kv_LPSK is None else kv_LPSK.reshape(L * P, S, K)
-    (x_TD, kv), rows_LE = jax.lax.scan(body, (x_TD, kv), (state, jnp.arange(L)))
-    return x_TD, None if kv is None else kv.reshape(L, P, S, K), rows_LE
+    idx = None
+    if index is not None:
+        idx = IndexState(None if keys_LPSE is None else keys_LPSE.reshape(L * P, S, E), sel_TK)
+    (x_TD, kv, idx), rows_LE = jax.lax.scan(body, (x_TD, kv, idx), (state, jnp.arange(L), full_L))
+    if idx is not None:
+        keys = None if idx.keys_PSE is None else idx.keys_PSE.reshape(L, P, S, E)
+        index = (keys, idx.sel_TK, full)
+    return x_TD, None if kv is None else kv.reshape(L, P, S, K), index, rows_LE
 
 
 def empty_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> dict:
     """A zeroed paged latent cache for every layer (one extra page past the end is never needed:
     padding tokens write out of range and are dropped)."""
     shape = (num_pages, page_size, cfg.kv_cache_dim)
-    return {
+    cache = {
         "dense": jnp.zeros((cfg.num_dense_layers, *shape), dtype),
         "moe": jnp.zeros((cfg.num_moe_layers, *shape), dtype),
     }
+    if cfg.index_topk:  # DSA: one index key per token per layer, in the same pages
+        for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
+            cache[f"{name}_index"] = jnp.zeros((n, num_pages, page_size, cfg.index_key_dim), dtype)
+    return cache

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import weight
 
 
 def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
@@ -120,4 +121,4 @@ class MLP(nnx.Module):
         self.w_down_FD = nnx.Param(init_normal(rngs, (inter, hidden), dtype, inter))
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
-        return swiglu(x_TD, self.w_gate_up_D2F[...], self.w_down_FD[...])
+        return swiglu(x_TD, weight(self, "w_gate_up_D2F"), weight(self, "w_down_FD"))

@@ -1,224 +1,94 @@
-"""Hugging Face checkpoints <-> the stacked parameters of `DeepseekV3`.
+"""Hugging Face checkpoints <-> `DeepseekV3`, and the one way a model is built for the step.
 
-Reads safetensors (one file or a sharded index), maps the per-layer names onto the dense and MoE
-stacks, transposes torch's [out, in] Linear weights once, dequantizes DeepSeek's block-FP8 weights
-(`weight_scale_inv`, one scale per 128x128 block) and casts to the requested dtype. Experts are read
-in either spelling: one tensor per expert (`experts.{j}.gate_proj.weight`, as published checkpoints
-and transformers' save_pretrained write them) or fused (`experts.gate_up_proj`, transformers' in-memory
-layout). Multi-token-prediction layers past num_hidden_layers are skipped. `save_hf_checkpoint` writes
-the inverse, so a model trained here is served from the same format.
-
-NVFP4: `quantization="nvfp4"` quantizes the routed experts layer by layer as they are read (from
-float32); a ModelOpt NVFP4 checkpoint (`jaxdp.model.modelopt`) keeps its experts as stored; a directory
-written by `python -m jaxdp.quantize` (orbax) is detected and restored.
+`build_model` is the construction path of every entry point (serve, Engine, one_batch): a checkpoint
+directory is read straight into its final sharding (`jaxdp.model.sharded`: slices in the stored dtype,
+block-FP8 kept FP8, ModelOpt NVFP4 experts kept NVFP4); a preset gets random weights created on the
+devices in their sharding; a directory written by `python -m jaxdp.quantize` (orbax) is restored and
+moved onto the mesh. `load_model` / `load_checkpoint` give a whole model on one device (tests, tools).
+`save_hf_checkpoint` writes the inverse (FP8 weights dequantized), so a model trained here is served
+from the same format.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
-from tqdm import tqdm
 
-from jaxdp.config import ModelConfig, load_hf_config
-from jaxdp.model import modelopt
+from jaxdp.config import ModelConfig
+from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
-from jaxdp.model.moe import NVFP4_PARAMS, nvfp4_expert_params
-from jaxdp.model.quant import check_quantization, expert_quantization, quantize_experts
+from jaxdp.model.fp8 import dequantize_fp8_blocks, weight
+from jaxdp.model.quant import expert_quantization, quantize_experts
+from jaxdp.model.sharded import ShardedModel, init_sharded, load_sharded, shard_model
 
 log = logging.getLogger("jaxdp.loader")
 
-Getter = Callable[[str], np.ndarray]
-# safetensors' numpy reader has no float8; these are read from the file's bytes
-_F8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+__all__ = ["build_model", "load_model", "load_checkpoint", "save_hf_checkpoint", "hf_state_dict",
+           "hf_config_dict", "default_model_path", "dequantize_fp8_blocks"]
 
 
-class CheckpointReader:
-    """Lazy access to the tensors of a checkpoint directory, by name, as float32 numpy arrays."""
+def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
+                quantization: str | None = None, num_layers: int | None = None,
+                tiny_width: bool = False) -> ShardedModel:
+    """The model for `path` (a checkpoint directory, an orbax conversion, a preset name, or None /
+    "default" for the embedded default model) with every array in its final sharding on `mesh`."""
+    from jaxdp.config import PRESETS
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig):
-        self.dir = Path(model_dir)
-        self.cfg = cfg
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{model_dir} holds no .safetensors files")
-            weight_map = {}
-            for f in files:
-                with safe_open(f, "np") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
-        self.weight_map: dict[str, str] = weight_map
-        self._handles: dict[str, object] = {}
-        self._headers: dict[str, tuple[dict, int]] = {}
+    if path is None or path == "default":
+        path = str(default_model_path())
+    dt = jnp.dtype(dtype)
+    if path in PRESETS:
+        return init_sharded(preset_config(path, num_layers, tiny_width), layout, mesh, dt, seed, quantization)
+    from jaxdp.quantize import is_converted, load_converted
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def _raw(self, name: str) -> np.ndarray:
-        if name not in self.weight_map:
-            raise KeyError(f"the checkpoint in {self.dir} has no tensor {name!r}")
-        fname = self.weight_map[name]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(self.dir / fname, "np")
-        dtype = self._handles[fname].get_slice(name).get_dtype()
-        if dtype in _F8_DTYPES:
-            return self._read_f8(fname, name, _F8_DTYPES[dtype])
-        return self._handles[fname].get_tensor(name)
-
-    def _read_f8(self, fname: str, name: str, dtype) -> np.ndarray:
-        if fname not in self._headers:
-            with open(self.dir / fname, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                self._headers[fname] = (json.loads(f.read(n)), 8 + n)
-        header, start = self._headers[fname]
-        begin, end = header[name]["data_offsets"]
-        data = np.fromfile(self.dir / fname, dtype=np.uint8, count=end - begin, offset=start + begin)
-        return data.view(dtype).reshape(header[name]["shape"])
-
-    def get(self, name: str) -> np.ndarray:
-        w = self._raw(name)
-        scale_name = name.replace(".weight", ".weight_scale_inv")
-        nvfp4_base = name.removesuffix(".weight")
-        if name.endswith(".weight") and scale_name in self.weight_map:
-            w = dequantize_fp8_blocks(w, self._raw(scale_name), self.cfg.fp8_block or (128, 128))
-        elif name.endswith(".weight") and f"{nvfp4_base}.weight_scale_2" in self.weight_map:
-            w = modelopt.dequantize_weight(w, self._raw(f"{nvfp4_base}.weight_scale"),
-                                           self._raw(f"{nvfp4_base}.weight_scale_2"))
-        return np.asarray(w, dtype=np.float32)
+    if is_converted(path):
+        _, model = load_converted(path, dt)
+        return shard_model(quantize_experts(model, quantization), layout, mesh)
+    return load_sharded(path, layout, mesh, dt, quantization)
 
 
-def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """DeepSeek's block FP8: w_fp8 * scale_inv[i // bm, j // bn]."""
-    bm, bn = block
-    w32 = np.asarray(w.astype(np.float32) if w.dtype != np.uint8 else w.view(jnp.float8_e4m3fn), np.float32)
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bm, axis=0), bn, axis=1)
-    return w32 * s[: w32.shape[0], : w32.shape[1]]
+def preset_config(name: str, num_layers: int | None = None, tiny_width: bool = False) -> ModelConfig:
+    """A preset's config; `num_layers` overrides its depth; `tiny_width` keeps its depth and dense/MoE
+    split at the tiny model's widths (to measure how compile time grows with depth)."""
+    from jaxdp.config import PRESETS, get_config
+
+    cfg = get_config(name)
+    if tiny_width:
+        cfg = PRESETS["tiny"].with_(num_layers=cfg.num_layers, first_k_dense_replace=cfg.first_k_dense_replace)
+    if num_layers is not None:
+        cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
+    return cfg
 
 
-# ---- the name map ------------------------------------------------------------------------------
+def model_config(path: str | None, num_layers: int | None = None, tiny_width: bool = False) -> ModelConfig:
+    """The config `build_model` would build `path` with (quantization aside), read without the weights."""
+    from jaxdp.config import PRESETS, load_hf_config
+    from jaxdp.model import modelopt
 
+    if path is None or path == "default":
+        path = str(default_model_path())
+    if path in PRESETS:
+        return preset_config(path, num_layers, tiny_width)
+    from jaxdp.quantize import MARKER, is_converted
 
-def _attn_params(cfg: ModelConfig) -> dict[str, Callable[[Getter, str], np.ndarray]]:
-    H, K = cfg.num_heads, cfg.qk_head_dim
-    p: dict[str, Callable[[Getter, str], np.ndarray]] = {
-        "attn_norm": lambda g, pre: g(f"{pre}.input_layernorm.weight"),
-        "ffn_norm": lambda g, pre: g(f"{pre}.post_attention_layernorm.weight"),
-        "attn.w_kv_a_DK": lambda g, pre: g(f"{pre}.self_attn.kv_a_proj_with_mqa.weight").T,
-        "attn.kv_a_norm": lambda g, pre: g(f"{pre}.self_attn.kv_a_layernorm.weight"),
-        "attn.w_kv_b_LHX": lambda g, pre: g(f"{pre}.self_attn.kv_b_proj.weight").T.reshape(
-            cfg.kv_lora_rank, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        "attn.w_o_HVD": lambda g, pre: g(f"{pre}.self_attn.o_proj.weight").T.reshape(
-            H, cfg.v_head_dim, cfg.hidden_size),
-    }
-    if cfg.q_lora_rank is not None:
-        p["attn.w_q_a_DQ"] = lambda g, pre: g(f"{pre}.self_attn.q_a_proj.weight").T
-        p["attn.q_a_norm"] = lambda g, pre: g(f"{pre}.self_attn.q_a_layernorm.weight")
-        p["attn.w_q_b_QHK"] = lambda g, pre: g(f"{pre}.self_attn.q_b_proj.weight").T.reshape(
-            cfg.q_lora_rank, H, K)
-    else:
-        p["attn.w_q_DHK"] = lambda g, pre: g(f"{pre}.self_attn.q_proj.weight").T.reshape(
-            cfg.hidden_size, H, K)
-    return p
-
-
-def _mlp(g: Getter, pre: str) -> tuple[np.ndarray, np.ndarray]:
-    gate_up = np.stack([g(f"{pre}.gate_proj.weight").T, g(f"{pre}.up_proj.weight").T], axis=1)
-    return gate_up, g(f"{pre}.down_proj.weight").T
-
-
-def _experts(reader: CheckpointReader, g: Getter, pre: str, cfg: ModelConfig):
-    fused = f"{pre}.mlp.experts.gate_up_proj"
-    if fused in reader:  # [E, 2I, D] and [E, D, I]
-        gu = g(fused)
-        I = cfg.moe_intermediate_size
-        gate_up = np.stack([gu[:, :I].transpose(0, 2, 1), gu[:, I:].transpose(0, 2, 1)], axis=2)
-        return gate_up, g(f"{pre}.mlp.experts.down_proj").transpose(0, 2, 1)
-    pairs = [_mlp(g, f"{pre}.mlp.experts.{j}") for j in range(cfg.n_routed_experts)]
-    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    if is_converted(path):
+        raw = json.loads((Path(path) / MARKER).read_text())["model_config"]
+        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    return modelopt.load_config(path) if modelopt.read_quant_config(path) else load_hf_config(path)
 
 
 def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None,
-                    quantization: str | None = None):
-    """(ModelConfig, DeepseekV3 with the checkpoint's weights in `dtype`; routed experts in NVFP4 when
-    `quantization="nvfp4"` or the checkpoint is a ModelOpt NVFP4 one)."""
-    mo_config = modelopt.read_quant_config(model_dir)
-    cfg = cfg or (modelopt.load_config(model_dir) if mo_config else load_hf_config(model_dir))
-    reader = CheckpointReader(model_dir, cfg)
-    g = reader.get
-    stored_nvfp4 = mo_config is not None and modelopt.experts_are_nvfp4(reader.__contains__, cfg)
-    quantization = "nvfp4" if stored_nvfp4 else check_quantization(quantization)
-    model = nnx.eval_shape(lambda: quantize_experts(DeepseekV3(cfg, nnx.Rngs(0), dtype), quantization))
-    input_scales: list[np.ndarray] = []
-    values: dict[str, np.ndarray] = {"embed_VD": g("model.embed_tokens.weight"),
-                                     "final_norm": g("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        values["lm_head_DV"] = g("lm_head.weight").T
-    stacks = (("dense_layers", range(cfg.num_dense_layers)),
-              ("moe_layers", range(cfg.num_dense_layers, cfg.num_layers)))
-    attn = _attn_params(cfg)
-    with tqdm(total=cfg.num_layers, desc="Loading layers", unit="layer", disable=cfg.num_layers < 8) as bar:
-        for stack, layer_ids in stacks:
-            per_layer: dict[str, list[np.ndarray]] = {}
-            for i in layer_ids:
-                pre = f"model.layers.{i}"
-                for key, fn in attn.items():
-                    per_layer.setdefault(key, []).append(fn(g, pre))
-                if stack == "dense_layers":
-                    gu, d = _mlp(g, f"{pre}.mlp")
-                    items = {"ffn.w_gate_up_D2F": gu, "ffn.w_down_FD": d}
-                else:
-                    items = {"ffn.router_DE": g(f"{pre}.mlp.gate.weight").T,
-                             "ffn.router_bias_E": g(f"{pre}.mlp.gate.e_score_correction_bias")}
-                    if stored_nvfp4:
-                        experts, scales = modelopt.read_nvfp4_experts(reader._raw, reader.__contains__, pre, cfg)
-                        input_scales.append(scales)
-                    elif quantization == "nvfp4":  # quantize from float32, one layer at a time
-                        experts = jax.tree.map(np.asarray, nvfp4_expert_params(*_experts(reader, g, pre, cfg)))
-                    else:
-                        gu, d = _experts(reader, g, pre, cfg)
-                        experts = {"w_gate_up_ED2I": gu, "w_down_EID": d}
-                    items |= {f"ffn.{k}": v for k, v in experts.items()}
-                    if cfg.n_shared_experts:
-                        sgu, sd = _mlp(g, f"{pre}.mlp.shared_experts")
-                        items |= {"ffn.shared.w_gate_up_D2F": sgu, "ffn.shared.w_down_FD": sd}
-                for key, arr in items.items():
-                    per_layer.setdefault(key, []).append(arr)
-                bar.update()
-            for key, arrs in per_layer.items():
-                values[f"{stack}.{key}"] = np.stack(arrs)
-    _assign(model, values, dtype)
-    if stored_nvfp4:
-        log.info(modelopt.describe_input_scales(input_scales))
-    return cfg, model
-
-
-def _assign(model: DeepseekV3, values: dict[str, np.ndarray], dtype) -> None:
-    for path, arr in values.items():
-        *parents, leaf = path.split(".")
-        obj = model
-        for p in parents:
-            obj = getattr(obj, p)
-        param = getattr(obj, leaf)
-        keep_f32 = leaf.startswith("router")  # the router runs in float32, as DeepSeek's does
-        want = param.get_value().shape
-        if tuple(arr.shape) != tuple(want):
-            raise ValueError(f"checkpoint tensor for {path} has shape {arr.shape}, expected {want}")
-        # NVFP4 experts keep their own dtypes (uint8 codes, E4M3 scales, float32 global scales)
-        target = param.get_value().dtype if leaf in NVFP4_PARAMS else jnp.float32 if keep_f32 else dtype
-        param.set_value(jnp.asarray(arr, target))
+                    quantization: str | None = None) -> tuple[ModelConfig, DeepseekV3]:
+    """(ModelConfig, DeepseekV3 on one device): the checkpoint read as `load_sharded` reads it."""
+    layout = Layout()
+    sharded = load_sharded(model_dir, layout, layout.make_mesh(jax.devices()[:1]), dtype, quantization, cfg)
+    return sharded.cfg, sharded.merge()
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -234,6 +104,9 @@ def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
     def a(x) -> np.ndarray:
         return np.asarray(jax.device_get(x[...]), np.float32)
 
+    def w(module, name: str) -> np.ndarray:  # FP8 weights come out dequantized
+        return np.asarray(jax.device_get(weight(module, name)), np.float32)
+
     out = {"model.embed_tokens.weight": a(model.embed_VD), "model.norm.weight": a(model.final_norm)}
     if model.lm_head_DV is not None:
         out["lm_head.weight"] = a(model.lm_head_DV).T
@@ -246,32 +119,32 @@ def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
             at = stack.attn
             out[f"{pre}.input_layernorm.weight"] = a(stack.attn_norm)[j]
             out[f"{pre}.post_attention_layernorm.weight"] = a(stack.ffn_norm)[j]
-            out[f"{pre}.self_attn.kv_a_proj_with_mqa.weight"] = a(at.w_kv_a_DK)[j].T
+            out[f"{pre}.self_attn.kv_a_proj_with_mqa.weight"] = w(at, "w_kv_a_DK")[j].T
             out[f"{pre}.self_attn.kv_a_layernorm.weight"] = a(at.kv_a_norm)[j]
-            kvb = a(at.w_kv_b_LHX)[j]
+            kvb = w(at, "w_kv_b_LHX")[j]
             out[f"{pre}.self_attn.kv_b_proj.weight"] = kvb.reshape(kvb.shape[0], -1).T
-            o = a(at.w_o_HVD)[j]
+            o = w(at, "w_o_HVD")[j]
             out[f"{pre}.self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
             if cfg.q_lora_rank is not None:
-                out[f"{pre}.self_attn.q_a_proj.weight"] = a(at.w_q_a_DQ)[j].T
+                out[f"{pre}.self_attn.q_a_proj.weight"] = w(at, "w_q_a_DQ")[j].T
                 out[f"{pre}.self_attn.q_a_layernorm.weight"] = a(at.q_a_norm)[j]
-                qb = a(at.w_q_b_QHK)[j]
+                qb = w(at, "w_q_b_QHK")[j]
                 out[f"{pre}.self_attn.q_b_proj.weight"] = qb.reshape(qb.shape[0], -1).T
             else:
-                q = a(at.w_q_DHK)[j]
+                q = w(at, "w_q_DHK")[j]
                 out[f"{pre}.self_attn.q_proj.weight"] = q.reshape(q.shape[0], -1).T
             ffn = stack.ffn
             if first == 0:
-                _put_mlp(out, f"{pre}.mlp", a(ffn.w_gate_up_D2F)[j], a(ffn.w_down_FD)[j])
+                _put_mlp(out, f"{pre}.mlp", w(ffn, "w_gate_up_D2F")[j], w(ffn, "w_down_FD")[j])
                 continue
             out[f"{pre}.mlp.gate.weight"] = a(ffn.router_DE)[j].T
             out[f"{pre}.mlp.gate.e_score_correction_bias"] = a(ffn.router_bias_E)[j]
-            gu, dn = a(ffn.w_gate_up_ED2I)[j], a(ffn.w_down_EID)[j]
+            gu, dn = w(ffn, "w_gate_up_ED2I")[j], w(ffn, "w_down_EID")[j]
             for e in range(gu.shape[0]):
                 _put_mlp(out, f"{pre}.mlp.experts.{e}", gu[e], dn[e])
             if ffn.shared is not None:
-                _put_mlp(out, f"{pre}.mlp.shared_experts", a(ffn.shared.w_gate_up_D2F)[j],
-                         a(ffn.shared.w_down_FD)[j])
+                _put_mlp(out, f"{pre}.mlp.shared_experts", w(ffn.shared, "w_gate_up_D2F")[j],
+                         w(ffn.shared, "w_down_FD")[j])
     # contiguous: safetensors writes an array's buffer as it lies in memory
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
@@ -316,33 +189,13 @@ def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32)
 
 
 def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | None = None,
-               tiny_width: bool = False, quantization: str | None = None):
-    """A checkpoint directory (Hugging Face, ModelOpt NVFP4, or `jaxdp.quantize`'s orbax output), or a
-    preset name with random weights (seeded); `quantization="nvfp4"` holds the routed experts as NVFP4.
-
-    `num_layers` overrides a preset's depth; `tiny_width` keeps a preset's depth and dense/MoE split
-    but the tiny model's widths (to measure how compile time grows with depth).
-    """
-    from jaxdp.config import PRESETS, get_config
-
-    if path is None or path == "default":  # the embedded default model (jaxdp/assets/default-model)
-        path = str(default_model_path())
-    dt = jnp.dtype(dtype)
-    if path not in PRESETS:
-        from jaxdp.quantize import is_converted, load_converted
-
-        if is_converted(path):
-            cfg, model = load_converted(path, dt)
-            return cfg, quantize_experts(model, quantization)
-        return load_checkpoint(path, dt, quantization=quantization)
-    cfg = get_config(path)
-    if tiny_width:
-        tiny = PRESETS["tiny"]
-        cfg = tiny.with_(num_layers=cfg.num_layers, first_k_dense_replace=cfg.first_k_dense_replace)
-    if num_layers is not None:
-        dense = min(cfg.first_k_dense_replace, num_layers)
-        cfg = cfg.with_(num_layers=num_layers, first_k_dense_replace=dense)
-    return cfg, quantize_experts(DeepseekV3(cfg, nnx.Rngs(seed), dt), quantization)
+               tiny_width: bool = False, quantization: str | None = None) -> tuple[ModelConfig, DeepseekV3]:
+    """(ModelConfig, the whole model on one device) for a checkpoint directory, an orbax conversion or a
+    preset name with random weights (seeded); see `build_model`."""
+    layout = Layout()
+    sharded = build_model(path, layout, layout.make_mesh(jax.devices()[:1]), dtype, seed=seed,
+                          quantization=quantization, num_layers=num_layers, tiny_width=tiny_width)
+    return sharded.cfg, sharded.merge()
 
 
 def default_model_path() -> Path:

@@ -10,6 +10,9 @@ Three paths:
   latent cache directly, W_UV is applied to the result;
 - no cache (`kv_PSK=None`, training): each sequence's context is its own rows of the step, expanded as
   in `extend`; nothing is written.
+With DeepSeek sparse attention (`cfg.index_topk`, see `jaxdp.model.indexer`) each query reads only the
+tokens its layer's indexer selected: `extend` masks the rest of the context, `decode` gathers just the
+selected latents through the page table (`sparse_mla_decode_xla`, or the Pallas kernel).
 Inside a shard_map the head axis of the weights is the device's slice of the heads; shapes are read
 from the arrays, never from the config.
 
@@ -26,6 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import weight
+from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
 
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
@@ -55,6 +60,20 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass
+class IndexState:
+    """What DSA layers carry through a stack: the index-key pages ([L * P, S, E] like kv_PSK, in the cache
+    dtype, or uint8 [L * P, S, E + 4 * E / 128] for fp8 keys with their scales; None without a cache) and
+    the last full layer's selection sel_TK ([T, index_topk] context positions; None when the step needs
+    no selection, see `indexer.selection_size`)."""
+
+    keys_PSE: jax.Array | None
+    sel_TK: jax.Array | None
+
+
+jax.tree_util.register_dataclass(IndexState, data_fields=["keys_PSE", "sel_TK"], meta_fields=[])
+
+
 class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         D, H = cfg.hidden_size, cfg.num_heads
@@ -74,62 +93,100 @@ class MLA(nnx.Module):
                         cfg.kv_lora_rank)
         )
         self.w_o_HVD = nnx.Param(init_normal(rngs, (H, cfg.v_head_dim, D), dtype, H * cfg.v_head_dim))
+        self.indexer = Indexer(cfg, rngs, dtype) if cfg.index_topk else None
 
     # ---- projections ---------------------------------------------------------------------------
-    def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """q_nope [T, H, N], roped q_rope [T, H, R] and the q LoRA residual [T, Q] (None without q LoRA)."""
         cfg = self.cfg
+        q_TQ = None
         if cfg.q_lora_rank is not None:
-            q_TQ = rms_norm(x_TD @ self.w_q_a_DQ[...], self.q_a_norm[...], cfg.rms_norm_eps)
-            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, self.w_q_b_QHK[...])
+            q_TQ = rms_norm(x_TD @ weight(self, "w_q_a_DQ"), self.q_a_norm[...], cfg.rms_norm_eps)
+            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, weight(self, "w_q_b_QHK"))
         else:
-            q_THK = jnp.einsum("td,dhk->thk", x_TD, self.w_q_DHK[...])
+            q_THK = jnp.einsum("td,dhk->thk", x_TD, weight(self, "w_q_DHK"))
         q_nope_THN = q_THK[..., : cfg.qk_nope_head_dim]
         q_rope_THR = apply_rope(q_THK[..., cfg.qk_nope_head_dim :], positions_T, cfg)
-        return q_nope_THN, q_rope_THR
+        return q_nope_THN, q_rope_THR, q_TQ
 
     def latent(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The cache entry of each token: normalised latent, then the roped shared key."""
         cfg = self.cfg
-        kv_TK = x_TD @ self.w_kv_a_DK[...]
+        kv_TK = x_TD @ weight(self, "w_kv_a_DK")
         latent_TL = rms_norm(kv_TK[:, : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.rms_norm_eps)
         k_rope_TR = apply_rope(kv_TK[:, None, cfg.kv_lora_rank :], positions_T, cfg)[:, 0]
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
     def output(self, o_THV: jax.Array) -> jax.Array:
         """o_proj over this device's heads: a partial sum when heads are split over tp."""
-        return jnp.einsum("thv,hvd->td", o_THV, self.w_o_HVD[...])
+        return jnp.einsum("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
 
     # ---- the two attention paths -----------------------------------------------------------------
     def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
-                 pages_per_layer: int | None = None):
-        """Write this step's tokens into the cache, attend, project out. Returns (out_TD, kv_PSK).
+                 pages_per_layer: int | None = None, index: IndexState | None = None, index_full=True):
+        """Write this step's tokens into the cache, attend, project out. Returns (out_TD, kv_PSK, index).
 
         kv_PSK may hold the pages of every layer of a stack ([L * P, S, K], as the scan carries it, so
         the step updates the cache in place); this layer's pages start at `page_offset`. With
         kv_PSK None the step's rows are the whole context (training) and None comes back.
+        index (DSA models): this layer writes its index keys into `index.keys_PSE` (same pages) and, when
+        `index_full` (the layer's indexer type: True, or a traced bool in a stack that mixes types), replaces
+        `index.sel_TK` by its own
+        selection; a "shared" layer attends over the selection it was given.
         """
-        q_nope_THN, q_rope_THR = self.queries(x_TD, batch.positions_T)
+        q_nope_THN, q_rope_THR, q_TQ = self.queries(x_TD, batch.positions_T)
         if kv_PSK is None:
-            o_THV = self.attend_rows(q_nope_THN, q_rope_THR, self.latent(x_TD, batch.positions_T), batch)
-            return self.output(o_THV.astype(x_TD.dtype)), None
+            sel_TK = None
+            if index is not None and index.sel_TK is not None:
+                visible_TU = (batch.seq_T[:, None] == batch.seq_T[None, :]) & (
+                    batch.positions_T[None, :] <= batch.positions_T[:, None])
+                sel_TK = _own_or_given(index_full, lambda: self.indexer.select(
+                    q_TQ, x_TD, batch.positions_T, self.indexer.keys(x_TD, batch.positions_T), visible_TU,
+                    index.sel_TK.shape[1]), index.sel_TK)
+                index = IndexState(None, sel_TK)
+            o_THV = self.attend_rows(q_nope_THN, q_rope_THR, self.latent(x_TD, batch.positions_T), batch, sel_TK)
+            return self.output(o_THV.astype(x_TD.dtype)), None, index
         if not isinstance(page_offset, int) or page_offset:  # this layer's pages start at page_offset
             batch = dataclasses.replace(batch, page_table_BN=batch.page_table_BN + page_offset)
         P = pages_per_layer or kv_PSK.shape[0]
         kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T), page_offset, P)
+        sel_TK = None
+        if index is not None:
+            keys_TE = self.indexer.keys(x_TD, batch.positions_T)
+            if index.keys_PSE.dtype == jnp.uint8:  # the pool holds fp8 index keys
+                keys_TE = pack_fp8_keys(keys_TE)
+            keys_PSE = write_cache(index.keys_PSE, batch.slots_T, keys_TE, page_offset, P)
+            sel_TK = index.sel_TK
+            if sel_TK is not None:
+                sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
+                                       index.sel_TK)
+            index = IndexState(keys_PSE, sel_TK)
         if absorbed:
-            o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel)
+            o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
         else:
-            o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch)
-        return self.output(o_THV.astype(x_TD.dtype)), kv_PSK
+            o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK)
+        return self.output(o_THV.astype(x_TD.dtype)), kv_PSK, index
+
+    def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch, absorbed: bool) -> jax.Array:
+        """This layer's DSA selection over the cached context of each row's sequence [T, index_topk]."""
+        keys_BCE = gather_context(keys_PSE, batch.page_table_BN)
+        if keys_BCE.dtype == jnp.uint8:
+            keys_BCE = unpack_fp8_keys(keys_BCE, self.cfg.index_head_dim)
+        B, C = keys_BCE.shape[:2]
+        # decode: row b is sequence b; extend: each row reads its own sequence's keys
+        keys_TCE = keys_BCE if absorbed else keys_BCE[jnp.clip(batch.seq_T, 0, B - 1)]
+        visible_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]
+        return self.indexer.select(q_TQ, x_TD, batch.positions_T, keys_TCE, visible_TC, selection_size(self.cfg, C))
 
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
         cfg = self.cfg
-        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], self.w_kv_b_LHX[...])
+        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"))
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
-    def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch) -> jax.Array:
-        """Prompt path: expand the context's latent into per-head K and V; causal within each sequence."""
+    def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
+        """Prompt path: expand the context's latent into per-head K and V; causal within each sequence
+        (and, with a DSA selection, only the selected positions)."""
         cfg = self.cfg
         kv_BCK = gather_context(kv_PSK, batch.page_table_BN)
         B, C = kv_BCK.shape[:2]
@@ -138,36 +195,58 @@ class MLA(nnx.Module):
         s_THBC += jnp.einsum("thr,bcr->thbc", q_rope_THR, k_rope_BCR, preferred_element_type=jnp.float32)
         own_seq_TB = batch.seq_T[:, None] == jnp.arange(B)[None, :]
         causal_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]
+        if sel_TK is not None:
+            causal_TC &= selected_mask(sel_TK, C)
         mask_TBC = own_seq_TB[:, :, None] & causal_TC[:, None, :]
         s_THBC = jnp.where(mask_TBC[:, None], s_THBC * cfg.softmax_scale, NEG_INF)
         T, H = s_THBC.shape[:2]
         p_THBC = jax.nn.softmax(s_THBC.reshape(T, H, B * C), axis=-1).reshape(T, H, B, C)
         return jnp.einsum("thbc,bchv->thv", p_THBC.astype(v_BCHV.dtype), v_BCHV)
 
-    def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch) -> jax.Array:
-        """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t]."""
+    def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
+        """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,
+        with a DSA selection, only the selected rows)."""
         k_nope_THN, v_THV, k_rope_TR = self.expand(kv_TK)
         s_THU = jnp.einsum("thn,uhn->thu", q_nope_THN, k_nope_THN, preferred_element_type=jnp.float32)
         s_THU += jnp.einsum("thr,ur->thu", q_rope_THR, k_rope_TR, preferred_element_type=jnp.float32)
         seq_T, pos_T = batch.seq_T, batch.positions_T
         mask_TU = (seq_T[:, None] == seq_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])
+        if sel_TK is not None:
+            mask_TU &= selected_mask(sel_TK, kv_TK.shape[0])
         s_THU = jnp.where(mask_TU[:, None], s_THU * self.cfg.softmax_scale, NEG_INF)
         p_THU = jax.nn.softmax(s_THU, axis=-1)
         return jnp.einsum("thu,uhv->thv", p_THU.astype(v_THV.dtype), v_THV)
 
-    def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None):
-        """Decode path: one token per sequence (T == B); attention over the latent cache itself."""
+    def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None, sel_TK=None):
+        """Decode path: one token per sequence (T == B); attention over the latent cache itself (with a
+        DSA selection, over the selected latents only)."""
         cfg = self.cfg
-        w_uk_LHN = self.w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
-        w_uv_LHV = self.w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
+        w_kv_b_LHX = weight(self, "w_kv_b_LHX")
+        w_uk_LHN = w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
+        w_uv_LHV = w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
         q_latent_BHL = jnp.einsum("bhn,lhn->bhl", q_nope_THN, w_uk_LHN)
-        if decode_kernel is not None:
+        if sel_TK is not None:
+            S = kv_PSK.shape[1]
+            page_BK = jnp.take_along_axis(batch.page_table_BN, sel_TK // S, axis=1)
+            slots_BK, num_BK = page_BK * S + sel_TK % S, jnp.minimum(batch.seq_lens_B, sel_TK.shape[1])
+            # --attention-backend pallas brings its sparse kernel along (jaxdp.backends.DecodeKernels)
+            sparse = getattr(decode_kernel, "sparse", None) or sparse_mla_decode_xla
+            o_BHL = sparse(q_latent_BHL, q_rope_THR, kv_PSK, slots_BK, num_BK, softmax_scale=cfg.softmax_scale,
+                           kv_lora_rank=cfg.kv_lora_rank)
+        elif decode_kernel is not None:
             o_BHL = decode_kernel(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                   softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         else:
             o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                    softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return jnp.einsum("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
+
+
+def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
+    """A full layer's own selection, a shared layer's given one (`full` traced: decided in the step)."""
+    if full is True:
+        return select()
+    return jax.lax.cond(full, select, lambda: given_TK)
 
 
 def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,
@@ -199,3 +278,17 @@ def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, 
     s_BHC = jnp.where(valid_BC[:, None, :], s_BHC * softmax_scale, NEG_INF)
     p_BHC = jax.nn.softmax(s_BHC, axis=-1)
     return jnp.einsum("bhc,bcl->bhl", p_BHC.astype(latent_BCL.dtype), latent_BCL)
+
+
+def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
+    """Absorbed decode over the selected latents only: row b reads the cache slots slots_BK[b, :num_B[b]]
+    (flat page * page_size + offset; the rest of the row is ignored)."""
+    P, S, K = kv_PSK.shape
+    kv_BKK = kv_PSK.reshape(P * S, K)[jnp.clip(slots_BK, 0, P * S - 1)]
+    latent_BKL, k_rope_BKR = kv_BKK[..., :kv_lora_rank], kv_BKK[..., kv_lora_rank:]
+    s_BHK = jnp.einsum("bhl,bkl->bhk", q_latent_BHL, latent_BKL, preferred_element_type=jnp.float32)
+    s_BHK += jnp.einsum("bhr,bkr->bhk", q_rope_BHR, k_rope_BKR, preferred_element_type=jnp.float32)
+    valid_BK = jnp.arange(slots_BK.shape[1])[None, :] < num_B[:, None]
+    s_BHK = jnp.where(valid_BK[:, None, :], s_BHK * softmax_scale, NEG_INF)
+    p_BHK = jax.nn.softmax(s_BHK, axis=-1)
+    return jnp.einsum("bhk,bkl->bhl", p_BHK.astype(latent_BKL.dtype), latent_BKL)

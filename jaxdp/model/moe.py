@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import weight
 from jaxdp.model.layers import MLP, init_normal
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
@@ -61,7 +62,7 @@ class MoE(nnx.Module):
         if self.quantization == "nvfp4":
             return
         if params is None:
-            params = nvfp4_expert_params(self.w_gate_up_ED2I[...], self.w_down_EID[...])
+            params = nvfp4_expert_params(weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"))
         del self.w_gate_up_ED2I, self.w_down_EID
         for name in NVFP4_PARAMS:
             setattr(self, name, nnx.Param(params[name]))
@@ -80,7 +81,7 @@ class MoE(nnx.Module):
         if self.quantization == "nvfp4":
             q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
             return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
-        return routed_experts(x_TD, idx_TK, w_TK, self.w_gate_up_ED2I[...], self.w_down_EID[...],
+        return routed_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"),
                               expert_offset)
 
     def experts_dense(self, x_TD, idx_TK, w_TK):
@@ -91,7 +92,7 @@ class MoE(nnx.Module):
             raise ValueError("dense experts need the unquantized weights")
         E = self.num_local_experts
         rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
-        return dense_experts(x_TD, idx_TK, w_TK, self.w_gate_up_ED2I[...], self.w_down_EID[...]), rows_E
+        return dense_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")), rows_E
 
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)

@@ -7,8 +7,9 @@
                         "any rank reads a prompt" (OR), who runs an idle batch;
 4. `lm_head_logits`   — the LM head: rows to a vocab-split head (gather, then all-gather of logits),
                         the all-to-all form, or the whole head on every rank.
-Plus the EP MoE (`dispatch_combine_moe`), where rows leave their rank inside dispatch and come back
-inside combine, and no gather or return happens around the MoE.
+Plus the EP MoE (`dispatch_combine_moe` with a fixed capacity per destination on XLA:CPU,
+`ragged_dispatch_combine_moe` moving only the rows that travel on XLA:GPU), where rows leave their rank
+inside dispatch and come back inside combine, and no gather or return happens around the MoE.
 
 Everything but `agree_on_step` runs inside the step's shard_map over the mesh ("dp", "tp").
 Shape suffixes: T rows of this rank, R gathered rows, B sequences, D hidden, V vocab.
@@ -138,12 +139,13 @@ def lm_head_logits(h_BD, w_DV, mode: str, dp: int, tp: int):
 
 
 def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
-    """Expert-parallel routed experts: each device holds E/world whole experts.
+    """Expert-parallel routed experts: each device holds E/world whole experts; the XLA:CPU path, and the
+    reference of `ragged_dispatch_combine_moe` in the tests.
 
     Dispatch sends every (row, choice) pair to the device holding its expert through an all-to-all
-    with a fixed capacity of T*K slots per destination (exact, nothing dropped; `ragged_all_to_all`
-    would send only the used slots but does not run on XLA:CPU). Padding rows carry the sentinel
-    expert and are never sent. Returns (y_TD float32, rows received per local expert).
+    with a fixed capacity of T*K slots per destination (exact, nothing dropped), so each device sends
+    `world` times the rows that travel. Padding rows carry the sentinel expert and are never sent.
+    Returns (y_TD float32, rows received per local expert).
     """
     T, K = idx_TK.shape
     E_local = moe.num_local_experts
@@ -167,6 +169,45 @@ def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
     return jax.ops.segment_sum(y_P, tok_P, num_segments=T), rows_E
 
 
+def ragged_dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int, exchange=jax.lax.ragged_all_to_all):
+    """`dispatch_combine_moe` moving only the rows that travel (XLA:GPU; `lax.ragged_all_to_all` does not
+    run on XLA:CPU, where the tests pass an `exchange` with its semantics).
+
+    The T*K (row, choice) pairs are sorted by destination device and each device sends its contiguous
+    chunks; a tiny all-gather of the [world, world] send counts gives every device where its chunk lands
+    in each receiver's buffer. The receive buffer keeps room for the worst case (every pair of every
+    device to this device's experts: world*T*K rows, exact, nothing dropped); unused rows hold the
+    sentinel expert, which the grouped matmul skips. Combine is the same exchange backwards.
+    """
+    T, K = idx_TK.shape
+    E_local, N, D = moe.num_local_experts, T * K, h_TD.shape[1]
+    e_P = idx_TK.reshape(-1)
+    dest_P = e_P // E_local  # the sentinel E gives dest == world: sorts last, never sent
+    order = jnp.argsort(dest_P, stable=True)
+    tok_sorted = order // K
+    send_W = jnp.bincount(dest_P, length=world + 1)[:world].astype(jnp.int32)
+    counts_WW = jax.lax.all_gather(send_W, ALL)  # [source, destination]
+    me = jax.lax.axis_index(ALL)
+    recv_W = counts_WW[:, me]
+    send_off_W = jnp.cumsum(send_W) - send_W
+    recv_off_W = jnp.cumsum(recv_W) - recv_W
+    land_W = (jnp.cumsum(counts_WW, axis=0) - counts_WW)[me]  # where my chunk starts in each receiver
+    back_land_W = (jnp.cumsum(counts_WW, axis=1) - counts_WW)[:, me]  # where each source sent from
+    recv_x = exchange(h_TD[tok_sorted], jnp.zeros((world * N, D), h_TD.dtype), send_off_W, send_W, land_W,
+                      recv_W, axis_name=ALL)
+    recv_e = exchange((e_P - dest_P * E_local)[order].astype(jnp.int32), jnp.full((world * N,), E_local, jnp.int32),
+                      send_off_W, send_W, land_W, recv_W, axis_name=ALL)
+    y, rows_E = moe.experts(recv_x, recv_e[:, None], jnp.ones((world * N, 1), jnp.float32))
+    back = exchange(y, jnp.zeros((N, D), y.dtype), recv_off_W, recv_W, back_land_W, send_W, axis_name=ALL)
+    w_sorted = jnp.where(dest_P < world, w_TK.reshape(-1), 0.0)[order]
+    return jax.ops.segment_sum(back * w_sorted[:, None], tok_sorted, num_segments=T), rows_E
+
+
+def ragged_a2a_on(platform: str) -> bool:
+    """Whether EP dispatch uses `ragged_all_to_all` on this platform (XLA:GPU has it, XLA:CPU does not)."""
+    return platform in ("gpu", "cuda", "rocm")
+
+
 # ---- the comm object the model calls -----------------------------------------------------------
 
 
@@ -181,6 +222,7 @@ class MeshComm:
     num_rows: int  # T: this rank's row bucket
     rows_R: jax.Array  # rows of every rank (for SUM_LEN offsets)
     tied_head: bool = False
+    ep_ragged: bool = False  # EP dispatch through ragged_all_to_all (GPU) instead of fixed capacity
 
     @property
     def world(self) -> int:
@@ -216,7 +258,8 @@ class MeshComm:
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
         if self.moe_mode == "ep":  # no gather, no return: rows travel inside dispatch and combine
             idx_nK, w_nK = moe.route(h_nD, valid_n)
-            y_nD, rows_E = dispatch_combine_moe(h_nD, idx_nK, w_nK, moe, self.world)
+            dispatch = ragged_dispatch_combine_moe if self.ep_ragged else dispatch_combine_moe
+            y_nD, rows_E = dispatch(h_nD, idx_nK, w_nK, moe, self.world)
             return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), rows_E
         h_RD, valid_R = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
         idx_RK, w_RK = moe.route(h_RD, valid_R)

@@ -32,7 +32,7 @@ EXPERT_I_AXIS = {
 
 def param_spec(path: str, ndim: int, layout: Layout) -> P:
     """PartitionSpec of the parameter at `path` (jax keystr of the model state)."""
-    name = path.split("['")[-1].split("']")[0]
+    name = path.split("['")[-1].split("']")[0].removesuffix("_bscale")  # FP8 block scales: as their weight
     in_dense = "dense_layers" in path
     in_shared = "['shared']" in path
     heads_on_tp = {
@@ -71,3 +71,25 @@ def state_specs(state, layout: Layout):
 def shard_state(state, layout: Layout, mesh):
     specs = state_specs(state, layout)
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
+
+
+def check_divisible(cfg, layout: Layout, expert_quantization: str | None = None) -> None:
+    """Refuse, in one sentence, a layout whose splits do not divide the model's sizes (before any weight
+    is allocated)."""
+    lay = layout
+    problems = []
+    if cfg.num_heads % lay.tp:
+        problems.append(f"{cfg.num_heads} attention heads over tp={lay.tp}")
+    if lay.moe == "ep" and cfg.n_routed_experts % lay.world:
+        problems.append(f"{cfg.n_routed_experts} experts over {lay.world} devices (EP)")
+    if lay.moe == "tp" and cfg.moe_intermediate_size % lay.world:
+        problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} devices")
+    elif lay.moe == "tp" and expert_quantization == "nvfp4" and (cfg.moe_intermediate_size // lay.world) % 16:
+        problems.append(f"NVFP4 experts' moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} "
+                        f"devices ({cfg.moe_intermediate_size // lay.world} each, not a multiple of the "
+                        "16-value scale block; moe=ep splits whole experts instead)")
+    if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
+        problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
+    if problems:
+        raise ValueError(f"this model does not split under --mesh {lay.spec()}: " + "; ".join(problems)
+                         + "; choose a layout whose sizes divide these")

@@ -24,11 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.indexer import fp8_key_width
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
+from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
-from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
-from jaxdp.parallel.sharding import lm_head_mode, shard_state, state_specs
+from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
+from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
 
 BATCH_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
                 "logits_idx_B")
@@ -56,10 +58,23 @@ class StepShape:
 class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
-    def __init__(self, model: DeepseekV3, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1):
-        """token_carry: width of the previous step's sampled tokens a step can read on the device (the
-        engine's overlap: a decode row whose input token is still in flight refers to it by index)."""
+    def __init__(self, model: DeepseekV3 | ShardedModel, layout: Layout, mesh, *, num_pages: int, page_size: int,
+                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
+                 abstract: bool = False, index_key_dtype: str | None = None):
+        """model: its state already in its final sharding on `mesh` (`jaxdp.model.sharded`, how the entry
+        points build it), or a model in memory, moved onto the mesh here. token_carry: width of the
+        previous step's sampled tokens a step can read on the device (the engine's overlap: a decode row
+        whose input token is still in flight refers to it by index). abstract: `model` holds
+        ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay ShapeDtypeStructs with their
+        shardings, nothing is allocated, and the runner can only `lower` and `compile` steps (`plan --compile`
+        checks full-size models this way). index_key_dtype (DSA models): None keeps the index keys in the
+        cache dtype; "fp8" packs each as e4m3 values plus one fp32 scale per 128
+        (jaxdp.model.indexer.pack_fp8_keys)."""
+        if index_key_dtype not in (None, "fp8"):
+            raise ValueError(f"index_key_dtype {index_key_dtype!r} is not None or 'fp8'")
+        self.index_key_dtype = index_key_dtype
+        sharded = model if isinstance(model, ShardedModel) else None
+        model = sharded.merge() if sharded else model
         self.cfg = model.cfg
         self.token_carry = token_carry
         self.layout = layout
@@ -69,12 +84,16 @@ class StepRunner:
         self.num_pages, self.page_size = num_pages, page_size
         self.decode_kernel = decode_kernel
         self.expert_quantization = expert_quantization(model)
-        self._check_divisible()
+        check_divisible(self.cfg, layout, self.expert_quantization)
         if moe_backend is not None:  # "xla" | "pallas": how NVFP4 experts multiply (see jaxdp.model.moe)
             model = with_moe_runner_backend(model, moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
-        self.state = shard_state(state, layout, mesh)
+        self.abstract = abstract
+        if abstract:
+            self.state = _abstract_on(state, self.state_specs, mesh)
+        else:
+            self.state = state if sharded else shard_state(state, layout, mesh)
         self.cache_dtype = cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
@@ -82,31 +101,22 @@ class StepRunner:
         self.compile_seconds = 0.0
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
 
-    def _check_divisible(self) -> None:
-        cfg, lay = self.cfg, self.layout
-        problems = []
-        if cfg.num_heads % lay.tp:
-            problems.append(f"{cfg.num_heads} attention heads over tp={lay.tp}")
-        if lay.moe == "ep" and cfg.n_routed_experts % lay.world:
-            problems.append(f"{cfg.n_routed_experts} experts over {lay.world} devices (EP)")
-        if lay.moe == "tp" and cfg.moe_intermediate_size % lay.world:
-            problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} devices")
-        elif lay.moe == "tp" and self.expert_quantization == "nvfp4" and (cfg.moe_intermediate_size // lay.world) % 16:
-            problems.append(f"NVFP4 experts' moe_intermediate_size {cfg.moe_intermediate_size} over {lay.world} "
-                            f"devices ({cfg.moe_intermediate_size // lay.world} each, not a multiple of the "
-                            "16-value scale block; moe=ep splits whole experts instead)")
-        if lm_head_mode(lay) != "replicated" and cfg.vocab_size % lay.world:
-            problems.append(f"vocab {cfg.vocab_size} over {lay.world} devices (use --enable-dp-lm-head)")
-        if problems:
-            raise ValueError(f"this model does not split under --mesh {lay.spec()}: " + "; ".join(problems)
-                             + "; choose a layout whose sizes divide these")
-
     def _empty_cache(self, dtype) -> dict:
+        """The paged pool per stack: [dp, layers, pages, page_size, width]; DSA models also hold one index key
+        per token per layer in the same pages (fp8: e4m3 values plus one fp32 scale per 128, packed as bytes)."""
         cfg, dp = self.cfg, self.layout.dp
-        shape = (self.num_pages, self.page_size, cfg.kv_cache_dim)
         sharding = NamedSharding(self.mesh, P("dp"))
-        make = jax.jit(lambda n: jnp.zeros((dp, n, *shape), dtype), static_argnums=0, out_shardings=sharding)
-        return {"dense": make(cfg.num_dense_layers), "moe": make(cfg.num_moe_layers)}
+        entries = {"dense": (cfg.num_dense_layers, cfg.kv_cache_dim, dtype),
+                   "moe": (cfg.num_moe_layers, cfg.kv_cache_dim, dtype)}
+        if cfg.index_topk:
+            key = (fp8_key_width(cfg.index_key_dim), jnp.uint8) if self.index_key_dtype == "fp8" else (
+                cfg.index_key_dim, dtype)
+            entries |= {"dense_index": (cfg.num_dense_layers, *key), "moe_index": (cfg.num_moe_layers, *key)}
+        shapes = {k: ((dp, n, self.num_pages, self.page_size, w), dt) for k, (n, w, dt) in entries.items()}
+        if self.abstract:
+            return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in shapes.items()}
+        make = jax.jit(lambda shape, dt: jnp.zeros(shape, dt), static_argnums=(0, 1), out_shardings=sharding)
+        return {k: make(shape, dt) for k, (shape, dt) in shapes.items()}
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -158,6 +168,7 @@ class StepRunner:
         lm_mode = lm_head_mode(lay)
         graphdef, decode_kernel = self.graphdef, self.decode_kernel
         tied = cfg.tie_word_embeddings
+        ep_ragged = ragged_a2a_on(self.mesh.devices.flat[0].platform)
 
         def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
@@ -165,7 +176,7 @@ class StepRunner:
             tok = b["tokens_T"]
             b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
             cache = {k: v[0] for k, v in cache.items()}
-            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied)
+            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
             logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"],
@@ -174,7 +185,7 @@ class StepRunner:
             return logits_BV[None], cache, rows_E[None]
 
         batch_specs = {k: P("dp") for k in BATCH_FIELDS}
-        cache_specs = {"dense": P("dp"), "moe": P("dp")}
+        cache_specs = {k: P("dp") for k in self.cache}
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
@@ -226,6 +237,17 @@ class StepRunner:
     def act_bytes(self) -> int:
         return jnp.dtype(self.cache_dtype).itemsize
 
+    def lower(self, shape: StepShape):
+        """The step of this shape lowered on the runner's (possibly abstract) state: `.compile()` it for
+        XLA's `memory_analysis()`."""
+        return self._build(shape).lower(*self._abstract_args(shape))
+
     def hlo_text(self, shape: StepShape) -> str:
         """The optimized HLO of a step (to check which collectives it runs)."""
-        return self._build(shape).lower(*self._abstract_args(shape)).compile().as_text()
+        return self.lower(shape).compile().as_text()
+
+
+def _abstract_on(state, specs, mesh):
+    """ShapeDtypeStructs of `state` placed as `specs` say (nothing allocated)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                        state, specs)

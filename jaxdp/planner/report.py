@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxdp.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
+from jaxdp.planner.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ARTICLE_NON_EXPERT_GEMM_EXTRA_MS
 
 GiB = 2**30
 
@@ -14,7 +14,7 @@ ASSUMPTIONS = [
     "KV budget per GPU = mem-fraction-static x memory - weights (SGLang's rule, without its activation "
     "reserve); --match-tp-tokens sets the budget at which TP holds that many tokens",
     "KV per token per layer: the MLA latent (kv_lora_rank + rope) in --kv-dtype, plus for DSA models the "
-    "indexer key in fp8 with one fp32 scale per 128 values",
+    "indexer key (bf16; with --kv-dtype fp8, fp8 with one fp32 scale per 128 values, SGLang's 132 bytes)",
     "buckets: SGLang's defaults, 52 decode sizes up to 512 rows and 42 prompt sizes up to 2,048 rows",
     "collective bytes: the buffer on one device (the article's convention); roofline: ring algorithms, "
     "bytes sent / link bandwidth + a fixed latency per call; the CPU agreement is not timed",

@@ -19,7 +19,7 @@ absorbed copies (decoding reads slices of kv_b), the embedding whole on every de
 the LM head whole on every device with dp_lm_head whatever the group's tp.
 Dtypes: routed experts in `expert_dtype` (nvfp4 = 4 bits + one E4M3 scale per 16 values + two fp32
 scalars per matrix, i.e. 4.5 bits per weight; fp8 = 1 byte + one fp32 scale per 128x128 block); every
-other weight in bf16 (the router's correction bias in fp32).
+other weight in bf16 (the router's correction bias in fp32; under `placement="jaxdp"` the router too).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
     shared = 3 * h * inter * cfg.n_shared_experts * Lm
     add("shared expert", shared, BF16 * shared, 1.0 if layout.moe == "ep" else 1 / n,
         "whole on every device" if layout.moe == "ep" else f"split over {n} devices")
-    add("router", e * h * Lm, (BF16 * h + 4) * e * Lm, 1.0, "whole on every device")
+    router = (BF16 if sglang else 4) * h + 4  # jaxdp runs the router in float32 (bias in float32 in both)
+    add("router", e * h * Lm, router * e * Lm, 1.0, "whole on every device")
     dense = 3 * h * cfg.intermediate_size * Ld
     dense_n = 1 if layout.dense_replicated else (n if dp > 1 else tp)
     add("dense layers", dense, BF16 * dense, 1 / dense_n,
@@ -148,7 +149,7 @@ def total_bytes(components: list[Component], per_device: bool = True) -> float:
 @dataclasses.dataclass(frozen=True)
 class KVBytes:
     latent: int  # per token per layer: (kv_lora_rank + qk_rope_head_dim) x kv dtype
-    indexer: int  # per token per layer: DSA index key (fp8) + its fp32 scale
+    indexer: int  # per token per layer: DSA index key (bf16; or fp8 + its fp32 scale)
     layers: int
 
     @property
@@ -163,7 +164,9 @@ def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16") -> KVBytes:
         raise ValueError(f"kv dtype {kv_dtype!r} is unknown; use one of {', '.join(KV_DTYPES)}")
     latent = cfg.kv_cache_dim * (2 if kv_dtype == "bf16" else 1)
     indexer = 0
-    if cfg.index_n_heads:
+    if cfg.index_n_heads and kv_dtype == "bf16":  # jaxdp's pool: the index key in the cache dtype
+        indexer = cfg.index_head_dim * 2
+    elif cfg.index_n_heads:  # fp8 keys with one fp32 scale per 128 values (SGLang's 132 bytes)
         indexer = cfg.index_head_dim + cfg.index_head_dim // INDEX_QUANT_BLOCK * 4
     return KVBytes(latent, indexer, cfg.num_layers)
 

@@ -1,12 +1,12 @@
-"""`python -m jaxdp.eval`: greedy accuracy per skill on the held-out problems (`jaxdp.data`).
+"""`python -m jaxdp.training.eval`: greedy accuracy per skill on the held-out problems (`jaxdp.training.data`).
 
 Either through a running server (`--url`: OpenAI `/v1/completions`, temperature 0) or locally through
 the compiled mesh step on this machine's devices (`jaxdp.one_batch.run_prompts`, greedy), under any
 layout (`--mesh dp=1` by default). An answer counts when the completion, up to the eos, is exactly the
 expected text.
 
-    python -m jaxdp.eval --model-path default --n 200
-    python -m jaxdp.eval --url http://127.0.0.1:30000 --n 200
+    python -m jaxdp.training.eval --model-path default --n 200
+    python -m jaxdp.training.eval --url http://127.0.0.1:30000 --n 200
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdp.data import ARITHMETIC, SKILLS, Problem, held_out_problems, prompt_text
 from jaxdp.tokenizer import Tokenizer
+from jaxdp.training.data import ARITHMETIC, SKILLS, Problem, held_out_problems, prompt_text
 
 MAX_NEW_TOKENS = 8  # the longest answer (5 characters) plus the eos, with room to spare
 CHUNK = 64  # prompts per prefill step locally
@@ -120,7 +120,7 @@ def format_report(acc: dict[str, float], n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.eval", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.training.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="default", help="checkpoint directory, or 'default'")
     ap.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000 (else: run locally)")
     ap.add_argument("--served-model-name", help="the model name to send (default: the server's first)")

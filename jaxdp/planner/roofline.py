@@ -18,12 +18,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from jaxdp.parallel.accounting import account_step
-from jaxdp.weights import kv_bytes, weights_per_device
+from jaxdp.planner.weights import kv_bytes, weights_per_device
 
 if TYPE_CHECKING:
     from jaxdp.config import ModelConfig
-    from jaxdp.gpus import GPU
     from jaxdp.layout import Layout
+    from jaxdp.planner.gpus import GPU
 
 # The article's measurements (GLM-5.3 NVFP4, 4 x B300, no speculative decoding), ms per output token.
 ARTICLE_MS = {

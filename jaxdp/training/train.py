@@ -1,15 +1,15 @@
-"""`python -m jaxdp.train`: train the embedded default model on the project's own skills data.
+"""`python -m jaxdp.training.train`: train the embedded default model on the project's own skills data.
 
 The forward pass is the inference code itself: a batch is `--groups` packed groups of `--rows` token
 rows (whole sequences back to back), each group one flat step of the decoder without a cache (a
 sequence's context is its own rows; logits for every row; `LocalComm(dense_experts=True)`, the routed
 experts as one dense product, since ragged_dot does not batch), the groups side by side with `vmap`.
-AdamW with warmup and a cosine decay, data through grain (`jaxdp.data`), a tqdm bar and a JSON-lines
+AdamW with warmup and a cosine decay, data through grain (`jaxdp.training.data`), a tqdm bar and a JSON-lines
 loss log, orbax training checkpoints, and at the end an export in the Hugging Face format
 `--model-path` reads (`save_hf_checkpoint` plus the tokenizer files). Deterministic given `--seed`
 (initial weights and data stream).
 
-    python -m jaxdp.train --seed 0 --out runs/default-model
+    python -m jaxdp.training.train --seed 0 --out runs/default-model
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxdp.config import PRESETS, ModelConfig
-from jaxdp.data import (
+from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel.local import LocalComm
+from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
+from jaxdp.training.data import (
     ARITHMETIC,
     SKILL_WEIGHTS,
     SKILLS,
@@ -44,12 +48,8 @@ from jaxdp.data import (
     prompt_text,
     train_batches,
 )
-from jaxdp.model.decoder import DeepseekV3
-from jaxdp.model.mla import AttnBatch
-from jaxdp.parallel.local import LocalComm
-from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
 
-log = logging.getLogger("jaxdp.train")
+log = logging.getLogger("jaxdp.training.train")
 
 # The shipped default model: the tiny preset, wider (its cost on a CPU is overhead-bound, so width is cheap)
 # max_position_embeddings only sets the context a server offers (the skills are short; rope is unscaled)
@@ -75,7 +75,7 @@ def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
 
 
 def flat_logits(model: DeepseekV3, group: dict[str, jax.Array]) -> jax.Array:
-    """Logits [R, V] of one packed group (`jaxdp.data.pack_group`), run as one flat step of the decoder
+    """Logits [R, V] of one packed group (`jaxdp.training.data.pack_group`), run as one flat step of the decoder
     without a cache: each sequence attends to its own rows; padding rows route to no expert."""
     max_seqs = group["seq_lens"].shape[0]
     R = group["tokens"].shape[0]
@@ -181,7 +181,7 @@ def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.training.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/default-model", help="output directory (hf/ holds the export)")

@@ -1,0 +1,182 @@
+"""The persistent batch (vLLM's InputBatch idea): the running requests of every rank as preallocated arrays.
+
+`RunningRows` holds [dp, capacity] arrays; a rank's scheduler changes its own row of them (a `RankRows`
+view) when a request joins (its prompt is read), takes a page, is sampled, or leaves. A row keeps its index
+while its request runs (free rows are reused), so a step planned before another is booked still finds its
+rows. A decode step reads the rows of every rank with a few vectorised operations (`fill_decodes`); nothing here is
+rebuilt per step from Python lists.
+
+Per row: the input token of its next decode (a real token, or -1-j: the j-th token of step `step` still on
+the device), the context length that token completes, tokens generated (in flight included) and the limit
+(max_new_tokens, or the context length), the page-table row, and the sampling parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxdp.batch import empty_step, fill_pieces
+from jaxdp.engine.request import Request
+
+if TYPE_CHECKING:
+    from jaxdp.engine.scheduler import RankPlan
+    from jaxdp.parallel.step import StepShape
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+_SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
+                    "seed": np.uint32}
+
+
+@dataclasses.dataclass
+class RowArrays:
+    """The arrays, [dp, capacity] (the page table [dp, capacity, pages_per_seq]), or one rank's views of them."""
+
+    occupied: np.ndarray
+    token: np.ndarray
+    step: np.ndarray  # the step that sampled `token` (-1: a real token)
+    length: np.ndarray  # tokens of the context once `token` is in it
+    n_out: np.ndarray  # output tokens, in flight included
+    limit: np.ndarray  # n_out may not pass this (max_new_tokens, or the context length)
+    num_pages: np.ndarray
+    pages: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+
+    @classmethod
+    def zeros(cls, dp: int, capacity: int, pages_per_seq: int) -> RowArrays:
+        shape = (dp, capacity)
+        return cls(np.zeros(shape, bool), np.zeros(shape, np.int32), np.full(shape, -1, np.int64),
+                   np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32),
+                   np.zeros(shape, np.int32), np.zeros((*shape, pages_per_seq), np.int32),
+                   *(np.zeros(shape, _SAMPLING_DTYPES[f]) for f in SAMPLING_FIELDS))
+
+    def rank(self, r: int) -> RowArrays:
+        return RowArrays(*(getattr(self, f.name)[r] for f in dataclasses.fields(self)))
+
+
+class RankRows:
+    """One rank's rows of the persistent batch, and the requests in them."""
+
+    def __init__(self, arrays: RowArrays, page_size: int):
+        self.a = arrays
+        self.page_size = page_size
+        self.capacity, self.pages_per_seq = arrays.pages.shape
+        self.reqs: list[Request | None] = [None] * self.capacity
+        self._free = list(range(self.capacity - 1, -1, -1))  # lowest row first
+
+    def __len__(self) -> int:
+        return self.capacity - len(self._free)
+
+    def join(self, req: Request, token: int, step: int, limit: int, sampling: tuple) -> int:
+        """A request whose prompt is read starts decoding in a free row; its first output token (the last in
+        output_ids) is `token`, sampled by `step`."""
+        if len(req.pages) > self.pages_per_seq:
+            raise ValueError(f"request {req.rid} holds {len(req.pages)} pages; a row has {self.pages_per_seq}")
+        row = self._free.pop()
+        a = self.a
+        a.occupied[row], a.token[row], a.step[row] = True, token, step
+        a.length[row], a.n_out[row], a.limit[row] = req.num_tokens, len(req.output_ids), limit
+        a.num_pages[row] = len(req.pages)
+        a.pages[row, : len(req.pages)] = req.pages
+        for f, v in zip(SAMPLING_FIELDS, sampling, strict=True):
+            getattr(a, f)[row] = v
+        self.reqs[row] = req
+        req.row = row
+        return row
+
+    def leave(self, req: Request) -> None:
+        row = req.row
+        self.a.occupied[row] = False
+        self.reqs[row] = None
+        self._free.append(row)
+        req.row = -1
+
+    def add_pages(self, req: Request, pages: list[int]) -> None:
+        row, n = req.row, self.a.num_pages[req.row]
+        self.a.pages[row, n: n + len(pages)] = pages
+        self.a.num_pages[row] = n + len(pages)
+        req.pages += pages
+
+    def decodable(self) -> np.ndarray:
+        """Rows that decode next: running, and their in-flight token does not end them."""
+        return np.nonzero(self.a.occupied & (self.a.n_out < self.a.limit))[0]
+
+    def needing_page(self, rows: np.ndarray) -> np.ndarray:
+        """Those of `rows` whose next token starts a new page."""
+        return rows[self.a.length[rows] > self.a.num_pages[rows] * self.page_size]
+
+    def sampled(self, rows: np.ndarray, step: int, first: int = 0) -> np.ndarray:
+        """Rows `rows` are sampled by `step` as its sequences first, first + 1, ... (their tokens become its
+        markers); returns their output positions."""
+        a = self.a
+        out_pos = a.n_out[rows].copy()
+        a.token[rows] = -1 - first - np.arange(len(rows), dtype=np.int32)
+        a.step[rows] = step
+        a.n_out[rows] += 1
+        a.length[rows] += 1
+        return out_pos
+
+    def booked(self, rows: np.ndarray, step: int, tokens: np.ndarray) -> None:
+        """Step `step`'s tokens replace its markers, in the rows no later step has sampled since."""
+        mine = rows >= 0  # (-1: a prompt chunk that samples nothing)
+        mine[mine] = self.a.step[rows[mine]] == step  # (a row left since is never read: harmless)
+        self.a.token[rows[mine]] = tokens[mine]
+        self.a.step[rows[mine]] = -1
+
+
+def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, n_out) -> None:
+    """The sampling parameters of rank r's sequences `at`; a row's key is (seed, tokens generated so far)."""
+    out["temperature"][r, at] = temperature
+    out["top_p"][r, at] = top_p
+    out["top_k"][r, at] = top_k
+    out["min_p"][r, at] = min_p
+    out["keys"][r, at, 0] = seed
+    out["keys"][r, at, 1] = n_out
+
+
+def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape, pages_per_seq: int,
+                page_size: int, pad_slot: int) -> dict[str, np.ndarray]:
+    """A step's arrays (and its sampling parameters) from every rank's plan: the decode plans of all ranks
+    at once from the persistent rows, a plan of prompt chunks from its pieces; ranks without one stay padding."""
+    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, pages_per_seq, pad_slot)
+    decodes = [(r, p.rows, p.num_rows - len(p.rows), len(p.pieces)) for r, p in enumerate(plans)
+               if p is not None and p.rows is not None and len(p.rows)]  # (a mixed chunk's after its pieces)
+    if decodes:
+        fill_decodes(out, rows, decodes, page_size)
+    for r, plan in enumerate(plans):
+        if plan is not None and plan.pieces:
+            fill_pieces(out, r, plan.pieces, page_size)
+            for b, (req, sampling) in enumerate(zip(plan.reqs[: len(plan.pieces)], plan.sampling, strict=True)):
+                fill_sampling(out, r, b, *sampling, len(req.output_ids))
+    return out
+
+
+def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[int, np.ndarray, int, int]],
+                 page_size: int) -> None:
+    """Ranks' rows of the persistent batch (one token each) into a step's arrays, every rank in one go: as a
+    decode step, or as one-token extends beside a rank that reads a prompt (or after its own prompt pieces:
+    a mixed chunk). decodes: (rank, its rows, the token row and the sequence its first row takes)."""
+    counts = np.asarray([len(d[1]) for d in decodes])
+    r = np.repeat(np.asarray([d[0] for d in decodes]), counts)
+    row = np.concatenate([d[1] for d in decodes])
+    i = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    t = i + np.repeat(np.asarray([d[2] for d in decodes]), counts)
+    seq = (i + np.repeat(np.asarray([d[3] for d in decodes]), counts)).astype(np.int32)
+    pos = a.length[r, row] - 1
+    table = a.pages[r, row]
+    S = page_size
+    out["tokens_T"][r, t] = a.token[r, row]
+    out["valid_T"][r, t] = True
+    out["positions_T"][r, t] = pos
+    out["seq_T"][r, t] = seq
+    out["slots_T"][r, t] = table[np.arange(len(row)), pos // S] * S + pos % S
+    out["page_table_BN"][r, seq] = table
+    out["seq_lens_B"][r, seq] = pos + 1
+    out["logits_idx_B"][r, seq] = t
+    fill_sampling(out, r, seq, *(getattr(a, f)[r, row] for f in SAMPLING_FIELDS), a.n_out[r, row])

@@ -1,0 +1,148 @@
+"""The tensors of a safetensors checkpoint directory, read as slices in their stored dtype.
+
+A directory holds one `*.safetensors` file, several, or a sharded set with `model.safetensors.index.json`.
+Only the JSON headers are parsed up front (names, dtypes, shapes, byte offsets); a tensor's bytes are
+read on demand with plain file reads of the rows asked for, so nothing is memory-mapped (mapped pages
+would count in the process's resident memory) and no tensor is converted to float32. numpy has no
+float8 and no bfloat16: those come from `ml_dtypes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+ALIGN = 64  # XLA:CPU takes a host buffer without a copy when it is aligned like this
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not hold what its config says: one sentence naming the tensor and file."""
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def aligned_copy(x: np.ndarray) -> np.ndarray:
+    if x.flags.c_contiguous and x.ctypes.data % ALIGN == 0:
+        return x
+    out = aligned_empty(x.shape, x.dtype)
+    out[...] = x
+    return out
+
+
+class Checkpoint:
+    """Names, shapes and dtypes of every tensor of a checkpoint directory; `read` fetches a slice."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{model_dir} holds no .safetensors files; point --model-path at a "
+                                        "Hugging Face checkpoint directory")
+        self.entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}  # name -> file, dtype, shape, a, b
+        for fname in files:
+            path = self.dir / fname
+            if not path.exists():
+                some = next(k for k, v in weight_map.items() if v == fname)
+                raise CheckpointError(f"{index.name} puts {some!r} (and others) in {fname}, which is missing from "
+                                      f"{self.dir}; download the whole checkpoint")
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+            for name, e in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = e["data_offsets"]
+                self.entries[name] = (fname, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
+        self._fds: dict[str, int] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def where(self, name: str) -> str:
+        return self.entries[name][0] if name in self.entries else str(self.dir)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._need(name)
+        return self.entries[name][2]
+
+    def dtype(self, name: str) -> np.dtype:
+        self._need(name)
+        code = self.entries[name][1]
+        if code not in DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {self.where(name)} has dtype {code}, which jaxdp does not read")
+        return np.dtype(DTYPES[code])
+
+    def _need(self, name: str) -> None:
+        if name not in self.entries:
+            raise CheckpointError(f"the checkpoint in {self.dir} has no tensor {name!r}; it does not match its "
+                                  "config.json (a different architecture or an incomplete download)")
+
+    def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        if self.shape(name) != tuple(expected):
+            raise CheckpointError(f"tensor {name!r} in {self.where(name)} has shape {list(self.shape(name))}, but "
+                                  f"config.json implies {list(expected)}; the config does not belong to these weights")
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """tensor[index] in its stored dtype (aligned). Only the rows of the leading dimension that the
+        index selects are read from disk; the other dimensions are sliced in memory."""
+        self._need(name)
+        fname, _, shape, begin, _ = self.entries[name]
+        dtype = self.dtype(name)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if not shape:
+            rows = range(1)
+        else:
+            rows = range(*index[0].indices(shape[0]))
+        row_elems = int(np.prod(shape[1:], dtype=np.int64))
+        n_rows = len(rows)
+        out = aligned_empty((n_rows, *shape[1:]) if shape else (), dtype)
+        if n_rows and row_elems:
+            assert rows.step == 1, "leading slices are contiguous"
+            offset = begin + rows.start * row_elems * dtype.itemsize
+            buf = out.reshape(-1).view(np.uint8)
+            fd = self._fd(fname)
+            done = 0
+            while done < buf.size:  # pread may return fewer bytes than asked for
+                got = os.preadv(fd, [memoryview(buf[done:done + (1 << 30)])], offset + done)
+                if got <= 0:
+                    raise CheckpointError(f"tensor {name!r} in {fname} is cut short; the file is truncated")
+                done += got
+        if shape and any(s != slice(None) for s in index[1:]):
+            out = aligned_copy(out[(slice(None), *index[1:])])
+        return out
+
+    def _fd(self, fname: str) -> int:
+        if fname not in self._fds:
+            self._fds[fname] = os.open(self.dir / fname, os.O_RDONLY)
+        return self._fds[fname]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,284 @@
+"""The model's parameters created directly in their final sharding, abstractly or from a checkpoint.
+
+`param_table` says, per parameter, its shape, dtype and PartitionSpec for a config, a layout and a
+quantization: the one description of the state that `load_sharded` fills from safetensors (each device's
+piece read as a slice, `jax.make_array_from_callback`), `init_sharded` fills with random weights, and
+`abstract_state` turns into `jax.ShapeDtypeStruct`s (for compiling the step without weights). The specs
+are the step's own (`jaxdp.parallel.sharding`).
+
+The layer stacks [L, ...] are never assembled on the host: each is created on the mesh once (zeros),
+then every layer's piece is read and written into it in place (a donated dynamic_update_slice). A device
+piece is read once per call and shared by the devices that hold the same index (replicas); each process
+reads only what its own devices hold. Peak host memory is one parameter of one layer beyond what the
+devices hold (on a CPU the devices' buffers are host memory; an aligned piece is taken without a copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from jaxdp.config import ModelConfig, load_hf_config
+from jaxdp.layout import Layout
+from jaxdp.model import fp8, modelopt
+from jaxdp.model.checkpoint import Checkpoint, aligned_copy, aligned_empty
+from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.quant import apply_quantization, resolve_quantization
+from jaxdp.model.sources import Box, sources
+from jaxdp.parallel.sharding import check_divisible, state_specs
+
+log = logging.getLogger("jaxdp.loader")
+GiB = 1 << 30
+STACKS = ("dense_layers", "moe_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: P
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    """A model's graph and its state, every array already in its final sharding on `mesh`."""
+
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+
+    def merge(self) -> DeepseekV3:
+        return nnx.merge(self.graphdef, self.state)
+
+
+def _dotted(path) -> str:
+    return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None) -> DeepseekV3:
+    """The model's structure (shapes and dtypes, no values) with its quantization applied."""
+    cfg, method = resolve_quantization(cfg, quantization)
+    return nnx.eval_shape(lambda: apply_quantization(DeepseekV3(cfg, nnx.Rngs(0), dtype), method))
+
+
+def param_table(cfg: ModelConfig, layout: Layout, dtype, quantization: str | None = None) -> dict[str, ParamInfo]:
+    """{dotted path: shape, dtype, PartitionSpec} of every parameter (stacks with their layer axis)."""
+    _, state = nnx.split(abstract_model(cfg, dtype, quantization))
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    specs = jax.tree.leaves(state_specs(state, layout), is_leaf=lambda x: isinstance(x, P))
+    return {_dotted(p): ParamInfo(tuple(x.shape), np.dtype(x.dtype), s)
+            for (p, x), s in zip(leaves, specs, strict=True)}
+
+
+def abstract_state(cfg: ModelConfig, layout: Layout, mesh, dtype, quantization: str | None = None):
+    """(graphdef, state of jax.ShapeDtypeStruct with their NamedSharding on `mesh`)."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, quantization))
+    table = param_table(cfg, layout, dtype, quantization)
+    return graphdef, jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, table[_dotted(p)].spec)),
+        state)
+
+
+def check_fp8_split(table: dict[str, ParamInfo], mesh, layout: Layout, block: int | None) -> None:
+    """Every FP8 weight must split into whole scale blocks on every device."""
+    for path, info in table.items():
+        if not path.endswith(fp8.SCALE_SUFFIX):
+            continue
+        w = table[path.removesuffix(fp8.SCALE_SUFFIX)]
+        for ax, (wd, sd) in enumerate(zip(w.shape, info.shape, strict=True)):
+            parts = _parts(w.spec, ax, mesh)
+            if wd != sd and parts > 1 and (wd // parts) % block:
+                raise ValueError(f"the FP8 weight {path.removesuffix(fp8.SCALE_SUFFIX)} ({wd} wide along axis {ax}) "
+                                 f"does not split into whole {block}-wide scale blocks over {parts} devices under "
+                                 f"--mesh {layout.spec()}; choose a layout that splits it less")
+
+
+def _parts(spec: P, ax: int, mesh) -> int:
+    names = tuple(spec) + (None,) * 8
+    axes = names[ax]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def _layer_spec(spec: P, ndim: int) -> P:
+    return P(*(tuple(spec) + (None,) * (ndim - len(spec)))[1:])
+
+
+def _box(sharding: NamedSharding, shape: tuple[int, ...]) -> Box:
+    """The smallest box holding every piece this process's devices need."""
+    idx = [tuple(s.indices(d)[:2] for s, d in zip(ix, shape, strict=True))
+           for ix in sharding.addressable_devices_indices_map(shape).values()]
+    return tuple(slice(min(i[a][0] for i in idx), max(i[a][1] for i in idx)) for a in range(len(shape)))
+
+
+def _place(arr: np.ndarray, box: Box, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+    """An array of `shape` on the mesh from the host box `arr` that covers this process's pieces."""
+    pieces: dict[tuple, np.ndarray] = {}
+
+    def piece(index) -> np.ndarray:
+        key = _key(index, shape)
+        if key not in pieces:  # replicas share one read (and on a CPU one buffer)
+            rel = tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))
+            pieces[key] = aligned_copy(arr[rel])
+        return pieces[key]
+
+    return jax.make_array_from_callback(shape, sharding, piece)
+
+
+def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16, quantization: str | None = None,
+                 cfg: ModelConfig | None = None) -> ShardedModel:
+    """A Hugging Face checkpoint (bf16/fp32, block-FP8 kept FP8, ModelOpt NVFP4 experts kept NVFP4) read
+    straight into its sharding on `mesh`. Every tensor is checked against the config before anything
+    is allocated."""
+    dtype = jnp.dtype(dtype)
+    mo_config = modelopt.read_quant_config(model_dir)
+    cfg = cfg or (modelopt.load_config(model_dir) if mo_config else load_hf_config(model_dir))
+    if cfg.fp8_block and cfg.fp8_block[0] != cfg.fp8_block[1]:
+        raise ValueError(f"{model_dir}/config.json declares FP8 blocks of {list(cfg.fp8_block)}; jaxdp reads square "
+                         "blocks (DeepSeek's [128, 128])")
+    with Checkpoint(model_dir) as ck:
+        stored_nvfp4 = mo_config is not None and modelopt.experts_are_nvfp4(ck.__contains__, cfg)
+        quantization = "nvfp4" if stored_nvfp4 else quantization
+        cfg, method = resolve_quantization(cfg, quantization)
+        check_divisible(cfg, layout, method)
+        graphdef, astate = nnx.split(abstract_model(cfg, dtype, quantization))
+        table = param_table(cfg, layout, dtype, quantization)
+        shapes = {p: i.shape[1:] if p.split(".")[0] in STACKS else i.shape for p, i in table.items()}
+        input_scales: list[np.ndarray] = []
+        top, stacks = sources(cfg, shapes, nvfp4_stored=stored_nvfp4, nvfp4_at_load=method == "nvfp4" and
+                              not stored_nvfp4, input_scales=input_scales)
+        first = {"dense_layers": 0, "moe_layers": cfg.num_dense_layers}
+        counts = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
+        for src in top:
+            src.check(ck, "")
+        for stack, srcs in stacks.items():
+            for i in range(first[stack], first[stack] + counts[stack]):
+                for src in srcs:
+                    src.check(ck, f"model.layers.{i}")
+        check_fp8_split(table, mesh, layout, cfg.fp8_block[0] if cfg.fp8_block else None)
+        arrays = _read_all(ck, table, top, stacks, mesh, first, counts)
+    if input_scales:
+        log.info(modelopt.describe_input_scales(input_scales))
+    state = jax.tree_util.tree_map_with_path(lambda p, x: arrays[_dotted(p)], astate)
+    return ShardedModel(cfg, graphdef, state)
+
+
+def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[str, jax.Array]:
+    total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.dtype.itemsize for i in table.values())
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    arrays: dict[str, jax.Array] = {}
+    layers: dict[str, _Stack] = {}
+    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=total < GiB) as bar:
+        def put(src, pre: str, stacked: bool, layer: int = 0) -> None:
+            infos = {p: table[p] for p in src.paths}
+            shardings = {p: NamedSharding(mesh, _layer_spec(i.spec, len(i.shape)) if stacked else i.spec)
+                         for p, i in infos.items()}
+            shapes = {p: i.shape[1:] if stacked else i.shape for p, i in infos.items()}
+            boxes = {p: _box(shardings[p], shapes[p]) for p in src.paths}
+            got = src.read(ck, pre, boxes)
+            for p, info in infos.items():
+                host = got.pop(p)
+                if host.dtype != info.dtype:
+                    host = host.astype(info.dtype)
+                if not stacked:
+                    arrays[p] = _place(host, boxes[p], shapes[p], shardings[p])
+                else:
+                    if p not in layers:
+                        layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
+                    layers[p].set(layer, host, boxes[p])
+                del host
+                bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
+
+        for src in top:
+            put(src, "", stacked=False)
+        for stack, srcs in stacks.items():
+            for j in range(counts[stack]):
+                for src in srcs:
+                    put(src, f"model.layers.{first[stack] + j}", stacked=True, layer=j)
+    return arrays | {p: s.done() for p, s in layers.items()}
+
+
+class _Stack:
+    """A stacked [L, ...] parameter filled one layer at a time. On a GPU it is created on the devices
+    (zeros) and each layer's array is written into it in place. On a CPU a device's buffer is host memory:
+    each distinct device piece of the whole stack is an aligned host buffer, filled layer by layer and
+    taken by the devices without a copy at the end (replicas share one)."""
+
+    def __init__(self, info: ParamInfo, sharding: NamedSharding, layer_sharding: NamedSharding, on_cpu: bool):
+        self.info, self.sharding, self.layer_sharding = info, sharding, layer_sharding
+        self.layer_shape = info.shape[1:]
+        self.pieces: dict[tuple, np.ndarray] | None = None
+        self.array = None
+        if on_cpu:
+            idx = sharding.addressable_devices_indices_map(info.shape).values()
+            keys = {_key(ix[1:], self.layer_shape) for ix in idx}
+            self.pieces = {k: aligned_empty((info.shape[0], *(b - a for a, b in k)), info.dtype) for k in keys}
+        else:
+            self.array = jax.jit(lambda: jnp.zeros(info.shape, info.dtype), out_shardings=sharding)()
+            self.update = jax.jit(lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
+                                  donate_argnums=0, out_shardings=sharding)
+
+    def set(self, layer: int, host: np.ndarray, box: Box) -> None:
+        if self.pieces is None:
+            x = _place(host, box, self.layer_shape, self.layer_sharding)
+            self.array = self.update(self.array, x, jnp.int32(layer))
+            return
+        for key, piece in self.pieces.items():
+            piece[layer] = host[tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))]
+
+    def done(self) -> jax.Array:
+        if self.pieces is None:
+            return self.array
+        return jax.make_array_from_callback(self.info.shape, self.sharding,
+                                            lambda ix: self.pieces[_key(ix[1:], self.layer_shape)])
+
+
+def _key(index, shape) -> tuple:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+def init_sharded(cfg: ModelConfig, layout: Layout, mesh, dtype=jnp.float32, seed: int = 0,
+                 quantization: str | None = None) -> ShardedModel:
+    """Random weights (seeded), each array created by the devices in its final sharding."""
+    rcfg, method = resolve_quantization(cfg, quantization)
+    check_divisible(rcfg, layout, method)
+    graphdef, astate = abstract_state(cfg, layout, mesh, dtype, quantization)
+    shardings = jax.tree.map(lambda x: x.sharding, astate)
+
+    def build():
+        return nnx.split(apply_quantization(DeepseekV3(rcfg, nnx.Rngs(seed), dtype), method))[1]
+
+    return ShardedModel(rcfg, graphdef, jax.jit(build, out_shardings=shardings)())
+
+
+def shard_model(model: DeepseekV3, layout: Layout, mesh) -> ShardedModel:
+    """A model already in memory (e.g. restored from orbax) moved onto the mesh in the step's sharding."""
+    graphdef, state = nnx.split(model)
+    specs = state_specs(state, layout)
+    return ShardedModel(model.cfg, graphdef,
+                        jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs))
+
+
+def weight_bytes_per_device(state) -> dict[str, int]:
+    """Bytes of weights one device holds, by dtype (every device holds the same under these specs)."""
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(state):
+        shard = x.sharding.shard_shape(x.shape)
+        name = jnp.dtype(x.dtype).name
+        out[name] = out.get(name, 0) + int(np.prod(shard, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+    return out
+
+
+def describe_weight_bytes(state) -> str:
+    by = weight_bytes_per_device(state)
+    parts = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+    return f"weights per device: {sum(by.values()) / GiB:.2f} GiB ({parts})"

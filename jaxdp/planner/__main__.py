@@ -1,0 +1,7 @@
+"""`python -m jaxdp.planner`: the same command as `python -m jaxdp.plan`."""
+
+import sys
+
+from jaxdp.planner.plan import main
+
+sys.exit(main())

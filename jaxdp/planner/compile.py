@@ -1,0 +1,248 @@
+"""`plan --compile`: the engine's real step functions compiled by XLA for a full-size model on abstract
+weights, XLA's memory analysis per device beside the plan's bytes.
+
+Nothing is allocated: the model is built with `nnx.eval_shape` (ShapeDtypeStructs in the chosen dtypes),
+the StepRunner places them with its own sharding table and an abstract KV pool of the planned size, and
+each step is lowered and compiled on as many host devices as the layout has (created for it, as `serve`
+does on a CPU machine). The compile runs on XLA:CPU, so the temp bytes are XLA:CPU's: docs/plan.md says
+where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any
+
+from jaxdp.planner.weights import kv_bytes, total_bytes, weights_per_device
+
+GiB = 2**30
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCase:
+    """Which steps to compile: the largest decode and extend buckets per rank."""
+
+    decode_rows: int = 512  # SGLang's largest CUDA-graph batch, per rank
+    extend_rows: int = 4096  # one prompt chunk per rank
+    context: int = 1024  # tokens of context per decoding request
+    page_size: int = PAGE_SIZE
+    kinds: tuple[str, ...] = ("decode", "extend")
+
+
+def abstract_model(cfg: Any, expert_dtype: str):
+    """The model of `cfg` as ShapeDtypeStructs: bf16 weights (the router in float32, as the model holds it),
+    the routed experts in `expert_dtype`. The one place that says what the weights are before they exist;
+    the loader's description of each parameter (issue 14) replaces it.
+
+    fp8: float8_e4m3fn values fed to the experts' dot. The model has no block-FP8 expert path yet (issue 14
+    adds it), so the one float32 scale per 128x128 block (0.02% of the bytes) is counted by the plan only.
+    nvfp4: the NVFP4_PARAMS of jaxdp.model.moe in their dtypes and shapes.
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdp.model.decoder import DeepseekV3
+
+    def build():
+        model = DeepseekV3(cfg, nnx.Rngs(0), dtype=jnp.bfloat16)
+        ffn = None if model.moe_layers is None else model.moe_layers.ffn
+        if ffn is None or expert_dtype == "bf16":
+            return model
+        *lead, D, _, I = ffn.w_gate_up_ED2I.get_value().shape
+        if expert_dtype == "fp8":
+            ffn.w_gate_up_ED2I = nnx.Param(jnp.zeros((*lead, D, 2, I), jnp.float8_e4m3fn))
+            ffn.w_down_EID = nnx.Param(jnp.zeros((*lead, I, D), jnp.float8_e4m3fn))
+            return model
+        u8, f8, f32 = jnp.uint8, jnp.float8_e4m3fn, jnp.float32
+        ffn.to_nvfp4({
+            "w_gate_up_packed": jnp.zeros((*lead, 2, I, D // 2), u8),
+            "w_gate_up_scale": jnp.zeros((*lead, 2, I, D // 16), f8),
+            "w_gate_up_gscale": jnp.zeros(tuple(lead), f32),
+            "w_down_packed": jnp.zeros((*lead, D, I // 2), u8),
+            "w_down_scale": jnp.zeros((*lead, D, I // 16), f8),
+            "w_down_gscale": jnp.zeros(tuple(lead), f32),
+        })
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def step_shapes(layout: Any, case: CompileCase) -> list:
+    """The largest decode bucket, and the largest extend bucket in MAX_LEN and (with dp > 1) SUM_LEN."""
+    from jaxdp.parallel.step import StepShape
+
+    pages = -(-max(case.context, case.extend_rows) // case.page_size)
+    shapes = [StepShape(True, case.decode_rows, case.decode_rows, -(-case.context // case.page_size)),
+              StepShape(False, case.extend_rows, 1, pages)]
+    if layout.dp > 1:
+        shapes.append(StepShape(False, case.extend_rows, 1, pages, "sum_len", layout.dp * case.extend_rows))
+    return [s for s in shapes if s.kind in case.kinds]
+
+
+def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
+                 gpu_memory_bytes: float) -> dict[str, Any]:
+    """Compile the steps of `step_shapes` for `cfg` under `layout` with the planned KV pool; returns the
+    JSON part {"compiled": [...], "fit": {...}}. JAX must not have started with fewer host devices than
+    the layout has (`jaxdp.layout.ensure_host_devices` before it starts)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.layout import ensure_host_devices
+    from jaxdp.parallel.step import StepRunner
+
+    expert_dtype, kv_dtype = plan["expert_dtype"], plan["kv_dtype"]
+    if kv_dtype != "bf16":
+        raise ValueError("--compile runs jaxdp's own step, whose KV pool is bf16 (an fp8 pool is not implemented "
+                         "yet); use --kv-dtype bf16 with --compile.")
+    ensure_host_devices(layout.total_devices)
+    tokens = plan["plan"]["kv_tokens_per_rank"]
+    num_pages = max(1, tokens // case.page_size)
+    kv = kv_bytes(cfg, kv_dtype)
+    pool_per_token = kv.latent * kv.layers  # what jaxdp's pool holds (no DSA index keys yet: issue 16)
+    planned_kv = num_pages * case.page_size * pool_per_token
+    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
+
+    mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
+    model = abstract_model(cfg, expert_dtype)
+    runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
+                                   cache_dtype=jnp.bfloat16, abstract=True) for n in (num_pages, 1))
+    compiled = []
+    for shape in step_shapes(layout, case):
+        t0 = time.perf_counter()
+        executable = runner.lower(shape).compile()
+        seconds = time.perf_counter() - t0
+        mem = executable.memory_analysis()
+        arg = int(mem.argument_size_in_bytes)
+        # XLA:CPU scatters into a bf16 pool through float32 copies of the whole pool (a GPU scatters in
+        # place): the same step on a one-page pool gives the temp without them
+        small = one_page.lower(shape).compile()
+        temp_without_pool = int(small.memory_analysis().temp_size_in_bytes)
+        compiled.append({
+            "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
+            "gather_mode": shape.gather_mode, "sum_rows": shape.sum_rows,
+            "argument_bytes_per_device": arg, "output_bytes_per_device": int(mem.output_size_in_bytes),
+            "alias_bytes_per_device": int(mem.alias_size_in_bytes),
+            "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+            "temp_bytes_without_pool_copies_per_device": temp_without_pool,
+            "generated_code_bytes_per_device": int(mem.generated_code_size_in_bytes),
+            "planned_weight_bytes_per_device": int(planned_w), "planned_kv_bytes_per_device": int(planned_kv),
+            "argument_vs_plan": arg / (planned_w + planned_kv) - 1, "compile_s": round(seconds, 2),
+            "largest_buffers": largest_buffers(small.as_text()),  # what temp* is made of
+            "collective_buffers": collective_buffers(small.as_text()),
+        })
+    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu_memory_bytes),
+            "host_devices": layout.total_devices, "backend": jax.default_backend(), "page_size": case.page_size,
+            "num_pages_per_rank": num_pages}
+
+
+_INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_NOT_BUFFERS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
+
+
+def largest_buffers(hlo_text: str, top: int = 6) -> list[dict[str, Any]]:
+    """The largest arrays an optimized HLO module materialises (outside fused computations, parameters
+    excluded), each with the JAX operation it comes from (a fusion: the first one named inside it, else
+    the fusion's own name): what the temp bytes are made of. Sizes, not liveness: XLA reuses memory, so
+    they need not add up to the temp bytes."""
+    fused_ops: dict[str, str] = {}
+    lines, computation = [], ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation's header, or its closing brace
+            computation = line.split(" ", 1)[0].lstrip("%") if line.endswith("{") else ""
+            continue
+        op = re.search(r'op_name="[^"]*?([^/"]+)"', line)
+        if computation.startswith(("fused", "wrapped")):
+            if op and computation not in fused_ops:
+                fused_ops[computation] = op.group(1)
+        else:
+            lines.append((line, op.group(1) if op else ""))
+    found: dict[tuple, dict[str, Any]] = {}
+    for line, op in lines:
+        m = _INSTR.match(line)
+        if not m or m.group(4) in _NOT_BUFFERS:
+            continue
+        name, dtype, dims, hlo = m.groups()
+        calls = re.search(r"calls=%([\w.-]+)", line)
+        op = op or (fused_ops.get(calls.group(1), "") if calls else "") or re.sub(r"\.\d+$", "", name)
+        nbytes = math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
+        key = (dtype, dims, op)
+        found[key] = {"bytes": nbytes, "shape": f"{dtype}[{dims}]", "op": op}
+    return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
+
+
+_COLLECTIVE = re.compile(r"^\s+(?:ROOT )?%\S+ = (.*?) ((?:ragged-)?all-to-all|all-gather|reduce-scatter|all-reduce)"
+                         r"(?:-start)?\(")
+
+
+def collective_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
+    """The largest results of the collectives in an optimized HLO module (all chunks of a tuple together):
+    the buffers that carry rows between devices, e.g. EP's fixed-capacity dispatch."""
+    found: dict[tuple, dict[str, Any]] = {}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if not m:
+            continue
+        arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(t) for t, dims in arrays)
+        shape = f"{arrays[0][0]}[{arrays[0][1]}]" + (f" x {len(arrays)}" if len(arrays) > 1 else "")
+        found[(m.group(2), shape)] = {"bytes": nbytes, "shape": shape, "op": m.group(2)}
+    return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    if hlo_dtype == "pred" or hlo_dtype.startswith(("f8", "s8", "u8")):
+        return 1
+    bits = re.search(r"(\d+)", hlo_dtype)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
+
+
+def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planned_tokens: int,
+         memory: float) -> dict[str, Any]:
+    """Weights (XLA's arguments less the pool), the pool and the largest step's temp (without XLA:CPU's
+    copies of the pool) against the GPU's memory; how many KV tokens per rank that leaves."""
+    def temp_of(c: dict[str, Any]) -> int:
+        return c["temp_bytes_without_pool_copies_per_device"] + c["generated_code_bytes_per_device"]
+
+    worst = max(compiled, key=temp_of)
+    temp, weights = temp_of(worst), worst["argument_bytes_per_device"] - pool_bytes
+    tokens = math.floor((memory - weights - temp) / per_token)
+    return {"largest_temp_step": f"{worst['kind']} {worst['rows_per_rank']} {worst['gather_mode']}",
+            "largest_temp_bytes_per_device": temp, "xla_weight_bytes_per_device": weights,
+            "needed_bytes_per_device": weights + pool_bytes + temp, "gpu_memory_bytes": int(memory),
+            "fits": weights + pool_bytes + temp <= memory, "kv_tokens_planned_per_rank": planned_tokens,
+            "kv_tokens_with_temp_per_rank": max(0, min(planned_tokens, tokens))}
+
+
+def format_compiled(plan: dict[str, Any]) -> list[str]:
+    """The report's lines for the plan's "compiled" and "compile" parts."""
+    result = {**plan["compile"], "compiled": plan["compiled"]}
+    out = [f"Compiled by XLA ({result['backend']}, {result['host_devices']} host devices, abstract weights, a "
+           f"pool of {result['num_pages_per_rank']:,} pages x {result['page_size']} per rank), GiB per device",
+           f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'temp*':>9}{'code':>7}{'plan w+kv':>11}"
+           f"{'arg/plan':>10}{'compile s':>11}"]
+    for c in result["compiled"]:
+        name = f"{c['kind']} {c['rows_per_rank']} {c['gather_mode']}"
+        planned = c["planned_weight_bytes_per_device"] + c["planned_kv_bytes_per_device"]
+        out.append(f"  {name:<24}{c['argument_bytes_per_device'] / GiB:10.2f}{c['output_bytes_per_device'] / GiB:9.2f}"
+                   f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['temp_bytes_without_pool_copies_per_device'] / GiB:9.2f}"
+                   f"{c['generated_code_bytes_per_device'] / GiB:7.2f}"
+                   f"{planned / GiB:11.2f}{c['argument_vs_plan'] * 100:+9.2f}%{c['compile_s']:11.1f}")
+    out.append("  temp* = temp without XLA:CPU's float32 copies of the pool (the step compiled on a one-page pool)")
+    for c in result["compiled"]:
+        out.append(f"  largest arrays (temp*) of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}: " + "; ".join(
+            f"{b['shape']} {b['bytes'] / GiB:.1f} GiB ({b['op']})"
+            for b in c["largest_buffers"]))
+        out.append("    collectives' buffers: " + "; ".join(
+            f"{b['op']} {b['shape']} {b['bytes'] / GiB:.2f} GiB" for b in c["collective_buffers"]))
+    f = result["fit"]
+    verdict = "fits" if f["fits"] else "does NOT fit"
+    temp = f"{f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} GiB"
+    out.append(f"  beside the largest temp* ({temp}; docs/plan.md says what differs on a GPU) the planned pool "
+               f"{verdict}: {f['needed_bytes_per_device'] / GiB:.1f} of {f['gpu_memory_bytes'] / GiB:.1f} GiB; KV "
+               f"tokens per rank: {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} "
+               "fit beside the temp")
+    return out

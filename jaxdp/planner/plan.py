@@ -1,0 +1,276 @@
+"""`python -m jaxdp.plan`: capacity, communication and padding of a layout, for real model sizes.
+
+    python -m jaxdp.plan --model glm-5 --gpus 4 --gpu B300 --mesh dp=4 --expert-dtype nvfp4 \\
+        --kv-dtype fp8 --match-tp-tokens 2.68M
+
+prints, for the layout and beside it tensor parallelism on the same GPUs: weights per device by
+component, KV bytes per token and KV capacity, the five situations of the article (or --rows) from
+jaxdp.parallel.accounting, and a roofline of one decode step. --json writes the same as JSON, --plot
+draws the situations, --compile also compiles the engine's largest steps for the model on abstract
+weights and sets XLA's memory analysis beside the plan (jaxdp.planner.compile). The rules behind every
+figure are in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from jaxdp.config import UnsupportedConfigError, get_config
+from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
+from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
+from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
+from jaxdp.planner.gpus import PRESETS as GPU_PRESETS
+from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory, with_overrides
+from jaxdp.planner.report import ASSUMPTIONS, format_report, plot_situations
+from jaxdp.planner.roofline import decode_roofline
+from jaxdp.planner.weights import (
+    EXPERT_DTYPES,
+    KV_DTYPES,
+    PLACEMENTS,
+    kv_bytes,
+    kv_tokens,
+    total_bytes,
+    weights_per_device,
+)
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """A user error; the message is one sentence."""
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    if args.mesh is None and getattr(args, "tp_size", None) is None:
+        raise PlanError("give the layout with --mesh dp=A,tp=B (or a preset) or with --tp-size N "
+                        "[--attn-dp-size A].")
+    return layout_from_args(args, num_devices=args.gpus)
+
+
+def _parse_count(text: str) -> float:
+    t = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise PlanError(f"{text!r} is not a token count; write e.g. 2.68M or 2680000.") from None
+
+
+def _parse_rows(text: str, dp: int) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"--rows {text!r} is not a list of whole numbers; write e.g. 16,16,16,16.") from None
+    if len(rows) != dp or any(r < 0 for r in rows) or not any(rows):
+        raise PlanError(f"--rows needs {dp} non-negative counts (one per attention group), not all zero; "
+                        f"got {text!r}.")
+    return rows
+
+
+def _merge(s: Situation, dp: int) -> Situation:
+    """The same load on `dp` groups: consecutive ranks' rows summed (dp=1 is tensor parallelism)."""
+    k = len(s.rows) // dp
+
+    def m(v: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sum(v[i * k:(i + 1) * k]) for i in range(dp))
+
+    return Situation(s.name, m(s.rows), s.kind, m(s.lm_rows) if s.lm_rows else None)
+
+
+def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, budget: float,
+                situations: dict[str, Situation], batch: tuple[int, ...]) -> dict[str, Any]:
+    comps = weights_per_device(cfg, layout, args.expert_dtype, **_placement(args))
+    wbytes = total_bytes(comps)
+    per_token = kv_bytes(cfg, args.kv_dtype).per_token
+    tokens = kv_tokens(budget, wbytes, per_token)
+    accts = {name: account_step(layout, cfg, s.rows, is_extend=s.kind == EXTEND, lm_rows=s.lm_rows)
+             for name, s in situations.items()}
+    roof_kw = dict(context=args.context, expert_dtype=args.expert_dtype, kv_dtype=args.kv_dtype,
+                   latency_us=args.latency_us, **_placement(args))
+    single = (1,) + (0,) * (layout.dp - 1)
+    return {
+        "layout": dataclasses.asdict(layout), "describe": _describe(layout),
+        "weights": [dataclasses.asdict(c) for c in comps], "weights_per_device_gib": wbytes / GiB,
+        "kv_tokens_per_rank": max(tokens, 0), "kv_tokens_total": max(tokens, 0) * layout.dp * layout.replicas,
+        "fits": tokens > 0,
+        "situations": {name: a.to_dict() for name, a in accts.items()},
+        "roofline": {
+            "single": {p: decode_roofline(cfg, layout, gpu, single, padding=p, **roof_kw).to_dict()
+                       for p in ("sglang", "jaxdp")},
+            "batch": {p: decode_roofline(cfg, layout, gpu, batch, padding=p, **roof_kw).to_dict()
+                      for p in ("sglang", "jaxdp")},
+        },
+    }
+
+
+def _fitting_layout(cfg: Any, gpus: int, budget: float, args: argparse.Namespace) -> str:
+    """The advice that ends a does-not-fit error: the first layout on the same GPUs or 2, 4, ... times as
+    many, up to 64 (most attention DP first, TP before EP MoE), whose weights leave room for a KV cache."""
+    counts = [gpus << k for k in range(7) if (gpus << k) <= max(64, gpus)]
+    for n in counts:
+        for tp in (t for t in range(1, n + 1) if n % t == 0):
+            for moe in ("tp", "ep"):
+                lay = Layout(dp=n // tp, tp=tp, moe=moe)
+                try:
+                    lay.validate(num_devices=n, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+                except (LayoutError, ValueError):
+                    continue
+                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args)))
+                if need < budget:
+                    mesh = f"dp={lay.dp},tp={lay.tp}" + (",moe=ep" if moe == "ep" else "")
+                    return f"a layout that fits: --gpus {n} --mesh {mesh} ({need / GiB:.1f} GiB of weights per GPU)."
+    return f"no layout on up to {counts[-1]} GPUs holds it; use --expert-dtype fp8 or nvfp4, or larger GPUs."
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    return {"placement": args.placement, "absorbed_copy": False if args.no_absorbed_copy else None}
+
+
+def _describe(layout: Layout) -> str:
+    return layout.describe()
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        cfg = get_config(args.model)
+    except (FileNotFoundError, UnsupportedConfigError) as e:
+        raise PlanError(str(e)) from None
+    gpu = get_gpu(args.gpu)
+    gpu = with_overrides(gpu, parse_memory(args.gpu_memory) if args.gpu_memory else None,
+                         args.hbm_tbs, args.tflops, args.link_gbs)
+    layout = _layout(args)
+    if layout.total_devices != args.gpus:
+        raise PlanError(f"the layout uses {layout.total_devices} GPUs but --gpus is {args.gpus}; make them "
+                        "equal.")
+    layout.validate(num_devices=args.gpus, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+    tp_layout = Layout(dp=1, tp=layout.total_devices)
+    per_token = kv_bytes(cfg, args.kv_dtype).per_token
+    tp_weights = total_bytes(weights_per_device(cfg, tp_layout, args.expert_dtype, **_placement(args)))
+    if args.match_tp_tokens:
+        budget = tp_weights + _parse_count(args.match_tp_tokens) * per_token
+        fraction = budget / gpu.memory_bytes
+        if fraction > 1:
+            raise PlanError(f"{args.match_tp_tokens} tokens under TP need {budget / GiB:.1f} GiB per GPU, "
+                            f"more than the {gpu.memory_gib:g} GiB of a {gpu.name}; ask for fewer tokens.")
+    else:
+        fraction = args.mem_fraction_static
+        if not 0 < fraction <= 1:
+            raise PlanError(f"--mem-fraction-static {fraction} must be in (0, 1]; SGLang's are 0.8-0.9.")
+        budget = fraction * gpu.memory_bytes
+
+    if args.rows:
+        rows = _parse_rows(args.rows, layout.dp)
+        kind = EXTEND if args.extend else "decode"
+        lm_rows = tuple(1 if r else 0 for r in rows) if args.extend else None  # one sequence per rank
+        situations = {"rows": Situation("rows", rows, kind, lm_rows)}
+        batch = rows
+    else:
+        base = five_situations(layout.dp if layout.dp > 1 else layout.world)
+        situations = {k: _merge(v, 1) for k, v in base.items()} if layout.dp == 1 else base
+        batch = situations["balanced"].rows
+    main_plan = plan_layout(cfg, layout, gpu, args, budget, situations, batch)
+    if not main_plan["fits"]:
+        need = main_plan["weights_per_device_gib"]
+        raise PlanError(f"the weights need {need:.1f} GiB per GPU but {budget / GiB:.1f} GiB are available "
+                        f"({fraction:.2f} x {gpu.memory_gib:g} GiB of a {gpu.name}); "
+                        + _fitting_layout(cfg, layout.total_devices, budget, args))
+    compare = None
+    if layout.dp > 1:
+        tp_situations = {k: _merge(s, 1) for k, s in situations.items()}
+        compare = plan_layout(cfg, tp_layout, gpu, args, budget, tp_situations, (sum(batch),))
+    plan = {
+        "model": args.model, "gpus": args.gpus, "gpu": dataclasses.asdict(gpu),
+        "mem_fraction_static": fraction, "budget_gib": budget / GiB,
+        "expert_dtype": args.expert_dtype, "kv_dtype": args.kv_dtype,
+        "placement": args.placement,
+        "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
+        "context": args.context, "latency_us": args.latency_us,
+        "row_bytes": cfg.hidden_size * 2, "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype)),
+        "kv_bytes_per_token": per_token, "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                                                    "vocab": cfg.vocab_size, "model_type": cfg.model_type},
+        "plan": main_plan, "tp": compare, "assumptions": ASSUMPTIONS,
+    }
+    if args.compile:
+        kinds = tuple(args.compile_steps.split(","))
+        if not kinds or set(kinds) - {"decode", "extend"}:
+            raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
+        case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds)
+        result = compile_plan(cfg, layout, plan, case, gpu.memory_bytes)
+        plan["compiled"] = result.pop("compiled")
+        plan["compile"] = result
+    return plan
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        self.exit(2, f"plan: error: {message}; see python -m jaxdp.plan --help.\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m jaxdp.plan", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="glm-5", help="preset (glm-5, deepseek-v3, tiny) or checkpoint dir")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the deployment")
+    add_layout_args(p)
+    p.add_argument("--gpu", default="B300",
+                   help=f"{', '.join(GPU_PRESETS)} or name:mem_gib:hbm_tbs:bf16_tflops[:link_gbs]")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 269GiB (overrides the preset)")
+    p.add_argument("--hbm-tbs", type=float, help="HBM bandwidth, TB/s (overrides the preset)")
+    p.add_argument("--tflops", type=float, help="dense bf16 TFLOP/s (overrides the preset)")
+    p.add_argument("--link-gbs", type=float, help="GPU-to-GPU GB/s per direction (overrides the preset)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.88,
+                   help="share of GPU memory for weights + KV cache (SGLang's flag)")
+    p.add_argument("--match-tp-tokens",
+                   help="instead: the budget at which TP holds this many tokens per GPU, e.g. 2.68M")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="bf16")
+    p.add_argument("--placement", choices=PLACEMENTS, default="sglang",
+                   help="whose placement rules: SGLang's (explains the article) or jaxdp's sharding table")
+    p.add_argument("--no-absorbed-copy", action="store_true",
+                   help="do not count SGLang's w_kc/w_vc copies of kv_b_proj")
+    p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")
+    p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")
+    p.add_argument("--latency-us", type=float, default=10.0, help="fixed cost of one collective (roofline)")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile the engine's largest steps with XLA on abstract weights and compare its "
+                        "memory analysis per device with the plan (creates the layout's host devices)")
+    p.add_argument("--decode-rows", type=int, default=512, help="--compile: decode bucket, rows per rank")
+    p.add_argument("--extend-rows", type=int, default=4096, help="--compile: extend bucket, rows per rank")
+    p.add_argument("--page-size", type=int, default=16, help="--compile: tokens per KV page")
+    p.add_argument("--compile-steps", default="decode,extend", help="--compile: which steps (decode, extend)")
+    p.add_argument("--json", help="write the plan as JSON to this file")
+    p.add_argument("--plot", help="draw the situations to this PNG file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        if min(args.gpus, args.context, args.decode_rows, args.extend_rows, args.page_size) < 1:
+            raise PlanError("--gpus, --context, --decode-rows, --extend-rows and --page-size must be positive.")
+        plan = build_plan(args)
+    except (PlanError, LayoutError, GPUError, ValueError) as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(plan))
+    if "compiled" in plan:
+        print("\n".join(["", *format_compiled(plan)]))
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan, f, indent=1)
+        if args.plot:
+            plot_situations(plan, args.plot)
+    except OSError as e:
+        print(f"plan: error: cannot write {e.filename}: {e.strerror}.", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Sparse absorbed-MLA decode (DeepSeek sparse attention): attention over only the latents the indexer
+selected, read straight from the paged cache (Pallas, Triton backend).
+
+Row b attends over the cache rows `slots_BK[b, :num_B[b]]` (flat `page * page_size + offset`; the
+indexer's top-k, valid ones first), whatever the context length: the work and the bytes read are bounded
+by `index_topk`, not by the context. The math is `kernels_pallas.mla_decode`'s, with the page-table
+walk replaced by the selected slots:
+    out = softmax(scale * (q_latent . c + q_rope . k_rope)) @ c       over the selected tokens.
+
+Same conventions as `mla_decode`: the 576-wide row as two power-of-two parts (512 + 64), one program per
+(block of `block_h` heads, split of the selection, row), an online softmax over blocks of `block_t`
+selected tokens gathered by slot, a jnp step combining the splits by log-sum-exp; rows with nothing
+selected return zeros. The XLA path is `jaxdp.model.mla.sparse_mla_decode_xla` (the model's fallback and
+this kernel's reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.mla_decode import _EXACT, _is_pow2, combine_splits, default_interpret, default_num_splits
+
+
+def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
+                   softmax_scale, block_t, blocks_per_split, latent_dim, rope_dim):
+    split, row = pl.program_id(1), pl.program_id(2)
+    num = num_ref[row]
+    q_latent_HC = q_latent_ref[...]
+    q_rope_HR = q_rope_ref[...]
+    block_h = q_latent_HC.shape[0]
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, (num + block_t - 1) // block_t)
+    t_T = jnp.arange(block_t, dtype=jnp.int32)
+    c_C = jnp.arange(latent_dim, dtype=jnp.int32)
+    r_R = latent_dim + jnp.arange(rope_dim, dtype=jnp.int32)
+
+    def body(blk, carry):
+        max_H, sum_H, acc_HC = carry
+        j_T = blk * block_t + t_T
+        cache_row_T = slots_ref[row, j_T]  # the selected tokens' rows of the [pages * page_size, C + R] view
+        latent_TC = kv_ref[cache_row_T[:, None], c_C[None, :]]
+        rope_TR = kv_ref[cache_row_T[:, None], r_R[None, :]]
+        dot_kw = dict(dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                      precision=_EXACT)
+        scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, **dot_kw)
+        scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, **dot_kw)
+        scores_HT = jnp.where((j_T < num)[None, :], scores_HT * softmax_scale, -jnp.inf)
+        new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a selected token
+        rescale_H = jnp.exp(max_H - new_max_H)
+        probs_HT = jnp.exp(scores_HT - new_max_H[:, None])
+        sum_H = sum_H * rescale_H + jnp.sum(probs_HT, axis=1)
+        acc_HC = acc_HC * rescale_H[:, None] + jax.lax.dot_general(
+            probs_HT.astype(latent_TC.dtype), latent_TC, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=_EXACT,
+        )
+        return new_max_H, sum_H, acc_HC
+
+    init = (
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, latent_dim), jnp.float32),
+    )
+    max_H, sum_H, acc_HC = jax.lax.fori_loop(first, last, body, init)
+    has_tokens_H = sum_H > 0
+    out_ref[...] = acc_HC / jnp.where(has_tokens_H, sum_H, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has_tokens_H, max_H + jnp.log(jnp.where(has_tokens_H, sum_H, 1.0)), -jnp.inf)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("softmax_scale", "num_splits", "block_h", "block_t", "interpret", "num_warps", "num_stages"),
+)
+def _sparse_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B, *, softmax_scale, num_splits, block_h,
+                 block_t, interpret, num_warps, num_stages):
+    b, h, c = q_latent_BHC.shape
+    r = q_rope_BHR.shape[-1]
+    num_pages, page_size, _ = kv_cache_PSK.shape
+    k = slots_BK.shape[1]
+    num_B = jnp.clip(num_B.astype(jnp.int32), 0, k)
+    blocks_per_split = pl.cdiv(pl.cdiv(k, block_t), num_splits)
+    padded = num_splits * blocks_per_split * block_t
+    # slots past a row's count (and the padding) read row 0 of the cache, masked
+    valid_BK = jnp.arange(padded)[None, :] < num_B[:, None]
+    slots_BK = jnp.pad(slots_BK.astype(jnp.int32), ((0, 0), (0, padded - k)))
+    slots_BK = jnp.where(valid_BK, jnp.clip(slots_BK, 0, num_pages * page_size - 1), 0)
+    h_pad = pl.cdiv(h, block_h) * block_h  # the dot wants >= 16 rows: pad heads with zero queries
+    q_latent_BHC = jnp.pad(q_latent_BHC, ((0, 0), (0, h_pad - h), (0, 0)))
+    q_rope_BHR = jnp.pad(q_rope_BHR, ((0, 0), (0, h_pad - h), (0, 0)))
+    kv_TK = kv_cache_PSK.reshape(num_pages * page_size, c + r)
+
+    kernel = functools.partial(_sparse_kernel, softmax_scale=softmax_scale, block_t=block_t,
+                               blocks_per_split=blocks_per_split, latent_dim=c, rope_dim=r)
+    out_BSHC, lse_BSH = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, num_splits, h_pad, c), jnp.float32),
+                   jax.ShapeDtypeStruct((b, num_splits, h_pad), jnp.float32)),
+        grid=(h_pad // block_h, num_splits, b),
+        in_specs=[
+            pl.no_block_spec,
+            pl.no_block_spec,
+            pl.BlockSpec((None, block_h, c), lambda j, s, i: (i, j, 0)),
+            pl.BlockSpec((None, block_h, r), lambda j, s, i: (i, j, 0)),
+            pl.no_block_spec,
+        ],
+        out_specs=(
+            pl.BlockSpec((None, None, block_h, c), lambda j, s, i: (i, s, j, 0)),
+            pl.BlockSpec((None, None, block_h), lambda j, s, i: (i, s, j)),
+        ),
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="sparse_mla_decode_split",
+    )(num_B, slots_BK, q_latent_BHC, q_rope_BHR, kv_TK)
+    return combine_splits(out_BSHC, lse_BSH)[:, :h]
+
+
+def sparse_mla_decode(
+    q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank, num_splits=None,
+    interpret=None, block_h: int = 16, block_t: int = 32, num_warps: int = 4, num_stages: int = 2,
+) -> jax.Array:
+    """Sparse absorbed-MLA decode -> out [B, H, C] in q_latent's dtype.
+
+    q_latent_BHC [B, H, C]; q_rope_BHR [B, H, R]; kv_cache_PSK [num_pages, page_size, C + R] (one layer);
+    slots_BK int32 [B, K]: the selected cache rows (page * page_size + offset), the valid ones first;
+    num_B int32 [B]: how many of them are valid (0 allowed: zeros). softmax_scale is a Python float. C, R,
+    block_h and block_t must be powers of two; num_splits: selection splits (None: fill an H200).
+    """
+    b, h, c = q_latent_BHC.shape
+    r = q_rope_BHR.shape[-1]
+    width = kv_cache_PSK.shape[-1]
+    if c != kv_lora_rank or width != c + r:
+        raise ValueError(
+            f"kv_lora_rank={kv_lora_rank}, q_latent width {c}, q_rope width {r} and cache width {width} "
+            "disagree: the cache row must be kv_lora_rank latent values followed by the rope key."
+        )
+    for name, size in (("kv_lora_rank", c), ("rope dim", r), ("block_h", block_h), ("block_t", block_t)):
+        if not _is_pow2(size):
+            raise ValueError(f"{name}={size} must be a power of two for the Pallas sparse MLA kernel.")
+    interpret = default_interpret() if interpret is None else interpret
+    if num_splits is None:
+        num_splits = default_num_splits(b, pl.cdiv(h, block_h), pl.cdiv(slots_BK.shape[1], block_t))
+    out_BHC = _sparse_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B,
+                           softmax_scale=float(softmax_scale), num_splits=int(num_splits), block_h=block_h,
+                           block_t=block_t, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return out_BHC.astype(q_latent_BHC.dtype)

@@ -1,0 +1,131 @@
+"""The host loop without a model: the engine over `HostOnlyRunner` (a stand-in step that returns at once), so
+scheduling, admission, booking and failure handling are checked in milliseconds. Greedy numbers against a
+real model are tests/test_engine.py's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdp.bench_engine import HostOnlyRunner
+from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
+from jaxdp.engine.sampling import sample_tokens, sampling_row
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+
+def host_engine(mesh="dp=2", runner_cls=HostOnlyRunner, **kw) -> Engine:
+    base = dict(page_size=4, num_pages=16, max_running_requests=8, chunked_prefill_size=16,
+                decode_buckets=[1, 2, 4], extend_buckets=[8, 16])
+    cfg = EngineConfig(**(base | kw))
+    return Engine(runner_cls("tiny", mesh, cfg.num_pages, cfg.page_size), mesh, cfg)
+
+
+def pools_are_full(eng):
+    for s in eng.schedulers:
+        assert not s.running and not s.waiting and len(s.rows) == 0
+        assert s.pool.free + s.cache.size == s.pool.num_pages  # no page leaked
+        assert s.cache.evictable() == s.cache.size  # and none still locked
+
+
+def test_decode_rows_follow_requests_that_join_and_leave():
+    eng = host_engine()
+    lengths = [3, 7, 1, 5, 2]
+    reqs = eng.generate([[5, 6, 7]] * 5, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths],
+                        ranks=[0] * 5)
+    assert [len(r.output_ids) for r in reqs] == lengths and all(r.output_ids == [1] * len(r.output_ids)
+                                                                 for r in reqs)
+    pools_are_full(eng)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    eng = host_engine("dp=1", num_pages=8)  # 32 tokens; all of a request's output is reserved (no DP: x1)
+    eng.make_request(list(range(20)), SamplingParams(max_new_tokens=10))  # 5 pages + 3 reserved: fits
+    with pytest.raises(BadRequest, match="pages but a rank's KV pool has 8"):
+        eng.make_request(list(range(29)), SamplingParams(max_new_tokens=3))  # 8 pages + 1 reserved
+
+
+def test_a_request_that_cannot_fit_now_does_not_block_those_behind_it():
+    eng = host_engine(num_pages=10, chunked_prefill_size=64, extend_buckets=[8, 16, 32])
+    long = eng.submit(eng.make_request(list(range(8)), SamplingParams(max_new_tokens=24, ignore_eos=True), rank=0))
+    eng.step()
+    eng.step()  # running: 2 prompt pages + 2 reserved of rank 0's 10
+    big = eng.submit(eng.make_request(list(range(25)), SamplingParams(max_new_tokens=2), rank=0))  # 7 + 1 pages
+    small = eng.submit(eng.make_request([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True), rank=0))
+    for _ in range(6):
+        eng.step()
+    assert small.finished and not big.finished and not big.pages  # small went past big, which waits its turn
+    eng.run_until_idle()
+    assert long.finished and big.finished and len(big.output_ids) == 2
+    pools_are_full(eng)
+
+
+class FailingRunner(HostOnlyRunner):
+    """Fails the step that reads the token `poison` (an engine bug that only some batch triggers)."""
+
+    poison = 13
+
+    def run(self, shape, stacked, prev_tokens=None):
+        if (stacked["tokens_T"] == self.poison).any():
+            raise RuntimeError("boom")
+        return super().run(shape, stacked, prev_tokens)
+
+
+def test_a_failed_step_fails_only_the_request_that_fails_it_and_caches_no_unwritten_page():
+    eng = host_engine(runner_cls=FailingRunner)
+    others = [eng.submit(eng.make_request([4] * 9, GREEDY, rank=r)) for r in (0, 1)]
+    eng.step()
+    eng.step()
+    assert all(r.output_ids for r in others)  # decoding
+    more = [eng.submit(eng.make_request([3, 3], GREEDY, rank=0))]
+    bad = eng.submit(eng.make_request([FailingRunner.poison] * 9, GREEDY, rank=0))  # 9 tokens: two full pages
+    more += [eng.submit(eng.make_request([2, 2], GREEDY, rank=0)) for _ in range(2)]
+    eng.step()  # rank 0 reads 4 prompts, rank 1 decodes (as one-token extends): the step fails, and again with
+    # rank 0's plan alone (rank 1's alone runs), then with either half of it, then with `bad` alone
+    assert bad.finished and bad.finish_reason == "abort" and "failed the engine step" in bad.error
+    assert eng.schedulers[0].cache.size == 0  # its pages were never written: none entered the cache
+    eng.run_until_idle()
+    assert [(r.finish_reason, r.output_ids) for r in others + more] == [("length", [1] * 6)] * 5
+    again = eng.generate([[4] * 9], GREEDY, ranks=[0])[0]
+    assert again.output_ids == [1] * 6 and again.cached_tokens == 8  # the cache holds the written pages only
+    pools_are_full(eng)
+
+
+def test_sampling_rows_hold_any_value_the_api_lets_through():
+    V = 64
+    row = sampling_row(SamplingParams(temperature=10**400, top_p=float("nan"), top_k=2**31, min_p=-1, seed=-5),
+                       "r", 0, V)
+    assert row == (1e4, 1.0, -1, 0.0, (2**32 - 5))
+    assert sampling_row(SamplingParams(top_k=2147483648), "r", 0, V)[2] == -1
+    logits = jax.random.normal(jax.random.key(0), (1, 2, V))
+    t, p, m = (jnp.asarray(np.full((1, 2), v, np.float32)) for v in (1.0, 1.0, 0.0))
+    k = jnp.asarray(np.asarray([[2**31 - 1, V + 5]], np.int32))  # past the vocabulary: all of it
+    keys = jnp.zeros((1, 2, 2), jnp.uint32)
+    tokens, logprobs = sample_tokens(logits, t, p, k, m, keys)
+    assert tokens.shape == (1, 2) and bool(jnp.all((tokens >= 0) & (tokens < V)))
+    assert bool(jnp.all(jnp.isfinite(logprobs)))
+
+
+def test_the_controller_ledger_forgets_refused_finished_and_abandoned_requests():
+    from jaxdp.api.replicas import ReplicaSet
+    from jaxdp.engine.controller import UNSUBMITTED_S
+
+    eng = host_engine()
+    b = ReplicaSet([eng], "total_tokens")
+    with pytest.raises(BadRequest, match="routed_dp_rank"):
+        b.make_request([1, 2], GREEDY, rid="x", rank=9)
+    with pytest.raises(BadRequest, match="shorten the prompt"):
+        b.make_request(list(range(70)), GREEDY, rid="x")
+    x = b.make_request([1, 2], GREEDY, rid="x")  # a refused rid is free at once
+    with pytest.raises(BadRequest, match="already running"):
+        b.make_request([1, 2], GREEDY, rid="x")
+    assert b.loads()[x.dp_rank] == (2 / b.capacity(x.dp_rank), 1)  # counted before the loop admits it
+    eng.submit(x)
+    eng.run_until_idle()
+    assert x.finished and b.loads() == [(0.0, 0)] * 2 and b.make_request([3], GREEDY, rid="x").rid == "x"
+    gone = b.make_request(list(range(9)), GREEDY)  # made, never submitted (its client went away)
+    assert sum(n for _, n in b.loads()) == 2
+    gone.created -= UNSUBMITTED_S + 1
+    assert sum(n for _, n in b.loads()) == 1  # only the second "x" still counts
