@@ -48,6 +48,7 @@ class Outcome:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     dp_rank: int | None = None
+    token_at: list[float] = field(default_factory=list)  # perf_counter() when each token arrived (the experiments)
 
 
 def random_requests(args, rng: np.random.Generator) -> list[Request]:
@@ -139,9 +140,12 @@ def request_body(args, req: Request) -> tuple[str, dict]:
     return path, body
 
 
-async def send(client: httpx.AsyncClient, args, req: Request) -> Outcome:
+async def send(client: httpx.AsyncClient, args, req: Request, out: Outcome | None = None) -> Outcome:
+    """Stream one request. `out`, when given, is filled as tokens arrive (a caller that cancels the task keeps
+    what arrived so far)."""
     path, body = request_body(args, req)
-    out = Outcome(prompt_tokens=req.input_len)
+    out = out if out is not None else Outcome()
+    out.prompt_tokens = req.input_len
     start = last = time.perf_counter()
     tokens = 0
     try:
@@ -176,6 +180,7 @@ async def send(client: httpx.AsyncClient, args, req: Request) -> Outcome:
                         out.ttft = now - start
                     else:
                         out.itl.append(now - last)
+                    out.token_at.extend([now] * (seen - tokens))
                     last, tokens = now, seen
     except (httpx.HTTPError, ValueError, KeyError) as e:
         out.error = f"{type(e).__name__}: {e}"

@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-balance-method", choices=METHODS, default="round_robin",
                    help="which rank (or replica) a new request goes to")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    g.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="a rank reading a prompt carries its own decoding requests in the same step")
+    g.add_argument("--enable-prefill-delayer", action="store_true",
+                   help="a rank with a prompt waits until every rank has one (at most the passes below)")
+    g.add_argument("--prefill-delayer-max-delay-passes", type=int, default=None, metavar="N",
+                   help="passes of the loop a prompt waits at most (default 30)")
+    g.add_argument("--prefill-delayer-token-usage-low-watermark", type=float, default=None, metavar="F",
+                   help="no wait while a rank with a prompt uses less than this share of its KV pool")
     g = ap.add_argument_group("compiled steps (CUDA graphs)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="BS",
                    help="largest decode bucket per rank (SGLang's list up to it; default: the per-rank batch)")
@@ -156,6 +164,7 @@ def server_limits(args):
 
 def engine_config(args, num_pages: int):
     from jaxdp.engine import EngineConfig
+    from jaxdp.engine.delayer import DelayerConfig
     from jaxdp.parallel.accounting import decode_buckets
 
     buckets = args.cuda_graph_bs
@@ -166,11 +175,19 @@ def engine_config(args, num_pages: int):
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if buckets is not None and min(buckets) < 1:
         raise UserError("--cuda-graph-bs sizes must be at least 1")
+    delayer = None
+    passes, watermark = args.prefill_delayer_max_delay_passes, args.prefill_delayer_token_usage_low_watermark
+    if args.enable_prefill_delayer:
+        delayer = DelayerConfig(30 if passes is None else passes, watermark).validate()
+    elif passes is not None or watermark is not None:
+        raise UserError("--prefill-delayer-max-delay-passes and --prefill-delayer-token-usage-low-watermark "
+                        "need --enable-prefill-delayer")
     return EngineConfig(page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
                         schedule_conservativeness=args.schedule_conservativeness, decode_buckets=buckets,
                         disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
-                        enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed)
+                        enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
+                        enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer)
 
 
 def pool_pages(args, runner, replica: int, replicas: int) -> int:

@@ -149,3 +149,21 @@ class _StateCollector:
         for i, e in enumerate(backend.engines):
             c.add_metric([str(i)], e.stats.compiles_in_steps)
         yield c
+        yield from _delayer_metrics(backend.engines)
+
+
+def _delayer_metrics(engines):
+    """--enable-prefill-delayer: the passes a prompt was held back, and how each pass with a prompt ended."""
+    from jaxdp.engine.delayer import OUTCOMES
+
+    waits = CounterMetricFamily(P + "prefill_delayer_wait_passes", "Passes in which the prefill delayer held "
+                                "new prompts back", labels=["replica"])
+    outcomes = CounterMetricFamily(P + "prefill_delayer_outcomes", "Passes with a prompt on some rank, by the "
+                                   "prefill delayer's decision", labels=["replica", "kind"])
+    for i, e in enumerate(engines):
+        if (d := getattr(e, "delayer", None)) is not None:
+            waits.add_metric([str(i)], d.wait_passes)
+            for kind in OUTCOMES[1:]:
+                outcomes.add_metric([str(i), kind], d.outcomes[kind])
+    yield waits
+    yield outcomes

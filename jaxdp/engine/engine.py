@@ -23,12 +23,12 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import jax
 import numpy as np
 
-from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_step
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
 from jaxdp.engine.options import EngineConfig
@@ -37,7 +37,7 @@ from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
-from jaxdp.engine.setup import find_tokenizer, make_runner, stop_string_check
+from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import InFlight, StepStats, compiles_total
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
@@ -93,6 +93,7 @@ class Engine:
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows)
         self.stats = StepStats(dp)
+        self.delayer = PrefillDelayer(c.prefill_delayer, dp) if c.prefill_delayer else None
         self.hosts = hosts
         self.exchange = hosts if hosts is not None else LocalExchange()
         self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
@@ -113,27 +114,11 @@ class Engine:
             self.warmup()
 
     # ---- start-up ------------------------------------------------------------------------------
-    def shapes(self) -> list[StepShape]:
-        return self.buckets.shapes(self.pages_per_seq)
-
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
-        from tqdm import tqdm
-
-        shapes = self.shapes()
-        t0 = time.perf_counter()
-        for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
-            self.runner.compile(shape)
-            dp, B, V = self.layout.dp, shape.num_seqs, self.model_cfg.vocab_size
-            idle = empty_step(dp, 1, B, 1, 0)
-            logits = self.runner.put(np.zeros((dp, B, V), np.float32))
-            jax.block_until_ready(self._sample(logits, *(self.runner.put(idle[k]) for k in SAMPLING_KEYS),
-                                               width=self.runner.token_carry))
-            if self._sample is sample_tokens:  # (a stand-in runner has no real logits)
-                jax.block_until_ready(top_logprobs(logits))
+        compile_steps(self.runner, self._sample, self.buckets, self.pages_per_seq, self.layout.dp,
+                      self.model_cfg.vocab_size)
         self.compiles_at_warmup = compiles_total()
-        log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
-                 time.perf_counter() - t0, self.buckets.decode, self.buckets.extend)
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
@@ -220,18 +205,25 @@ class Engine:
         """
         self._drain_inbox()
         t0 = time.perf_counter()
-        plans: list[RankPlan | None] = [s.schedule() for s in self.schedulers]
+        d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
+        plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
+                                        for r, s in enumerate(self.schedulers)]
         ta = time.perf_counter()
         self.blocked = (ta, "exchanging the step's proposals")
-        proposals, messages = self.exchange.exchange(self._proposals(plans), self.link.message() if self.link else {})
+        message = self.link.message() if self.link else {}
+        if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
+            d.post(message, [self.schedulers[r] for r in self.local_ranks])
+        proposals, messages = self.exchange.exchange(self._proposals(plans), message)
         self.blocked = None
         if self.link:
             self.link.receive(messages)
+        if d:
+            d.read(messages)
         agreement = agree_on_step(proposals)
         agree_s = time.perf_counter() - ta
         if not agreement.run:
             if self._inflight is None:
-                return False
+                return bool(d and d.pass_again)  # a prompt announced or held: the next pass decides, at once
             self._book(self._inflight, t0)
             self._inflight = None
             return True

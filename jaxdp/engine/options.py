@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxdp.engine.delayer import DelayerConfig
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -21,3 +23,5 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
+    enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
+    prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)

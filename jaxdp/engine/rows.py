@@ -111,11 +111,12 @@ class RankRows:
         """Those of `rows` whose next token starts a new page."""
         return rows[self.a.length[rows] > self.a.num_pages[rows] * self.page_size]
 
-    def sampled(self, rows: np.ndarray, step: int) -> np.ndarray:
-        """Rows `rows` are sampled by `step` (their tokens become its markers); returns their output positions."""
+    def sampled(self, rows: np.ndarray, step: int, first: int = 0) -> np.ndarray:
+        """Rows `rows` are sampled by `step` as its sequences first, first + 1, ... (their tokens become its
+        markers); returns their output positions."""
         a = self.a
         out_pos = a.n_out[rows].copy()
-        a.token[rows] = -1 - np.arange(len(rows), dtype=np.int32)
+        a.token[rows] = -1 - first - np.arange(len(rows), dtype=np.int32)
         a.step[rows] = step
         a.n_out[rows] += 1
         a.length[rows] += 1
@@ -127,6 +128,7 @@ class RankRows:
         mine[mine] = self.a.step[rows[mine]] == step  # (a row left since is never read: harmless)
         self.a.token[rows[mine]] = tokens[mine]
         self.a.step[rows[mine]] = -1
+
 
 def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, n_out) -> None:
     """The sampling parameters of rank r's sequences `at`; a row's key is (seed, tokens generated so far)."""
@@ -143,34 +145,38 @@ def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape,
     """A step's arrays (and its sampling parameters) from every rank's plan: the decode plans of all ranks
     at once from the persistent rows, a plan of prompt chunks from its pieces; ranks without one stay padding."""
     out = empty_step(len(plans), shape.num_rows, shape.num_seqs, pages_per_seq, pad_slot)
-    decodes = [(r, p.rows) for r, p in enumerate(plans) if p is not None and p.kind == "decode"]
+    decodes = [(r, p.rows, p.num_rows - len(p.rows), len(p.pieces)) for r, p in enumerate(plans)
+               if p is not None and p.rows is not None and len(p.rows)]  # (a mixed chunk's after its pieces)
     if decodes:
         fill_decodes(out, rows, decodes, page_size)
     for r, plan in enumerate(plans):
-        if plan is not None and plan.kind == "extend":
+        if plan is not None and plan.pieces:
             fill_pieces(out, r, plan.pieces, page_size)
-            for b, (req, sampling) in enumerate(zip(plan.reqs, plan.sampling, strict=True)):
+            for b, (req, sampling) in enumerate(zip(plan.reqs[: len(plan.pieces)], plan.sampling, strict=True)):
                 fill_sampling(out, r, b, *sampling, len(req.output_ids))
     return out
 
 
-def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[int, np.ndarray]],
+def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[int, np.ndarray, int, int]],
                  page_size: int) -> None:
     """Ranks' rows of the persistent batch (one token each) into a step's arrays, every rank in one go: as a
-    decode step, or as one-token extends beside a rank that reads a prompt. decodes: (rank, its rows)."""
-    counts = np.asarray([len(rows) for _, rows in decodes])
-    r = np.repeat(np.asarray([rank for rank, _ in decodes]), counts)
-    row = np.concatenate([rows for _, rows in decodes])
-    seq = (np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+    decode step, or as one-token extends beside a rank that reads a prompt (or after its own prompt pieces:
+    a mixed chunk). decodes: (rank, its rows, the token row and the sequence its first row takes)."""
+    counts = np.asarray([len(d[1]) for d in decodes])
+    r = np.repeat(np.asarray([d[0] for d in decodes]), counts)
+    row = np.concatenate([d[1] for d in decodes])
+    i = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    t = i + np.repeat(np.asarray([d[2] for d in decodes]), counts)
+    seq = (i + np.repeat(np.asarray([d[3] for d in decodes]), counts)).astype(np.int32)
     pos = a.length[r, row] - 1
     table = a.pages[r, row]
     S = page_size
-    out["tokens_T"][r, seq] = a.token[r, row]
-    out["valid_T"][r, seq] = True
-    out["positions_T"][r, seq] = pos
-    out["seq_T"][r, seq] = seq
-    out["slots_T"][r, seq] = table[np.arange(len(row)), pos // S] * S + pos % S
+    out["tokens_T"][r, t] = a.token[r, row]
+    out["valid_T"][r, t] = True
+    out["positions_T"][r, t] = pos
+    out["seq_T"][r, t] = seq
+    out["slots_T"][r, t] = table[np.arange(len(row)), pos // S] * S + pos % S
     out["page_table_BN"][r, seq] = table
     out["seq_lens_B"][r, seq] = pos + 1
-    out["logits_idx_B"][r, seq] = seq
+    out["logits_idx_B"][r, seq] = t
     fill_sampling(out, r, seq, *(getattr(a, f)[r, row] for f in SAMPLING_FIELDS), a.n_out[r, row])

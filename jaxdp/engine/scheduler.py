@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 
 from jaxdp.batch import Piece
+from jaxdp.engine.mixed import add_decoders, decoders_to_carry
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, State
 from jaxdp.engine.rows import RankRows
@@ -33,18 +34,18 @@ class RankPlan:
     its tokens back. A plan that is never committed (its step failed) changes nothing but page ownership."""
 
     kind: str  # "extend" | "decode"
-    reqs: list[Request]
-    pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per request
-    rows: np.ndarray | None = None  # decode: the requests' rows of the persistent batch
+    reqs: list[Request]  # those of the pieces, then those of the rows
+    pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per prompt read
+    rows: np.ndarray | None = None  # rows of the persistent batch that decode (in an extend: a mixed chunk's)
     step: int = -1  # set by commit
     sampled_rows: np.ndarray | None = None  # per request: its row if this step samples it, else -1 (commit)
     out_pos: np.ndarray | None = None  # per request: where its token goes in output_ids, -1: none (commit)
     ends: np.ndarray | None = None  # per request: its context length once this step's latents are written
-    sampling: list[tuple] = dataclasses.field(default_factory=list)  # extend: each request's sampling row
+    sampling: list[tuple] = dataclasses.field(default_factory=list)  # each piece's request's sampling row
 
     @property
     def num_rows(self) -> int:
-        return len(self.rows) if self.kind == "decode" else sum(len(p.tokens) for p in self.pieces)
+        return sum(len(p.tokens) for p in self.pieces) + (0 if self.rows is None else len(self.rows))
 
     @property
     def num_sampled(self) -> int:
@@ -54,9 +55,11 @@ class RankPlan:
         """The plan of requests `keep` only (an uncommitted plan; None if empty)."""
         if not keep:
             return None
-        pick = (lambda xs: [xs[i] for i in keep]) if self.kind == "extend" else (lambda xs: xs)
-        return RankPlan(self.kind, [self.reqs[i] for i in keep], pick(self.pieces),
-                        self.rows[keep] if self.rows is not None else None, sampling=pick(self.sampling))
+        n = len(self.pieces)
+        pieces, rows = [i for i in keep if i < n], [i - n for i in keep if i >= n]
+        return RankPlan("extend" if pieces else "decode", [self.reqs[i] for i in keep],
+                        [self.pieces[i] for i in pieces], self.rows[rows] if self.rows is not None else None,
+                        sampling=[self.sampling[i] for i in pieces])
 
     def halves(self) -> list[RankPlan]:
         n = len(self.reqs)
@@ -83,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # by rid, in the order they started decoding
         self.retracted_total = 0
+        self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
         self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
 
     # ---- admission -----------------------------------------------------------------------------
@@ -159,23 +163,38 @@ class Scheduler:
         return self.pool.alloc(n)
 
     # ---- picking the next batch ----------------------------------------------------------------
-    def schedule(self) -> RankPlan | None:
-        """The rank's next batch: prompt chunks first, else a decode of every running request."""
+    def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
+        """The rank's next batch: prompt chunks first, else a decode of every running request.
+        `allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
+        read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/mixed.py)."""
+        self._finishing = 0
         if self.waiting:
-            plan = self._schedule_extend()
+            carry = decoders_to_carry(self.rows, self.cfg.chunk_size) if mixed_chunk else None
+            plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - (0 if carry is None else len(carry)))
             if plan is not None:
+                if carry is not None and len(carry):
+                    add_decoders(plan, carry, self.rows, self.pool, self._take_pages)
                 return plan
         return self._schedule_decode() if self.running else None
 
-    def _schedule_extend(self) -> RankPlan | None:
+    @property
+    def prompt_ready(self) -> bool:
+        """A prompt waits that this rank could read in the next pass, besides those its last plan finishes
+        reading (what the prefill delayer announces, between `schedule` and `commit`)."""
+        done = self._finishing
+        return len(self.waiting) > done and len(self.running) + done < self.cfg.max_running
+
+    def _schedule_extend(self, allow_new_prompt: bool = True, budget: int | None = None) -> RankPlan | None:
         plan = RankPlan("extend", [])
-        budget = self.cfg.chunk_size
+        budget = self.cfg.chunk_size if budget is None else budget
         reserved = self._reserved_by_running()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(plan.reqs) >= self.cfg.max_running:
                 break
             if self._available() < reserved:
                 break  # the pool is short of the running requests' reservation: nothing fits now
+            if not allow_new_prompt and not req.pages:
+                continue  # the prefill delayer holds new prompts back (one being read goes on)
             fresh = not req.pages
             if fresh:
                 shared = self.cache.match(req.all_ids[: req.num_tokens - 1])
@@ -197,6 +216,7 @@ class Scheduler:
             plan.pieces.append(Piece(req.all_ids[req.scheduled: req.scheduled + n], req.scheduled, req.pages))
             budget -= n
             reserved += reserve
+            self._finishing += req.scheduled + n == req.num_tokens
         return plan if plan.reqs else None
 
     def _schedule_decode(self) -> RankPlan | None:
@@ -238,17 +258,23 @@ class Scheduler:
         """Step `step` runs this plan: its sampled tokens are in flight (markers -1-j in output_ids), prompt
         chunks are scheduled, and requests whose prompt it finishes start decoding in a row of the batch."""
         plan.step = step
-        if plan.kind == "decode":
+        m, n = len(plan.pieces), len(plan.reqs)
+        if not m:  # a decode
             plan.out_pos = self.rows.sampled(plan.rows, step)
             plan.sampled_rows = plan.rows
             plan.ends = self.rows.a.length[plan.rows] - 1
             for j, req in enumerate(plan.reqs):
                 req.output_ids.append(-1 - j)
             return
-        m = len(plan.reqs)
-        plan.out_pos, plan.sampled_rows = np.full(m, -1, np.int64), np.full(m, -1, np.int64)
-        plan.ends = np.zeros(m, np.int64)
-        for j, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
+        plan.out_pos, plan.sampled_rows = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        plan.ends = np.zeros(n, np.int64)
+        if n > m:  # a mixed chunk: its decoders, sequences m.. of the step, as in a decode
+            plan.out_pos[m:] = self.rows.sampled(plan.rows, step, first=m)
+            plan.sampled_rows[m:] = plan.rows
+            plan.ends[m:] = self.rows.a.length[plan.rows] - 1
+            for j in range(m, n):
+                plan.reqs[j].output_ids.append(-1 - j)
+        for j, (req, piece) in enumerate(zip(plan.reqs[:m], plan.pieces, strict=True)):
             req.scheduled = plan.ends[j] = piece.start + len(piece.tokens)
             if req.scheduled < req.num_tokens:
                 continue  # a prompt chunk that samples nothing

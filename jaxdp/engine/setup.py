@@ -1,16 +1,24 @@
 """What an Engine needs before its loop starts: the step runners on their meshes (the one construction
-path), the tokenizer, the persistent compilation cache (for entry points to turn on), and the
-stop-string check that needs the tokenizer."""
+path), the tokenizer, the persistent compilation cache (for entry points to turn on), the steps compiled
+ahead of time, and the stop-string check that needs the tokenizer."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxdp.batch import SAMPLING_KEYS, empty_step
 from jaxdp.engine.request import Request
+from jaxdp.engine.sampling import sample_tokens, top_logprobs
 from jaxdp.parallel.step import StepRunner
+
+if TYPE_CHECKING:
+    from jaxdp.engine.buckets import Buckets
 
 log = logging.getLogger("jaxdp.setup")
 
@@ -27,6 +35,23 @@ def enable_compilation_cache(directory: str | None) -> None:
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def compile_steps(runner: StepRunner, sample, buckets: Buckets, pages_per_seq: int, dp: int, vocab: int) -> None:
+    """Compile every step shape and its sampling ahead of time (the stand-in for CUDA graph capture)."""
+    from tqdm import tqdm
+
+    shapes = buckets.shapes(pages_per_seq)
+    t0 = time.perf_counter()
+    for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
+        runner.compile(shape)
+        idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
+        logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
+        jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))
+        if sample is sample_tokens:  # (a stand-in runner has no real logits)
+            jax.block_until_ready(top_logprobs(logits))
+    log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
+             time.perf_counter() - t0, buckets.decode, buckets.extend)
 
 
 def find_tokenizer(model):

@@ -1,0 +1,44 @@
+"""`python -m jaxdp.experiments NAME [--quick] [--output-dir D] [server flags such as --model-path]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from jaxdp.experiments import crossover, ep, prompt_in_the_way, single_request, skew
+from jaxdp.experiments.runner import Context, ExperimentError, check_server_flags
+
+EXPERIMENTS = {"skew": skew, "single-request": single_request, "prompt-in-the-way": prompt_in_the_way, "ep": ep,
+               "crossover": crossover}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ExperimentError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m jaxdp.experiments", description=__doc__,
+               epilog="Any other flag goes to every server the experiment starts (python -m jaxdp.serve --help).")
+    p.add_argument("name", choices=[*EXPERIMENTS, "all"], help="the experiment (all: one after another)")
+    p.add_argument("--quick", action="store_true", help="small loads: about 5 minutes each on 2 CPU cores")
+    p.add_argument("--output-dir", default="experiments-out", help="where NAME.json, NAME.png, NAME.md go")
+    try:
+        args, server_flags = p.parse_known_args(argv)
+        check_server_flags(server_flags)
+        for name in EXPERIMENTS if args.name == "all" else [args.name]:
+            t0 = time.time()
+            ctx = Context(name, args.quick, Path(args.output_dir), server_flags)
+            EXPERIMENTS[name].run(ctx)
+            print(f"[{name}] done in {time.time() - t0:.0f} s: {Path(args.output_dir) / name}.{{json,png,md}}")
+            print(Path(f"{Path(args.output_dir) / name}.md").read_text())
+    except ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

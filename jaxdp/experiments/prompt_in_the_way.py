@@ -1,0 +1,155 @@
+"""`prompt-in-the-way` (the article's section 8, Figure 8): how much a prompt on one rank slows the requests
+that decode on the others, and what the prefill delayer does about it.
+
+Pinned test: 16 decoding requests on each of ranks 1-3 run alone for a while, then a prompt goes to rank 0
+every 20 decode steps (the article's half second at 24 ms a step; measured alone, so a slower machine sees the
+same shape of load), short prompts, then long ones; every decoder token's time since the previous one is kept
+(ITL over time). `decode_tokens_lost_pct` is how many fewer tokens per second the decoders produce while the
+prompts arrive than alone. Unpinned test: 64 decoding requests and a long prompt every 10 decode steps (the
+article's 4 a second) wherever the server puts them, without and with `--enable-prefill-delayer`: the
+decoders' loss and the prompts' TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import statistics
+import time
+
+import httpx
+import numpy as np
+
+from jaxdp import bench
+from jaxdp.experiments.runner import Context, ExperimentError, figure
+
+ARTICLE = {"lost_pct_short": 6, "lost_pct_long": 38, "decoder_tok_s": (1270, 1610), "prompt_s": (0.30, 0.65)}
+
+
+@dataclasses.dataclass
+class Load:
+    decoder_ranks: list[int | None]  # one entry per decoding request
+    prompt_ranks: list[int | None]  # cycled over the prompts
+    prompt_len: int
+    interval_steps: float  # between two prompts, in decode steps measured alone (the article: 0.5 s / 24 ms)
+    num_prompts: int
+    alone_s: float  # decoders alone before the first prompt (after they all settled into decoding)
+
+
+def run(ctx: Context) -> dict:
+    q = ctx.quick
+    # the prompt path's attention scores every row against every sequence's whole context (rows x seqs x
+    # context per rank), so the pools, the batch and the context stay small on a CPU
+    short, long, context = (64, 384, 512) if q else (128, 768, 1024)
+    alone_s, n = (4.0, 8) if q else (10.0, 30)
+    pinned = [r for r in (1, 2, 3) for _ in range(16)]
+    # prompts come every 20 decode steps pinned (the article: every 0.5 s, a step 24 ms) and every 10 unpinned
+    # (4 a second), so a slower machine sees the same shape of load
+    loads = {"pinned short": Load(pinned, [0], short, 20, n, alone_s),
+             "pinned long": Load(pinned, [0], long, 20, n, alone_s),
+             "unpinned long": Load([None] * 64, [None], long, 10, 2 * n, alone_s)}
+    flags = ("--max-running-requests", "80", "--max-total-tokens", str(24 * context), "--chunked-prefill-size",
+             "1024", "--context-length", str(context))
+    out = {}
+    with ctx.server("dp=4", *flags) as url:
+        for name, load in loads.items():
+            out[name] = asyncio.run(_measure(url, load, context))
+    with ctx.server("dp=4", *flags, "--enable-prefill-delayer", label="delayer") as url:
+        out["unpinned long, delayer"] = asyncio.run(_measure(url, loads["unpinned long"], context))
+    summary = {k: {x: v for x, v in r.items() if x != "itl_series"} for k, r in out.items()}
+    result = {"decode_tokens_lost_pct": {"short": out["pinned short"]["lost_pct"],
+                                         "long": out["pinned long"]["lost_pct"]},
+              "decode_tokens_lost_pct_unpinned": out["unpinned long"]["lost_pct"],
+              "decode_tokens_lost_pct_with_delayer": out["unpinned long, delayer"]["lost_pct"],
+              "decoder_tok_s_during_prompts": {"without": out["unpinned long"]["rate_prompts"],
+                                               "with_delayer": out["unpinned long, delayer"]["rate_prompts"]},
+              "prompt_ttft_s": {"without": out["unpinned long"]["prompt_ttft_s"],
+                                "with_delayer": out["unpinned long, delayer"]["prompt_ttft_s"]},
+              "prompt_len": {"short": short, "long": long}, "tests": summary, "article": ARTICLE,
+              "itl_series": {k: r["itl_series"][:: 1 + len(r["itl_series"]) // 1000] for k, r in out.items()}}
+    fig, axes = figure(len(out), "prompt-in-the-way: every decoder token's ITL over time (Figure 8)")
+    for ax, (name, r) in zip(axes, out.items(), strict=True):
+        t, gap = np.asarray(r["itl_series"]).T if r["itl_series"] else (np.zeros(0), np.zeros(0))
+        ax.scatter(t, gap * 1000, s=2, alpha=0.4)
+        ax.axvline(r["alone_s"], color="tab:red", lw=0.8, ls="--", label="prompts start")
+        ax.set_title(f"{name}: {r['lost_pct']:.0f}% fewer tokens", fontsize=9)
+        ax.set_xlabel("s")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("ITL (ms)")
+    axes[0].legend(fontsize=8)
+    wo, wi = out["unpinned long"], out["unpinned long, delayer"]
+    table = [(f"decoder tokens lost, short prompts ({short} tokens here)", "6%",
+              f"{out['pinned short']['lost_pct']:.0f}%"),
+             (f"decoder tokens lost, long prompts ({long} tokens here)", "38%",
+              f"{out['pinned long']['lost_pct']:.0f}%"),
+             ("unpinned, long: decoder tokens lost without / with the delayer", "-",
+              f"{wo['lost_pct']:.0f}% / {wi['lost_pct']:.0f}%"),
+             ("unpinned, long: decoder tok/s during prompts without -> with the delayer", "1,270 -> 1,610",
+              f"{wo['rate_prompts']:.0f} -> {wi['rate_prompts']:.0f}"),
+             ("unpinned, long: a prompt's TTFT without -> with the delayer", "0.30 -> 0.65 s",
+              f"{wo['prompt_ttft_s']:.2f} -> {wi['prompt_ttft_s']:.2f} s")]
+    ctx.write(result, fig, table)
+    return result
+
+
+async def _measure(url: str, load: Load, context: int) -> dict:
+    args = bench.parse_args(["--base-url", url, "--disable-tqdm"])
+    rng = np.random.default_rng(0)
+    max_new = context - 16 - 8  # decoders run until they are cancelled; bounded by the context
+
+    def request(n_in: int, n_out: int, rank: int | None) -> bench.Request:
+        return bench.Request(rng.integers(1, 512, size=n_in).tolist(), n_in, n_out, rank)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        dec = [bench.Outcome() for _ in load.decoder_ranks]
+        tasks = [asyncio.create_task(bench.send(client, args, request(16, max_new, r), o))
+                 for r, o in zip(load.decoder_ranks, dec, strict=True)]
+        t0 = time.perf_counter()
+        while min(len(o.token_at) for o in dec) < 2:
+            if time.perf_counter() - t0 > 300 or any(t.done() for t in tasks):
+                _cancel(tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise ExperimentError("the decoding requests did not all start within 300 s "
+                                      f"({next((o.error for o in dec if o.error), 'no error')})")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # let the decoders settle (the last prompts read, the streams caught up)
+        t_alone = time.perf_counter()
+        await asyncio.sleep(load.alone_s)
+        t_prompts = time.perf_counter()
+        alone = sum(np.count_nonzero(np.asarray(o.token_at) >= t_alone) for o in dec) / (t_prompts - t_alone)
+        step_s = len(dec) / max(alone, 1e-9)  # a decoder gets one token per decode step
+        interval_s = load.interval_steps * step_s
+        prompts = []
+        for k in range(load.num_prompts):
+            o = bench.Outcome()
+            rank = load.prompt_ranks[k % len(load.prompt_ranks)]
+            prompts.append((o, asyncio.create_task(bench.send(client, args, request(load.prompt_len, 2, rank), o))))
+            await asyncio.sleep(max(0.0, t_prompts + (k + 1) * interval_s - time.perf_counter()))
+        t_end = time.perf_counter()
+        done = [o.token_at[-1] for o, t in zip(dec, tasks, strict=True) if t.done() and o.token_at]
+        t_end = min([t_end, *done])  # count only while every decoder still runs
+        _cancel(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait([t for _, t in prompts], timeout=120)
+    times = np.sort(np.concatenate([np.asarray(o.token_at[1:]) for o in dec]))
+    rate_alone = np.count_nonzero((times >= t_alone) & (times < t_prompts)) / (t_prompts - t_alone)
+    rate_prompts = np.count_nonzero((times >= t_prompts) & (times < t_end)) / (t_end - t_prompts)
+    series = [(round(b - t_alone, 4), round(b - a, 5)) for o in dec for a, b in itertools.pairwise(o.token_at)
+              if t_alone <= b < t_end]
+    ok = [o for o, _ in prompts if o.ok]
+    in_phase = [g for t, g in series if t >= t_prompts - t_alone]
+    return {"rate_alone": rate_alone, "rate_prompts": rate_prompts,
+            "lost_pct": 100.0 * (1.0 - rate_prompts / rate_alone) if rate_alone else 0.0,
+            "prompts_sent": len(prompts), "prompts_done": len(ok),
+            "prompt_ttft_s": statistics.median(o.ttft for o in ok) if ok else float("nan"),
+            "median_itl_ms_alone": 1000 * statistics.median([g for t, g in series if t < t_prompts - t_alone] or [0]),
+            "max_itl_ms_prompts": 1000 * max(in_phase or [0]),
+            "alone_s": t_prompts - t_alone, "prompts_s": t_end - t_prompts, "decode_step_ms_alone": 1000 * step_s,
+            "prompt_interval_s": interval_s, "itl_series": series}
+
+
+def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
