@@ -12,7 +12,7 @@ import httpx
 import pytest
 from servers import Server, free_port
 
-from jaxdp.bench import main, rank_pattern
+from jaxdp.bench.serving import main, rank_pattern
 
 SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda-graph-bs", "4",
          "--decode-log-interval", "50", "--page-size", "16", "--max-total-tokens", "512"]

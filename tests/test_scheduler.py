@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.bench_engine import HostOnlyRunner
+from jaxdp.bench.engine import HostOnlyRunner
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
 from jaxdp.engine.sampling import sample_tokens, sampling_row
 

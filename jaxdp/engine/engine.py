@@ -56,7 +56,7 @@ class Engine:
                  moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0,
                  hosts: HostExchange | None = None):
         """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
-        or a ready StepRunner (or a stand-in of its interface: `jaxdp.bench_engine.HostOnlyRunner`). `mesh`: a
+        or a ready StepRunner (or a stand-in of its interface: `jaxdp.bench.engine.HostOnlyRunner`). `mesh`: a
         --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""

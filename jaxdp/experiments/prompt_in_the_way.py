@@ -21,7 +21,7 @@ import time
 import httpx
 import numpy as np
 
-from jaxdp import bench
+from jaxdp.bench import serving as bench
 from jaxdp.experiments.runner import Context, ExperimentError, figure
 
 ARTICLE = {"lost_pct_short": 6, "lost_pct_long": 38, "decoder_tok_s": (1270, 1610), "prompt_s": (0.30, 0.65)}

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from jaxdp import bench
+from jaxdp.bench import serving as bench
 
 # what the experiments choose themselves; a user flag for one of these would silently fight them
 OWNED_FLAGS = ("--mesh", "--host", "--port", "--tp-size", "--tp", "--attn-dp-size", "--dp-size", "--dp",

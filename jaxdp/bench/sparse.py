@@ -1,4 +1,4 @@
-"""`python -m jaxdp.bench_sparse`: decode step time against context length, dense MLA against DSA.
+"""`python -m jaxdp.bench.sparse`: decode step time against context length, dense MLA against DSA.
 
 A random model (default: the `glm-5-tiny` preset) runs one compiled decode step over `--batch`
 sequences of each context length, once as is (DeepSeek sparse attention: the indexer reads every
@@ -64,7 +64,7 @@ def side_by_side(runs: list, repeats: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench_sparse", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.sparse", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm-5-tiny", help="a preset with index_topk (random weights)")
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536")
     ap.add_argument("--batch", type=int, default=1)

@@ -1,4 +1,4 @@
-"""`python -m jaxdp.bench_multihost`: what the per-step exchange between nodes costs, measured on one machine.
+"""`python -m jaxdp.bench.multihost`: what the per-step exchange between nodes costs, measured on one machine.
 
 Two parts, both on loopback:
 
@@ -116,7 +116,7 @@ def bench_exchange(nodes: int, rounds: int, transport: str) -> dict:
     addr = f"127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.bench_multihost", "--exchange-worker", str(k),
+        procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.bench.multihost", "--exchange-worker", str(k),
                                    "--nodes", str(nodes), "--addr", addr, "--rounds", str(rounds), "--out", out,
                                    "--transport", transport],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for k in range(nodes)]
@@ -206,7 +206,7 @@ def bench_serving(nodes: int, load: list[str], workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench_multihost", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.multihost", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--nodes", type=int, nargs="+", default=[2], help="processes the model world spans (each "
                     "divides 8); part 1 runs for each, part 2 for the first")

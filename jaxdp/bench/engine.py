@@ -1,4 +1,4 @@
-"""`python -m jaxdp.bench_engine`: the engine offline, layouts side by side, at several concurrencies.
+"""`python -m jaxdp.bench.engine`: the engine offline, layouts side by side, at several concurrencies.
 
 For each layout and each concurrency C, C requests (random prompts, fixed output length) are submitted at
 once and run to completion through `Engine.step`. Reported per run: output tokens/s, mean step time,
@@ -89,7 +89,7 @@ def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench_engine", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny")
     ap.add_argument("--meshes", default="dp=8;tp=8", help="layouts to compare, ';'-separated")
     ap.add_argument("--concurrency", default="1,8,64,256")
