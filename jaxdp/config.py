@@ -373,3 +373,28 @@ def get_config(name_or_path: str) -> ModelConfig:
     raise FileNotFoundError(
         f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
     )
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The Hugging Face config.json of `cfg` (DeepSeek-V3 names), the inverse of `load_hf_config`."""
+    d = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob, "first_k_dense_replace": cfg.first_k_dense_replace,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_interleave": cfg.rope_interleave, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = dict(cfg.rope_scaling)
+    return d

@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -294,39 +293,14 @@ def resolve_model(args):
     return tokenizer
 
 
-def supervise_node(argv: list[str]) -> int:
-    """Nodes > 0 run as a child of this process: JAX's runtime aborts a node whose coordinator (node 0)
-    vanishes, and the parent then says in one line what that means. Signals are passed on to the child."""
-    child = subprocess.Popen([sys.executable, "-m", "jaxdp.serve", *argv], env={**os.environ, _CHILD: "1"},
-                             preexec_fn=_die_with_parent)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: child.send_signal(s))
-    code = child.wait()
-    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-        print(f"error: this node was stopped by JAX's distributed runtime ({signal.Signals(-code).name}): node 0 "
-              "died or became unreachable; restart every node with the same --dist-init-addr", file=sys.stderr)
-        return 1
-    return code if code >= 0 else 128 - code
-
-
-_CHILD = "JAXDP_NODE_CHILD"
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGKILL when the supervising parent dies (kill -9 of the node kills both)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.nnodes > 1 and args.node_rank > 0 and not os.environ.get(_CHILD):
-        return supervise_node(argv)
+    if args.nnodes > 1 and args.node_rank > 0:
+        from jaxdp.engine.hosts import NODE_CHILD_ENV, supervise_node
+
+        if not os.environ.get(NODE_CHILD_ENV):
+            return supervise_node(["-m", "jaxdp.serve", *argv])
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     from jaxdp.engine.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count

@@ -12,12 +12,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxdp.config import PRESETS
+from jaxdp.config import PRESETS, hf_config_dict
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model import fp8
 from jaxdp.model.checkpoint import CheckpointError
 from jaxdp.model.decoder import DeepseekV3
-from jaxdp.model.loader import hf_config_dict, hf_state_dict, load_checkpoint
+from jaxdp.model.loader import hf_state_dict, load_checkpoint
 from jaxdp.model.sharded import abstract_state, load_sharded, param_table, weight_bytes_per_device
 from jaxdp.one_batch import run_prompts
 from jaxdp.parallel.step import StepRunner

@@ -6,7 +6,7 @@ host copy would break."""
 
 import pytest
 
-from jaxdp.model.load_bench import load_in_child, real_width_config, write_checkpoint
+from jaxdp.bench.loading import load_in_child, real_width_config, write_checkpoint
 
 GiB = 1 << 30
 # widths that keep every split of tp=8 whole in DeepSeek's 128-wide FP8 blocks, ~0.25 GiB in bf16

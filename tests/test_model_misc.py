@@ -136,8 +136,9 @@ def test_sharded_fp8_checkpoint_loads_dequantized(tmp_path):
     from flax import nnx
     from safetensors.numpy import save_file
 
+    from jaxdp.config import hf_config_dict
     from jaxdp.model.decoder import DeepseekV3
-    from jaxdp.model.loader import hf_config_dict, hf_state_dict, load_checkpoint
+    from jaxdp.model.loader import hf_state_dict, load_checkpoint
 
     cfg = get_config("tiny")
     tensors = hf_state_dict(DeepseekV3(cfg, nnx.Rngs(5)))

@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxdp.config import UnsupportedConfigError
+from jaxdp.config import UnsupportedConfigError, hf_config_dict
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.checkpoint import Checkpoint
-from jaxdp.model.loader import hf_config_dict, hf_state_dict, load_model, save_hf_checkpoint
+from jaxdp.model.loader import hf_state_dict, load_model, save_hf_checkpoint
 from jaxdp.model.modelopt import read_quant_config
 from jaxdp.model.moe import NVFP4_PARAMS
 from jaxdp.model.quant import quantize_experts

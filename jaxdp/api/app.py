@@ -17,11 +17,12 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxdp.api import native, openai_api
 from jaxdp.api.common import ApiError
 from jaxdp.api.context import Limits, ServerContext
 from jaxdp.api.guard import Guard, allowed_hosts
 from jaxdp.api.metrics import ServerMetrics
+from jaxdp.api.native import router as native_router
+from jaxdp.api.openai_api import router as openai_router
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.engine import BadRequest, Engine
 from jaxdp.engine.engine import EngineFailed
@@ -71,6 +72,6 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts(*bind) if bind else None)
     for kind in (ApiError, BadRequest, EngineFailed, RequestValidationError, StarletteHTTPException):
         app.add_exception_handler(kind, render_error)
-    app.include_router(native.router)
-    app.include_router(openai_api.router)
+    app.include_router(native_router)
+    app.include_router(openai_router)
     return app

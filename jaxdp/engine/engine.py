@@ -32,11 +32,12 @@ from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
 from jaxdp.engine.options import EngineConfig
+from jaxdp.engine.plan import RankPlan
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
-from jaxdp.engine.scheduler import RankPlan, Scheduler, SchedulerConfig
+from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import InFlight, StepStats, compiles_total
 from jaxdp.engine.streams import Result, Wakeups

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from jaxdp.engine.plan import RankPlan
     from jaxdp.engine.pool import PagePool
     from jaxdp.engine.rows import RankRows
-    from jaxdp.engine.scheduler import RankPlan
 
 
 def decoders_to_carry(rows: RankRows, chunk_size: int) -> np.ndarray:

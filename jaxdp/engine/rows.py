@@ -22,7 +22,7 @@ from jaxdp.batch import empty_step, fill_pieces
 from jaxdp.engine.request import Request
 
 if TYPE_CHECKING:
-    from jaxdp.engine.scheduler import RankPlan
+    from jaxdp.engine.plan import RankPlan
     from jaxdp.parallel.step import StepShape
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxdp.config import ModelConfig
+from jaxdp.config import ModelConfig, hf_config_dict
 from jaxdp.layout import Layout
+from jaxdp.model.converted import MARKER, is_converted, load_converted
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.fp8 import dequantize_fp8_blocks, weight
 from jaxdp.model.quant import expert_quantization, quantize_experts
@@ -30,7 +31,7 @@ from jaxdp.model.sharded import ShardedModel, init_sharded, load_sharded, shard_
 log = logging.getLogger("jaxdp.loader")
 
 __all__ = ["build_model", "load_model", "load_checkpoint", "save_hf_checkpoint", "hf_state_dict",
-           "hf_config_dict", "default_model_path", "dequantize_fp8_blocks"]
+           "default_model_path", "dequantize_fp8_blocks"]
 
 
 def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
@@ -45,8 +46,6 @@ def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, see
     dt = jnp.dtype(dtype)
     if path in PRESETS:
         return init_sharded(preset_config(path, num_layers, tiny_width), layout, mesh, dt, seed, quantization)
-    from jaxdp.quantize import is_converted, load_converted
-
     if is_converted(path):
         _, model = load_converted(path, dt)
         return shard_model(quantize_experts(model, quantization), layout, mesh)
@@ -75,8 +74,6 @@ def model_config(path: str | None, num_layers: int | None = None, tiny_width: bo
         path = str(default_model_path())
     if path in PRESETS:
         return preset_config(path, num_layers, tiny_width)
-    from jaxdp.quantize import MARKER, is_converted
-
     if is_converted(path):
         raw = json.loads((Path(path) / MARKER).read_text())["model_config"]
         return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
@@ -153,30 +150,6 @@ def _put_mlp(out: dict, pre: str, gate_up_D2F: np.ndarray, down_FD: np.ndarray) 
     out[f"{pre}.gate_proj.weight"] = np.ascontiguousarray(gate_up_D2F[:, 0].T)
     out[f"{pre}.up_proj.weight"] = np.ascontiguousarray(gate_up_D2F[:, 1].T)
     out[f"{pre}.down_proj.weight"] = np.ascontiguousarray(down_FD.T)
-
-
-def hf_config_dict(cfg: ModelConfig) -> dict:
-    d = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group,
-        "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
-        "norm_topk_prob": cfg.norm_topk_prob, "first_k_dense_replace": cfg.first_k_dense_replace,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_interleave": cfg.rope_interleave, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
-    }
-    if cfg.rope_scaling:
-        d["rope_scaling"] = dict(cfg.rope_scaling)
-    return d
 
 
 def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32) -> None:

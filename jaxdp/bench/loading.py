@@ -1,7 +1,7 @@
-"""`python -m jaxdp.model.load_bench`: load time and peak host memory of a real-width checkpoint beside
+"""`python -m jaxdp.bench.loading`: load time and peak host memory of a real-width checkpoint beside
 the time to read its files once.
 
-    python -m jaxdp.model.load_bench --dir /tmp/ckpt [--fp8] [--layers 2] [--experts 8] [--mesh tp=8]
+    python -m jaxdp.bench.loading --dir /tmp/ckpt [--fp8] [--layers 2] [--experts 8] [--mesh tp=8]
 
 writes (once) a synthetic DeepSeek-V3-width checkpoint (hidden 7168, 128 heads, q/kv LoRA 1536/512,
 vocab 32768; bf16, or DeepSeek's block FP8 with `--fp8`), evicts its files from the page cache
@@ -80,7 +80,7 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, fp8: bool = False, s
                      shard_bytes: int = 512 << 20) -> int:
     """A random checkpoint of `cfg` in bf16 (or block FP8, 128x128 scales that are powers of two) as
     safetensors shards of about `shard_bytes` with an index; returns its size in bytes. Memory: one shard."""
-    from jaxdp.model.loader import hf_config_dict
+    from jaxdp.config import hf_config_dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ def load_in_child(model_dir: str | Path, mesh: str = "tp=8", dtype: str = "bfloa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxdp.model.load_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.loading", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, help="where the synthetic checkpoint is (written if absent)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (DeepSeek's format)")
     ap.add_argument("--layers", type=int, default=2)

@@ -1,0 +1,54 @@
+"""A rank's plan for one step: what the scheduler decided and what booking needs (`RankPlan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxdp.batch import Piece
+from jaxdp.engine.request import Request
+
+
+@dataclasses.dataclass
+class RankPlan:
+    """What a rank runs in one step and what booking it needs; the scheduler's own (the engine only reads it).
+
+    `schedule` makes it (choosing requests and giving them pages), `commit` applies it once the step is
+    queued (markers for the tokens in flight, prompt progress, requests that start decoding), `book` takes
+    its tokens back. A plan that is never committed (its step failed) changes nothing but page ownership."""
+
+    kind: str  # "extend" | "decode"
+    reqs: list[Request]  # those of the pieces, then those of the rows
+    pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per prompt read
+    rows: np.ndarray | None = None  # rows of the persistent batch that decode (in an extend: a mixed chunk's)
+    step: int = -1  # set by commit
+    sampled_rows: np.ndarray | None = None  # per request: its row if this step samples it, else -1 (commit)
+    out_pos: np.ndarray | None = None  # per request: where its token goes in output_ids, -1: none (commit)
+    ends: np.ndarray | None = None  # per request: its context length once this step's latents are written
+    sampling: list[tuple] = dataclasses.field(default_factory=list)  # each piece's request's sampling row
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(p.tokens) for p in self.pieces) + (0 if self.rows is None else len(self.rows))
+
+    @property
+    def num_sampled(self) -> int:
+        return int((self.out_pos >= 0).sum()) if self.out_pos is not None else 0
+
+    def subset(self, keep: list[int]) -> RankPlan | None:
+        """The plan of requests `keep` only (an uncommitted plan; None if empty)."""
+        if not keep:
+            return None
+        n = len(self.pieces)
+        pieces, rows = [i for i in keep if i < n], [i - n for i in keep if i >= n]
+        return RankPlan("extend" if pieces else "decode", [self.reqs[i] for i in keep],
+                        [self.pieces[i] for i in pieces], self.rows[rows] if self.rows is not None else None,
+                        sampling=[self.sampling[i] for i in pieces])
+
+    def halves(self) -> list[RankPlan]:
+        n = len(self.reqs)
+        return [p for p in (self.subset(list(range(n // 2))), self.subset(list(range(n // 2, n)))) if p]
+
+    def unfinished(self) -> RankPlan | None:
+        return self.subset([i for i, r in enumerate(self.reqs) if not r.finished])
