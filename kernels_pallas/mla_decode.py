@@ -69,25 +69,38 @@ def _split_kernel(
     length = lengths_ref[row]
     q_latent_HC = q_latent_ref[...]
     q_rope_HR = q_rope_ref[...]
-    block_h = q_latent_HC.shape[0]
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, (length + block_t - 1) // block_t)
     t_T = jnp.arange(block_t, dtype=jnp.int32)
+
+    def rows_of_block(blk):
+        tok_T = blk * block_t + t_T
+        page_T = page_table_ref[row, tok_T // page_size]
+        return page_T * page_size + tok_T % page_size, tok_T < length
+
+    attend_blocks(rows_of_block, kv_ref, q_latent_HC, q_rope_HR, first, last, out_ref, lse_ref,
+                  softmax_scale=softmax_scale, latent_dim=latent_dim, rope_dim=rope_dim)
+
+
+def attend_blocks(rows_of_block, kv_ref, q_latent_HC, q_rope_HR, first, last, out_ref, lse_ref, *,
+                  softmax_scale, latent_dim, rope_dim):
+    """The online softmax over cache blocks first..last-1, shared by the dense and the sparse kernel:
+    `rows_of_block(blk)` gives the block's rows of the [pages * page_size, C + R] view and which are valid;
+    writes the normalised output and its log-sum-exp (-inf and zeros when no token was valid)."""
+    block_h = q_latent_HC.shape[0]
     c_C = jnp.arange(latent_dim, dtype=jnp.int32)
     r_R = latent_dim + jnp.arange(rope_dim, dtype=jnp.int32)
 
     def body(blk, carry):
         max_H, sum_H, acc_HC = carry
-        tok_T = blk * block_t + t_T
-        page_T = page_table_ref[row, tok_T // page_size]
-        cache_row_T = page_T * page_size + tok_T % page_size  # row of the [pages * page_size, C + R] view
+        cache_row_T, valid_T = rows_of_block(blk)
         latent_TC = kv_ref[cache_row_T[:, None], c_C[None, :]]
         rope_TR = kv_ref[cache_row_T[:, None], r_R[None, :]]
         dot_kw = dict(dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                       precision=_EXACT)
         scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, **dot_kw)
         scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, **dot_kw)
-        scores_HT = jnp.where((tok_T < length)[None, :], scores_HT * softmax_scale, -jnp.inf)
+        scores_HT = jnp.where(valid_T[None, :], scores_HT * softmax_scale, -jnp.inf)
         new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a valid token
         rescale_H = jnp.exp(max_H - new_max_H)
         probs_HT = jnp.exp(scores_HT - new_max_H[:, None])

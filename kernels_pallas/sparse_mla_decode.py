@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.mla_decode import _EXACT, _is_pow2, combine_splits, default_interpret, default_num_splits
+from kernels_pallas.mla_decode import _is_pow2, attend_blocks, combine_splits, default_interpret, default_num_splits
 
 
 def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
@@ -32,43 +32,16 @@ def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref
     num = num_ref[row]
     q_latent_HC = q_latent_ref[...]
     q_rope_HR = q_rope_ref[...]
-    block_h = q_latent_HC.shape[0]
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, (num + block_t - 1) // block_t)
     t_T = jnp.arange(block_t, dtype=jnp.int32)
-    c_C = jnp.arange(latent_dim, dtype=jnp.int32)
-    r_R = latent_dim + jnp.arange(rope_dim, dtype=jnp.int32)
 
-    def body(blk, carry):
-        max_H, sum_H, acc_HC = carry
+    def rows_of_block(blk):  # the selected tokens' rows of the [pages * page_size, C + R] view
         j_T = blk * block_t + t_T
-        cache_row_T = slots_ref[row, j_T]  # the selected tokens' rows of the [pages * page_size, C + R] view
-        latent_TC = kv_ref[cache_row_T[:, None], c_C[None, :]]
-        rope_TR = kv_ref[cache_row_T[:, None], r_R[None, :]]
-        dot_kw = dict(dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                      precision=_EXACT)
-        scores_HT = jax.lax.dot_general(q_latent_HC, latent_TC, **dot_kw)
-        scores_HT += jax.lax.dot_general(q_rope_HR, rope_TR, **dot_kw)
-        scores_HT = jnp.where((j_T < num)[None, :], scores_HT * softmax_scale, -jnp.inf)
-        new_max_H = jnp.maximum(max_H, jnp.max(scores_HT, axis=1))  # finite: a block has a selected token
-        rescale_H = jnp.exp(max_H - new_max_H)
-        probs_HT = jnp.exp(scores_HT - new_max_H[:, None])
-        sum_H = sum_H * rescale_H + jnp.sum(probs_HT, axis=1)
-        acc_HC = acc_HC * rescale_H[:, None] + jax.lax.dot_general(
-            probs_HT.astype(latent_TC.dtype), latent_TC, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=_EXACT,
-        )
-        return new_max_H, sum_H, acc_HC
+        return slots_ref[row, j_T], j_T < num
 
-    init = (
-        jnp.full((block_h,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-        jnp.zeros((block_h, latent_dim), jnp.float32),
-    )
-    max_H, sum_H, acc_HC = jax.lax.fori_loop(first, last, body, init)
-    has_tokens_H = sum_H > 0
-    out_ref[...] = acc_HC / jnp.where(has_tokens_H, sum_H, 1.0)[:, None]
-    lse_ref[...] = jnp.where(has_tokens_H, max_H + jnp.log(jnp.where(has_tokens_H, sum_H, 1.0)), -jnp.inf)
+    attend_blocks(rows_of_block, kv_ref, q_latent_HC, q_rope_HR, first, last, out_ref, lse_ref,
+                  softmax_scale=softmax_scale, latent_dim=latent_dim, rope_dim=rope_dim)
 
 
 @functools.partial(
