@@ -271,13 +271,8 @@ def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, 
                    kv_lora_rank):
     """The portable absorbed decode (and the reference for the Pallas kernel's use in the model)."""
     kv_BCK = gather_context(kv_PSK, page_table_BN)
-    latent_BCL, k_rope_BCR = kv_BCK[..., :kv_lora_rank], kv_BCK[..., kv_lora_rank:]
-    s_BHC = jnp.einsum("bhl,bcl->bhc", q_latent_BHL, latent_BCL, preferred_element_type=jnp.float32)
-    s_BHC += jnp.einsum("bhr,bcr->bhc", q_rope_BHR, k_rope_BCR, preferred_element_type=jnp.float32)
     valid_BC = jnp.arange(kv_BCK.shape[1])[None, :] < seq_lens_B[:, None]
-    s_BHC = jnp.where(valid_BC[:, None, :], s_BHC * softmax_scale, NEG_INF)
-    p_BHC = jax.nn.softmax(s_BHC, axis=-1)
-    return jnp.einsum("bhc,bcl->bhl", p_BHC.astype(latent_BCL.dtype), latent_BCL)
+    return _attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
 
 
 def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
@@ -285,10 +280,15 @@ def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, 
     (flat page * page_size + offset; the rest of the row is ignored)."""
     P, S, K = kv_PSK.shape
     kv_BKK = kv_PSK.reshape(P * S, K)[jnp.clip(slots_BK, 0, P * S - 1)]
-    latent_BKL, k_rope_BKR = kv_BKK[..., :kv_lora_rank], kv_BKK[..., kv_lora_rank:]
-    s_BHK = jnp.einsum("bhl,bkl->bhk", q_latent_BHL, latent_BKL, preferred_element_type=jnp.float32)
-    s_BHK += jnp.einsum("bhr,bkr->bhk", q_rope_BHR, k_rope_BKR, preferred_element_type=jnp.float32)
     valid_BK = jnp.arange(slots_BK.shape[1])[None, :] < num_B[:, None]
-    s_BHK = jnp.where(valid_BK[:, None, :], s_BHK * softmax_scale, NEG_INF)
-    p_BHK = jax.nn.softmax(s_BHK, axis=-1)
-    return jnp.einsum("bhk,bkl->bhl", p_BHK.astype(latent_BKL.dtype), latent_BKL)
+    return _attend_latents(q_latent_BHL, q_rope_BHR, kv_BKK, valid_BK, softmax_scale, kv_lora_rank)
+
+
+def _attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
+    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones)."""
+    latent_BXL, k_rope_BXR = kv_BXK[..., :kv_lora_rank], kv_BXK[..., kv_lora_rank:]
+    s_BHX = jnp.einsum("bhl,bxl->bhx", q_latent_BHL, latent_BXL, preferred_element_type=jnp.float32)
+    s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
+    s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
+    p_BHX = jax.nn.softmax(s_BHX, axis=-1)
+    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL)
