@@ -111,11 +111,6 @@ class ModelConfig:
         return self.index_head_dim if self.index_topk else 0
 
     @property
-    def pool_values_per_token(self) -> int:
-        """Values one token occupies per layer in the paged pool: its latent entry and its index key."""
-        return self.kv_cache_dim + self.index_key_dim
-
-    @property
     def indexer_full(self) -> tuple[bool, ...]:
         """Per layer: does it run its own indexer (False: it reuses the previous full layer's top-k)."""
         if not self.indexer_types:

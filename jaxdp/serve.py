@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")
+    g.add_argument("--index-key-dtype", choices=["auto", "fp8"], default="auto",
+                   help="DSA models (GLM-5, DeepSeek-V3.2): the indexer's cached keys in the KV cache's dtype, or fp8 "
+                        "(e4m3 plus one fp32 scale per 128 values: 132 bytes a token for GLM-5, as SGLang holds them)")
     g = ap.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
@@ -195,7 +198,7 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
 
     from jaxdp.layout import GiB
 
-    cfg, S = runner.cfg, args.page_size
+    S = args.page_size
     if args.replica_num_pages:
         sizes = [s.strip() for s in args.replica_num_pages.split(",")]
         if len(sizes) != replicas or not all(s.isdigit() and int(s) > 0 for s in sizes):
@@ -208,7 +211,7 @@ def pool_pages(args, runner, replica: int, replicas: int) -> int:
         return args.max_total_tokens // S
     if not 0 < args.mem_fraction_static <= 1:
         raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
-    page_bytes = cfg.num_layers * S * cfg.pool_values_per_token * jax.numpy.dtype(runner.cache_dtype).itemsize
+    page_bytes = S * runner.pool_bytes_per_token
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]  # this node's
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if not all(s and "bytes_limit" in s for s in stats):
@@ -247,7 +250,8 @@ def build_backend(args, layout, tokenizer, dist=None):
     t0 = time.perf_counter()
     runners = build_runners(args.model_path, one, meshes, dtype=dtype, seed=args.random_seed,
                             quantization=args.quantization, num_pages=1, page_size=args.page_size,
-                            attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend)
+                            attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend,
+                            index_key_dtype=None if args.index_key_dtype == "auto" else args.index_key_dtype)
     cfg = runners[0].cfg
     one.validate(n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
     log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,

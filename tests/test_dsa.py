@@ -217,3 +217,25 @@ def test_bad_indexer_layer_types_are_refused_in_one_sentence():
         config_from_hf_dict({**BASE, "index_topk_pattern": "SFFFFF"})
     with pytest.raises(UnsupportedConfigError, match="q_lora_rank"):
         config_from_hf_dict({**BASE, "model_type": "deepseek_v32", "q_lora_rank": None})
+
+
+def test_fp8_index_keys_through_the_construction_path_and_the_pool_size():
+    """`serve --index-key-dtype fp8` reaches the runner: the index keys are packed bytes (e4m3 plus an fp32 scale
+    per 128 values) and a token takes that many fewer bytes of the pool, which is what the pool is sized by."""
+    import jax
+
+    from jaxdp.config import PRESETS
+    from jaxdp.engine.setup import build_runners
+    from jaxdp.layout import Layout
+    from jaxdp.model.indexer import fp8_key_width
+    from jaxdp.serve import build_parser
+
+    assert build_parser().parse_args(["--index-key-dtype", "fp8"]).index_key_dtype == "fp8"
+    cfg, layout = PRESETS["glm-5-tiny"], Layout()
+    mesh = layout.make_mesh(jax.devices()[:1])
+    plain, packed = (build_runners("glm-5-tiny", layout, [mesh], dtype="bfloat16", num_pages=4, page_size=4,
+                                   index_key_dtype=k)[0] for k in (None, "fp8"))
+    assert packed.cache["moe_index"].dtype == jax.numpy.uint8
+    assert packed.cache["moe_index"].shape[-1] == fp8_key_width(cfg.index_key_dim)
+    saved = cfg.num_layers * (2 * cfg.index_key_dim - fp8_key_width(cfg.index_key_dim))
+    assert plain.pool_bytes_per_token - packed.pool_bytes_per_token == saved

@@ -79,7 +79,7 @@ def stop_string_check(tokenizer, stops: list[str]):
 def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: int = 0,
                   quantization: str | None = None, num_pages: int, page_size: int, attention_backend=None,
                   moe_backend: str | None = None, num_layers: int | None = None,
-                  tiny_width: bool = False) -> list[StepRunner]:
+                  tiny_width: bool = False, index_key_dtype: str | None = None) -> list[StepRunner]:
     """The one construction path (serve, Engine, one_batch): the model built in its final sharding on the
     first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each further replica's
     mesh, one StepRunner per mesh. Logs what the weights take per device, by dtype."""
@@ -99,7 +99,7 @@ def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: 
                 lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), first.state))
         runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size,
                                   decode_kernel=decode_kernel(attention_backend),
-                                  moe_backend=moe_runner_backend(moe_backend)))
+                                  moe_backend=moe_runner_backend(moe_backend), index_key_dtype=index_key_dtype))
     return runners
 
 

@@ -101,18 +101,28 @@ class StepRunner:
         self.compile_seconds = 0.0
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
 
-    def _empty_cache(self, dtype) -> dict:
-        """The paged pool per stack: [dp, layers, pages, page_size, width]; DSA models also hold one index key
+    def _cache_entries(self, dtype) -> dict[str, tuple[int, int, object]]:
+        """The paged pool's arrays per stack: (layers, values per token, dtype). DSA models also hold one index key
         per token per layer in the same pages (fp8: e4m3 values plus one fp32 scale per 128, packed as bytes)."""
-        cfg, dp = self.cfg, self.layout.dp
-        sharding = NamedSharding(self.mesh, P("dp"))
+        cfg = self.cfg
         entries = {"dense": (cfg.num_dense_layers, cfg.kv_cache_dim, dtype),
                    "moe": (cfg.num_moe_layers, cfg.kv_cache_dim, dtype)}
         if cfg.index_topk:
             key = (fp8_key_width(cfg.index_key_dim), jnp.uint8) if self.index_key_dtype == "fp8" else (
                 cfg.index_key_dim, dtype)
             entries |= {"dense_index": (cfg.num_dense_layers, *key), "moe_index": (cfg.num_moe_layers, *key)}
-        shapes = {k: ((dp, n, self.num_pages, self.page_size, w), dt) for k, (n, w, dt) in entries.items()}
+        return entries
+
+    @property
+    def pool_bytes_per_token(self) -> int:
+        """What one token takes in a rank's pool, over all layers (latent entries and index keys)."""
+        return sum(n * w * np.dtype(dt).itemsize for n, w, dt in self._cache_entries(self.cache_dtype).values())
+
+    def _empty_cache(self, dtype) -> dict:
+        """The paged pool per stack: [dp, layers, pages, page_size, width] (see _cache_entries)."""
+        dp, sharding = self.layout.dp, NamedSharding(self.mesh, P("dp"))
+        shapes = {k: ((dp, n, self.num_pages, self.page_size, w), dt)
+                  for k, (n, w, dt) in self._cache_entries(dtype).items()}
         if self.abstract:
             return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in shapes.items()}
         make = jax.jit(lambda shape, dt: jnp.zeros(shape, dt), static_argnums=(0, 1), out_shardings=sharding)
