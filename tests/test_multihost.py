@@ -210,14 +210,18 @@ def check_flush(node0, nodes: list[tuple[range, str]]) -> None:
         generate(node0, " ".join([p] * 5), rank=i, max_new_tokens=4)
     wait_for(lambda: all(x > 0 for x in used_tokens(node0)), "cached tokens on every rank")
 
-    async def flush_while_busy():
+    async def flush_while_busy():  # the flush is sent once the request has streamed a token: it surely runs
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"text": "9+9=", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
-                    "routed_dp_rank": 7}
-            task = asyncio.create_task(c.post(node0.url + "/generate", json=body))
-            await asyncio.sleep(1.0)
-            refused = await c.post(node0.url + "/flush_cache")
-            return refused, await task
+            body = {"text": "9+9=", "stream": True, "routed_dp_rank": 7,
+                    "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+            async with c.stream("POST", node0.url + "/generate", json=body) as answer:
+                lines = answer.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                refused = await c.post(node0.url + "/flush_cache")
+                async for _ in lines:  # read the stream to its end
+                    pass
+            return refused, answer
 
     refused, answer = asyncio.run(flush_while_busy())
     assert answer.status_code == 200
