@@ -185,6 +185,7 @@ NAME = "model.layers.1.self_attn.q_b_proj.weight"
     ("block", "blocks that config.json declares"),
     ("missing_file", "model-00002-of-00002.safetensors, which is missing"),
     ("missing_tensor", "has no tensor 'model.layers.2.mlp.experts.3.up_proj.weight'"),
+    ("lfs_pointer", "model-00002-of-00002.safetensors is not a safetensors file (a Git LFS pointer"),
 ])
 def test_a_malformed_checkpoint_is_refused_in_one_sentence(tmp_path, no_allocation, case, needle):
     tensors, quant = _fp8_tensors(), dict(FP8)
@@ -200,6 +201,9 @@ def test_a_malformed_checkpoint_is_refused_in_one_sentence(tmp_path, no_allocati
     write(tmp_path, tensors, CFG, quant)
     if case == "missing_file":
         (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    if case == "lfs_pointer":  # what a clone without git-lfs leaves in place of the weights
+        (tmp_path / "model-00002-of-00002.safetensors").write_text(
+            "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456789\n")
     layout = parse_mesh_spec("tp=8")
     with pytest.raises((CheckpointError, FileNotFoundError)) as e:
         load_sharded(tmp_path, layout, layout.make_mesh(jax.devices()[:8]), jnp.float32)

@@ -132,7 +132,7 @@ class ServerContext:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
                 if not ids:
                     raise ApiError("the prompt is empty; send at least one token", param="prompt")
-                check_length(sp, len(ids), self.context_len(rank))
+                sp = check_length(sp, len(ids), self.context_len(rank))
                 if sp.stop and self.tokenizer is None:
                     raise ApiError("stop strings need a tokenizer, which this server does not have; use "
                                    "stop_token_ids instead", param="stop")
@@ -150,7 +150,7 @@ class ServerContext:
             for job in jobs:
                 self.backend.discard(job.req)
             raise ApiError(str(e)) from None
-        except ApiError:
+        except BaseException:  # an ApiError, or the engine failed meanwhile: nothing made here stays in the ledger
             for job in jobs:
                 self.backend.discard(job.req)
             raise

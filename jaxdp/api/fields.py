@@ -7,6 +7,7 @@ Each refusal is an ApiError with one sentence that names the field and what to s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -191,7 +192,9 @@ def check_n(body: dict, prompts: int) -> int:
 
 
 def check_length(params: SamplingParams, prompt_len: int, context_len: int) -> SamplingParams:
-    """Fill in the default max_new_tokens (the rest of the context) and refuse what cannot fit."""
+    """A copy of `params` with the default max_new_tokens filled in (the rest of this prompt's context), or a
+    refusal of what cannot fit; `params` itself is not changed (several prompts may share it)."""
+    params = dataclasses.replace(params)
     room = context_len - prompt_len
     if room < 1:
         raise ApiError(f"the prompt has {prompt_len} tokens but a rank holds at most {context_len} "

@@ -100,6 +100,7 @@ class Engine:
         self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
         self.link = NodeLink(self, hosts) if hosts is not None else None  # what rides on the exchange
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
+        self._fail_lock = threading.Lock()
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self._inflight: InFlight | None = None
         self.wakeups = Wakeups()  # the streams' event loops, woken once per step
@@ -378,6 +379,7 @@ class Engine:
                     return
                 # a bug outside the step's own requests (a failed step is isolated in `step`): fail loudly
                 log.exception("the engine loop failed; aborting all requests")
+                self._inflight = None  # its requests are aborted below; never booked again
                 now = time.perf_counter()
                 for s in self.schedulers:
                     for req in [*s.running.values(), *s.waiting]:
@@ -397,9 +399,10 @@ class Engine:
     # ---- failure (several nodes) ------------------------------------------------------------------
     def fail(self, message: str, level: int = logging.ERROR) -> None:
         """Stop serving: every unfinished request ends with the message, new ones get it (HTTP 503)."""
-        if self.failed:
-            return
-        self.failed = message
+        with self._fail_lock:  # the watchdog thread and the loop may both get here
+            if self.failed:
+                return
+            self.failed = message
         log.log(level, "%s", message if level != logging.ERROR else f"{message}; this engine stops serving")
         now = time.perf_counter()
         for req in list(self.requests.values()):

@@ -240,6 +240,9 @@ class ZmqGather:
                                   f"{self.timeout_s:.0f} s: it died or stopped")
             head, body = self.pull.recv_multipart()
             seq, node = struct.unpack("<qi", head)
+            if node not in self.push or seq not in (self.seq, self.seq + 1):  # not one of this world's nodes
+                log.warning("dropped a step-exchange frame from node %d for #%d (expected #%d)", node, seq, self.seq)
+                continue
             (got if seq == self.seq else self._next)[node] = body
         self.seq += 1
         return [payload if k == self.node_rank else got[k] for k in range(self.nnodes)]

@@ -64,7 +64,8 @@ def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size:
     k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
     seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
     top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
-    return t, top_p, k, unit(params.min_p, 0.0), int(seed) & 0xFFFFFFFF
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # the API's 64-bit range (n samples add to it), folded to the key's 32 bits
+    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 def _real(x) -> float:

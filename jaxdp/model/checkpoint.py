@@ -65,9 +65,7 @@ class Checkpoint:
                 some = next(k for k, v in weight_map.items() if v == fname)
                 raise CheckpointError(f"{index.name} puts {some!r} (and others) in {fname}, which is missing from "
                                       f"{self.dir}; download the whole checkpoint")
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n))
+            header, n = _read_header(path)
             for name, e in header.items():
                 if name == "__metadata__":
                     continue
@@ -146,3 +144,22 @@ class Checkpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """(the header, its length) of a safetensors file; a file that is not one (a Git LFS pointer, a truncated
+    download) is refused in one sentence."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        try:
+            if not 0 < n <= size - 8:
+                raise ValueError
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError
+        except ValueError:
+            raise CheckpointError(f"{path} is not a safetensors file (a Git LFS pointer or a truncated download?); "
+                                  "fetch the real file, e.g. with git lfs pull") from None
+    return header, n
