@@ -97,7 +97,10 @@ def test_sampling_rows_hold_any_value_the_api_lets_through():
     V = 64
     row = sampling_row(SamplingParams(temperature=10**400, top_p=float("nan"), top_k=2**31, min_p=-1, seed=-5),
                        "r", 0, V)
-    assert row == (1e4, 1.0, -1, 0.0, (2**32 - 5))
+    s64 = 2**64 - 5  # seed -5 in the API's 64-bit range, folded to the key's 32 bits
+    assert row == (1e4, 1.0, -1, 0.0, (s64 ^ (s64 >> 32)) & 0xFFFFFFFF)
+    seed = [sampling_row(SamplingParams(seed=s), "r", 0, V)[4] for s in (7, 7 + 2**32, 2**64 - 1)]
+    assert seed[0] == 7 and len(set(seed)) == 3  # 32-bit seeds unchanged; s and s + 2^32 no longer collide
     assert sampling_row(SamplingParams(top_k=2147483648), "r", 0, V)[2] == -1
     logits = jax.random.normal(jax.random.key(0), (1, 2, V))
     t, p, m = (jnp.asarray(np.full((1, 2), v, np.float32)) for v in (1.0, 1.0, 0.0))
