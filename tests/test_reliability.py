@@ -409,6 +409,10 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path)
                        s.url + "/generate", timeout=60, json=greedy("1+1=", 500, routed_dp_rank=0))))]
         for t in threads:
             t.start()
+        t_wait = time.time()  # "long" and "plain" must be in the server (rank 0: four fillers and the two) first
+        while rank_state(s, 0)["num_reqs"] < 6:
+            assert time.time() - t_wait < 30, rank_state(s, 0)
+            time.sleep(0.05)
         short = threading.Thread(target=stream, args=("short", 12), kwargs={"routed_dp_rank": 1})
         short.start()
         assert started["short"].wait(30)
