@@ -144,7 +144,8 @@ def test_two_nodes_match_single_process_and_survive_a_dead_node(tmp_path, refere
         r = httpx.post(cluster.node0.url + "/generate", json={"text": "1+1="}, timeout=10)
         assert r.status_code == 503 and "node 1" in r.json()["error"]["message"]
         assert cluster.node0.proc.poll() is None  # node 0 keeps answering (503), it does not hang or crash
-        assert "node 1 did not answer" in cluster.node0.log.read_text()
+        # the exchange's timeout or the watchdog's, whichever fires first, names the node
+        assert re.search(r"node 1 did not answer|no answer from node 1", cluster.node0.log.read_text())
 
 
 def test_tp_groups_stay_on_a_node_and_a_stalled_node_fails_node_0_within_the_timeout(tmp_path, reference):
@@ -178,7 +179,7 @@ def test_tp_groups_stay_on_a_node_and_a_stalled_node_fails_node_0_within_the_tim
         finally:
             os.kill(node1, signal.SIGCONT)
         assert unhealthy_after < TIMEOUT + 5, unhealthy_after
-        assert answer.status_code == 503 and "no answer from the other nodes" in answer.json()["error"]["message"]
+        assert answer.status_code == 503 and "no answer from node 1" in answer.json()["error"]["message"]
         # node 1, running again, finds node 0 gone from the exchange and ends by itself with a message
         assert cluster.node1.proc.wait(timeout=3 * TIMEOUT) == 1
         assert "error: node 1:" in cluster.node1.log.read_text()

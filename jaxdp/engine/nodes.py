@@ -191,12 +191,13 @@ class NodeLink:
     def _watchdog(self) -> None:
         """A wait on another node that outlives the timeout (a stalled node, a collective that never ends)
         fails the engine, although the loop thread itself stays stuck in that wait."""
-        engine, timeout = self.engine, self.hosts.timeout_s
+        engine, hosts, timeout = self.engine, self.hosts, self.hosts.timeout_s
+        others = [f"node {k}" for k in range(hosts.nnodes) if k != hosts.node_rank]
+        who = others[0] if len(others) == 1 else "one of " + ", ".join(others)
         while not engine.failed and engine.is_running:
             blocked = engine.blocked
             if blocked is not None and time.perf_counter() - blocked[0] > timeout:
-                engine.fail(f"no answer from the other nodes for {timeout:.0f} s while {blocked[1]}; a node "
-                            "died or stalled")
+                engine.fail(f"no answer from {who} for {timeout:.0f} s while {blocked[1]}; it died or stalled")
                 return
             time.sleep(0.2)
 
