@@ -32,7 +32,7 @@ from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
 from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
 from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.plan import RankPlan
+from jaxdp.engine.plan import RankPlan, rank_proposals
 from jaxdp.engine.pool import PagePool, PrefixCache
 from jaxdp.engine.request import BadRequest, Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
@@ -41,7 +41,7 @@ from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner, stop_string_check
 from jaxdp.engine.stats import InFlight, StepStats, compiles_total
 from jaxdp.engine.streams import Result, Wakeups
-from jaxdp.parallel.places import LocalExchange, Proposal, agree_on_step
+from jaxdp.parallel.places import LocalExchange, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
 log = logging.getLogger("jaxdp.engine")
@@ -215,7 +215,7 @@ class Engine:
         message = self.link.message() if self.link else {}
         if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
             d.post(message, [self.schedulers[r] for r in self.local_ranks])
-        proposals, messages = self.exchange.exchange(self._proposals(plans), message)
+        proposals, messages = self.exchange.exchange(rank_proposals(plans, self.buckets.decode[-1]), message)
         self.blocked = None
         if self.link:
             self.link.receive(messages)
@@ -257,11 +257,6 @@ class Engine:
         self.stats.compiles_in_steps += compiles_total() - compiles_before
         return True
 
-    def _proposals(self, plans: list[RankPlan | None]) -> list[Proposal]:
-        """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket"."""
-        return [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
-                         bool(p) and p.num_rows <= self.buckets.decode[-1]) for p in plans]
-
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
                t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
@@ -294,7 +289,7 @@ class Engine:
                 continue
             only: list[RankPlan | None] = [None] * self.layout.dp
             only[r] = plan
-            agreement = agree_on_step(self._proposals(only))
+            agreement = agree_on_step(rank_proposals(only, self.buckets.decode[-1]))
             rows = list(agreement.rows_per_rank)
             shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
             step, t0 = next(self._steps), time.perf_counter()

@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxdp.batch import Piece
 from jaxdp.engine.request import Request
+from jaxdp.parallel.places import Proposal
 
 
 @dataclasses.dataclass
@@ -52,3 +53,9 @@ class RankPlan:
 
     def unfinished(self) -> RankPlan | None:
         return self.subset([i for i, r in enumerate(self.reqs) if not r.finished])
+
+
+def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int) -> list[Proposal]:
+    """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket"."""
+    return [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
+                     bool(p) and p.num_rows <= largest_decode_bucket) for p in plans]
