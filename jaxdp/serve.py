@@ -416,7 +416,7 @@ def run_server(args, layout, backend, tokenizer) -> int:
     backend.start()
     monitor.start()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            log_level=args.log_level, timeout_graceful_shutdown=5)
+                            log_level=args.log_level, timeout_graceful_shutdown=5, loop="uvloop", http="httptools")
     server = DrainingServer(config, app.state.ctx)
 
     def announce():

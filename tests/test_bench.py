@@ -86,3 +86,22 @@ def test_errors_exit_2(capsys):
     assert main(["--routed-dp-rank", "skewed:a,b"]) == 2
     assert main(["--no-such-flag"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
+
+
+@pytest.mark.slow  # three processes compile their buckets: about 1 min quiet, 3 min on a loaded 2-core machine
+def test_versus_runs_engine_and_server_at_the_same_load(tmp_path):
+    """`python -m jaxdp.bench.versus`: both offline runs and the server's rounds finish every token of the load,
+    and the ratio and the CPU accounting are what they say they are."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, "-m", "jaxdp.bench.versus", "--concurrency", "16", "--output-len", "8",
+                    "--rounds", "1", "--json", str(out)], check=True, timeout=600, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["server_rounds"][0]["failed"] == 0
+    assert r["server_over_offline"] == r["server_tok_s"] / r["offline_tok_s"] > 0
+    assert len(r["offline_first_tok_s"]) == len(r["offline_last_tok_s"]) == 1
+    assert r["client_cpu_us_per_token"] > 0 and r["server_cpu_us_per_token"] > 0
+    assert set(r["engine_cpus"]).isdisjoint(r["client_cpus"])

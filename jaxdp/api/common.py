@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
+import orjson
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
@@ -83,8 +83,13 @@ def openai_finish(req: Request) -> str | None:
     return {"stop": "stop", "length": "length"}.get(req.finish_reason or "", "abort")
 
 
-def sse(data: Any) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+_JSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event (orjson: a token's event is encoded several times faster than by json)."""
+    body = data.encode() if isinstance(data, str) else orjson.dumps(data, option=_JSON_OPTIONS)
+    return b"data: " + body + b"\n\n"
 
 
 @contextlib.asynccontextmanager

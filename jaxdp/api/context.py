@@ -11,6 +11,7 @@ event on a stream).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -239,41 +240,53 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def run_jobs(ctx: ServerContext, jobs: list[Job]) -> AsyncIterator[int]:
     """Stream all jobs together; yields the index of the job that changed. Closing it aborts the rest.
-    Past --request-timeout the unfinished jobs end with a 408 error."""
-    queue: asyncio.Queue = asyncio.Queue()
+    Past --request-timeout the unfinished jobs end with a 408 error.
+
+    A token costs one wake-up here: one job is read straight from its stream; several are fanned in through
+    one queue (a task per job). The timeout is one timer for the call, not a wait per token."""
+    loop = asyncio.get_running_loop()
     backend, timeout = ctx.backend, ctx.limits.request_timeout_s
 
-    async def one(i: int, job: Job) -> None:
-        ctx.live.add(job)
-        try:
-            async for _ in backend.stream(job.req):
-                queue.put_nowait(i)
-        finally:
-            ctx.live.discard(job)
-            queue.put_nowait(-1)
+    def expire() -> None:
+        for job in jobs:
+            ctx.end_with_error(job, f"the request ran longer than the server's --request-timeout of {timeout:g} s; "
+                                    "ask for fewer tokens or retry", 408)
 
-    tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
-    deadline = None if timeout is None else time.monotonic() + timeout
-    done = 0
+    timer = None if timeout is None else loop.call_later(timeout, expire)
+    ctx.live.update(jobs)
     try:
-        while done < len(jobs):
+        if len(jobs) == 1:
+            async with contextlib.aclosing(backend.stream(jobs[0].req)) as updates:
+                async for _ in updates:
+                    yield 0
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, job: Job) -> None:
             try:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                i = await asyncio.wait_for(queue.get(), wait)
-            except TimeoutError:
-                for job in jobs:
-                    ctx.end_with_error(job, f"the request ran longer than the server's --request-timeout of "
-                                            f"{timeout:g} s; ask for fewer tokens or retry", 408)
-                deadline = None
-                continue
-            if i < 0:
-                done += 1
-                continue
-            yield i
+                async for _ in backend.stream(job.req):
+                    queue.put_nowait(i)
+            finally:
+                ctx.live.discard(job)
+                queue.put_nowait(-1)
+
+        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+        try:
+            done = 0
+            while done < len(jobs):
+                i = await queue.get()
+                if i < 0:
+                    done += 1
+                else:
+                    yield i
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if timer is not None:
+            timer.cancel()
+        ctx.live.difference_update(jobs)
 
 
 def job_error(job: Job) -> ApiError | None:

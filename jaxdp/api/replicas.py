@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from jaxdp.api.common import done_ids
 from jaxdp.engine import Engine, Request, SamplingParams
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.nodes import NodeFlush
@@ -111,7 +110,7 @@ class ReplicaSet:
         try:
             async with contextlib.aclosing(engine.stream(req)) as updates:
                 async for r in updates:
-                    now, n = time.perf_counter(), len(done_ids(r))
+                    now, n = time.perf_counter(), len(r.done_ids)
                     if seen == 0 and n > 0:
                         with self._lock:
                             c = self.counters[g]

@@ -1,0 +1,187 @@
+"""`python -m jaxdp.bench.versus`: the server against the offline engine at the same load, side by side in one run.
+
+Three measurements, one after another, of the same load (C requests at once, random token ids, fixed prompt
+and output lengths, greedy, the same pools and decode buckets):
+
+1. the offline engine (`python -m jaxdp.bench.engine` in a child process: `Engine.generate`, no server);
+2. `python -m jaxdp.serve` driven by the streaming client of `python -m jaxdp.bench` (native `/generate`,
+   an SSE event per token), `--rounds` times;
+3. the offline engine again (the two offline runs bracket the server's, so drift shows).
+
+The client runs in this process. By default the engine and the server get the same CPUs (all but the last)
+and the client gets the last one (`--engine-cpus`, `--client-cpus`; `--no-pin` lets everything share every
+CPU), so what the client costs is not taken from the server: the ratio is what the server's own path (HTTP,
+SSE, the event loop, the hop from the loop thread) costs against the engine alone. The client's and the
+server's CPU seconds per output token are reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpus(spec: str | None, default: set[int]) -> set[int]:
+    return default if spec is None else {int(c) for c in spec.split(",")}
+
+
+def _pinned(cpus: set[int] | None):
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def shape(args) -> dict:
+    """The pools and buckets `jaxdp.bench.engine` gives this load (per rank), for the server to match."""
+    per_rank = max(1, args.concurrency // args.dp)
+    ctx = args.input_len + args.output_len
+    pages = per_rank * -(-ctx // args.page_size) + 8
+    buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= per_rank} | {per_rank})
+    return {"per_rank": per_rank, "pages": pages, "buckets": buckets, "context": ctx + args.page_size}
+
+
+def offline(args, cpus: set[int] | None) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "engine.json")
+        cmd = [sys.executable, "-m", "jaxdp.bench.engine", "--model-path", args.model_path, "--meshes", args.mesh,
+               "--concurrency", ",".join([str(args.concurrency)] * args.rounds), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--page-size", str(args.page_size),
+               "--chunk-per-rank", str(args.chunk_per_rank), "--json", out]
+        subprocess.run(cmd, check=True, preexec_fn=_pinned(cpus), stdout=subprocess.DEVNULL)
+        return [r["tokens_per_s"] for r in json.loads(Path(out).read_text())["results"]]
+
+
+def start_server(args, cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
+    s = shape(args)
+    cmd = [sys.executable, "-m", "jaxdp.serve", "--model-path", args.model_path, "--mesh", args.mesh,
+           "--port", str(port), "--page-size", str(args.page_size),
+           "--max-total-tokens", str(s["pages"] * args.page_size), "--max-running-requests", str(args.concurrency),
+           "--chunked-prefill-size", str(args.chunk_per_rank * args.dp), "--context-length", str(s["context"]),
+           "--cuda-graph-bs", *map(str, s["buckets"]), *args.server_flag]
+    proc = subprocess.Popen(cmd, preexec_fn=_pinned(cpus), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited before it was ready; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"error: the server was not ready within 600 s; see {log}")
+
+
+def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
+    from jaxdp.bench import serving
+
+    client_args = serving.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts",
+                                      str(args.concurrency), "--max-concurrency", str(args.concurrency),
+                                      "--random-input-len", str(args.input_len), "--random-output-len",
+                                      str(args.output_len), "--random-vocab-size", str(args.vocab),
+                                      "--disable-tqdm", "--warmup-requests", "0"])
+    reqs = serving.random_requests(client_args, np.random.default_rng(args.seed))
+    asyncio.run(serving.run_point(client_args, reqs[:8], 8, float("inf")))  # warm the connections
+    rounds = []
+    for _ in range(args.rounds):
+        c0, s0 = time.process_time(), _cpu_seconds(server.pid)
+        point = asyncio.run(serving.run_point(client_args, reqs, args.concurrency, float("inf")))
+        c1, s1 = time.process_time(), _cpu_seconds(server.pid)
+        tokens = max(1, point["total_output_tokens"])
+        rounds.append({"tokens_per_s": point["output_throughput"], "failed": point["failed"],
+                       "duration_s": point["duration_s"], "tpot_ms": point["tpot_ms"]["median"],
+                       "client_cpu_us_per_token": 1e6 * (c1 - c0) / tokens,
+                       "server_cpu_us_per_token": 1e6 * (s1 - s0) / tokens,
+                       "client_cpu_share": (c1 - c0) / point["duration_s"],
+                       "server_cpu_share": (s1 - s0) / point["duration_s"]})
+    return rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.versus", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", default="tiny")
+    ap.add_argument("--mesh", default="dp=8")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunk-per-rank", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of the load per measurement (medians reported)")
+    ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
+    ap.add_argument("--engine-cpus", help="CPUs of the engine and the server, e.g. 0 (default: all but the last)")
+    ap.add_argument("--client-cpus", help="CPUs of the client (default: the last)")
+    ap.add_argument("--no-pin", action="store_true", help="everything shares every CPU")
+    ap.add_argument("--server-flag", action="append", default=[], help="one more flag for the server (repeatable)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_versus.json")
+    args = ap.parse_args(argv)
+    from jaxdp.layout import parse_mesh_spec
+
+    args.dp = parse_mesh_spec(args.mesh).dp
+    every = sorted(os.sched_getaffinity(0))
+    engine_cpus = client_cpus = None
+    if not args.no_pin and len(every) > 1:
+        engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
+    first = offline(args, engine_cpus)
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(args, engine_cpus, port, Path(tmp) / "server.log")
+        try:
+            if client_cpus is not None:
+                os.sched_setaffinity(0, client_cpus)
+            rounds = serve_rounds(args, port, server)
+        finally:
+            os.sched_setaffinity(0, set(every))
+            server.terminate()
+            server.wait(60)
+    last = offline(args, engine_cpus)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    served = med([r["tokens_per_s"] for r in rounds])
+    engine = statistics.fmean([med(first), med(last)])
+    result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
+              "client_cpus": sorted(client_cpus or every),
+              "offline_first_tok_s": first, "offline_last_tok_s": last, "server_rounds": rounds,
+              "server_tok_s": served, "offline_tok_s": engine, "server_over_offline": served / engine,
+              "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
+              "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
+              "load_average": os.getloadavg()}
+    print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine and "
+          f"server on CPUs {result['engine_cpus']}, client on {result['client_cpus']}")
+    print("| | offline, first | server | offline, after | server / mean offline |")
+    print("|---|---|---|---|---|")
+    print(f"| output tok/s (median of {args.rounds}) | {med(first):,.1f} | {served:,.1f} | {med(last):,.1f} | "
+          f"**{100 * result['server_over_offline']:.0f}%** |")
+    print(f"client CPU {result['client_cpu_us_per_token']:.1f} us per token, server process CPU "
+          f"{result['server_cpu_us_per_token']:.1f} us per token; failed requests "
+          f"{sum(r['failed'] for r in rounds)}; load average {result['load_average'][0]:.2f}")
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
