@@ -62,6 +62,32 @@ def test_a_request_that_cannot_fit_now_does_not_block_those_behind_it():
     pools_are_full(eng)
 
 
+def test_a_step_passes_over_a_bounded_number_of_requests_that_cannot_fit_now():
+    """A queue of requests that cannot fit now costs a bounded scan per step: past PASS_OVER_LIMIT of them, a
+    request that would fit waits for a later step (they all run in the end)."""
+    from jaxdp.engine.scheduler import PASS_OVER_LIMIT
+
+    def queue(skipped: int):
+        eng = host_engine(num_pages=10, chunked_prefill_size=64, extend_buckets=[8, 16, 32],
+                          max_running_requests=64)
+        eng.submit(eng.make_request(list(range(8)), SamplingParams(max_new_tokens=24, ignore_eos=True), rank=0))
+        eng.step()
+        eng.step()  # running: 2 prompt pages + 2 reserved of rank 0's 10
+        big = [eng.submit(eng.make_request(list(range(25)), SamplingParams(max_new_tokens=2), rank=0))
+               for _ in range(skipped)]
+        small = eng.submit(eng.make_request([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True), rank=0))
+        eng.step()
+        return eng, big, small
+
+    eng, big, small = queue(PASS_OVER_LIMIT - 1)
+    assert small.pages and not any(b.pages for b in big)  # read this step, past the ones that cannot fit
+    eng, big, small = queue(PASS_OVER_LIMIT)
+    assert not small.pages  # the scan stopped before it
+    eng.run_until_idle()
+    assert small.finished and all(b.finished and len(b.output_ids) == 2 for b in big)
+    pools_are_full(eng)
+
+
 class FailingRunner(HostOnlyRunner):
     """Fails the step that reads the token `poison` (an engine bug that only some batch triggers)."""
 

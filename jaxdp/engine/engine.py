@@ -111,6 +111,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.requests: dict[str, Request] = {}
+        self._requests_limit = 4096  # past this many, finished requests are forgotten
         self.compiles_at_warmup = 0
         if warmup and not c.disable_cuda_graph:
             self.warmup()
@@ -165,9 +166,10 @@ class Engine:
         self._wake.set()
 
     def _drain_inbox(self) -> None:
-        if len(self.requests) > 4096:  # forget finished requests (their owners hold them; nothing here reads them)
+        if len(self.requests) > self._requests_limit:  # forget finished ones (their owners hold them)
             keep = self.link.origin if self.link else {}  # finished, but not yet reported to node 0
             self.requests = {rid: r for rid, r in self.requests.items() if not r.finished or rid in keep}
+            self._requests_limit = max(4096, 2 * len(self.requests))  # amortised: not every step past 4096 live
         while True:
             try:
                 cmd, arg = self._inbox.get_nowait()
@@ -271,7 +273,7 @@ class Engine:
         logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
         tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
         self.blocked = None
-        wants_top = any(r.params.top_logprobs for p in plans if p for r in p.reqs)
+        wants_top = any(s.top_logprob_requests for s in self.schedulers)  # (not a scan of the requests)
         t2 = time.perf_counter()
         return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,

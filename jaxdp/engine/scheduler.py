@@ -37,6 +37,9 @@ class SchedulerConfig:
     seed: int = 0  # the engine's: a request without a seed samples with one made from it and its rid
 
 
+PASS_OVER_LIMIT = 16  # requests that cannot fit now tried per step: a long queue costs a bounded scan
+
+
 class Scheduler:
     def __init__(self, rank: int, pool: PagePool, cache: PrefixCache, cfg: SchedulerConfig, rows: RankRows):
         self.rank, self.pool, self.cache, self.cfg, self.rows = rank, pool, cache, cfg, rows
@@ -44,6 +47,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # by rid, in the order they started decoding
         self.retracted_total = 0
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
+        self.top_logprob_requests = 0  # live requests asking for top_logprobs (the step computes them only then)
         self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
 
     # ---- admission -----------------------------------------------------------------------------
@@ -67,6 +71,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.top_logprob_requests += req.params.top_logprobs > 0
 
     @property
     def num_tokens(self) -> int:
@@ -145,8 +150,10 @@ class Scheduler:
         plan = RankPlan("extend", [])
         budget = self.cfg.chunk_size if budget is None else budget
         reserved = self._reserved_by_running()
-        for req in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(plan.reqs) >= self.cfg.max_running:
+        passed_over = 0
+        for req in self.waiting:  # (only this thread changes the queue, and not in this loop)
+            if budget <= 0 or passed_over >= PASS_OVER_LIMIT or \
+                    len(self.running) + len(plan.reqs) >= self.cfg.max_running:
                 break
             if self._available() < reserved:
                 break  # the pool is short of the running requests' reservation: nothing fits now
@@ -166,6 +173,7 @@ class Scheduler:
                 if fresh:  # give the prefix back; try again on a later step
                     self.cache.unlock(req.pages[: req.shared_pages])
                     req.pages, req.shared_pages, req.computed, req.scheduled = [], 0, 0, 0
+                passed_over += 1
                 continue  # it cannot fit now: the ones behind it may
             req.pages += pages
             plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size))
@@ -294,6 +302,7 @@ class Scheduler:
             req.pages = []
         req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
         req.state, req.finish_reason, req.finished_at = State.FINISHED, reason, now
+        self.top_logprob_requests -= req.params.top_logprobs > 0
         if req.on_update:
             req.on_update(req)
 
