@@ -411,3 +411,32 @@ def test_a_silent_node_fails_the_exchange_within_the_timeout(transport):
     with pytest.raises(PeerFailure, match="node 1 did not answer the step exchange #0 within"):
         ex.exchange([Proposal(0, False, False)] * 8, {})
     assert time.monotonic() - t0 < 2
+
+
+class _Boom:
+    def __reduce__(self):  # what a forged frame would carry: pickle imports and calls os.system
+        import os
+
+        return os.system, ("touch /tmp/jaxdp-exchange-pwned",)
+
+
+def test_an_exchange_frame_naming_another_class_is_refused_not_run():
+    """The exchange reads plain data and its own classes; a frame that names any other callable is a
+    PeerFailure in one sentence, and nothing in it runs."""
+    import os
+
+    from jaxdp.engine.nodes import NodeFlush  # noqa: F401  (one of the classes a message may carry)
+
+    def gather_with(payload: bytes):
+        return lambda mine: [mine, payload]
+
+    ex = HostExchange(2, 0, 8, timeout_s=1, client=FakeStore(), gather=gather_with(b""))
+    good = pickle.dumps(([Proposal(3, True, True)] * 4, {"updates": [("r", [1, 2], [], 0, None, None)],
+                                                         "ranks": range(4, 8)}))
+    ex.gather = gather_with(good)
+    full, messages = ex.exchange([Proposal(0, False, False)] * 8, {})
+    assert full[4:] == [Proposal(3, True, True)] * 4 and messages[1]["ranks"] == range(4, 8)
+    ex.gather = gather_with(pickle.dumps(([Proposal(0, False, False)] * 4, {"x": _Boom()})))
+    with pytest.raises(PeerFailure, match=r"node 1 sent a message that is not the exchange's \(posix.system is not"):
+        ex.exchange([Proposal(0, False, False)] * 8, {})
+    assert not os.path.exists("/tmp/jaxdp-exchange-pwned")

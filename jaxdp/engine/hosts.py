@@ -17,6 +17,7 @@ a node that dies or stops answering ends the others with a `PeerFailure` that na
 from __future__ import annotations
 
 import dataclasses
+import io
 import ipaddress
 import logging
 import os
@@ -303,6 +304,28 @@ class StoreGather:
         pass
 
 
+EXCHANGE_CLASSES = {("jaxdp.parallel.places", "Proposal"), ("jaxdp.engine.nodes", "NodeFlush"), ("builtins", "range")}
+
+
+class _ExchangeUnpickler(pickle.Unpickler):
+    """Reads an exchange message: plain data and the exchange's own classes only. A frame that names any other
+    class (pickle would import and call it) is refused, so a process that reaches the port cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in EXCHANGE_CLASSES:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of the node exchange")
+        return super().find_class(module, name)
+
+
+def load_message(raw: bytes, node: int):
+    try:
+        return _ExchangeUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:
+        raise PeerFailure(f"node {node} sent a message that is not the exchange's ({first_line(e, 160)}); check "
+                          "that every node runs the same jaxdp and that nothing else can reach --dist-init-addr's "
+                          "ports") from None
+
+
 class HostExchange:
     """The agreement's exchange across nodes: every iteration each node sends the others its own ranks'
     proposals and a message (pickled together), and receives theirs; all return the same full list of
@@ -337,7 +360,7 @@ class HostExchange:
             if node == self.node_rank:
                 messages.append(message)
                 continue
-            theirs, msg = pickle.loads(raw)
+            theirs, msg = load_message(raw, node)
             r = self.local_ranks(node)
             full[r.start:r.stop] = theirs
             messages.append(msg)
