@@ -236,3 +236,33 @@ def test_greedy_outputs_equal_one_batch_reference_with_cache_chunks_retraction_a
     for i, r in enumerate(reqs):
         assert r.finish_reason == "length" and r.output_ids == ref["tokens"][i + 1].tolist(), i
     pools_are_full(engine)
+
+
+def test_page_table_width_follows_the_longest_sequence_and_tokens_do_not_change(monkeypatch):
+    """Each step's page table is as wide as its longest sequence needs (a page bucket), not the whole
+    context: the same greedy tokens as one full-width table, and short steps run the narrow tables."""
+    import jaxdp.engine.buckets as buckets_mod
+    from jaxdp.engine.buckets import page_buckets
+
+    assert page_buckets(2560, 64) == [64, 256, 1024, 2560]  # DeepSeek-V3's context in pages of 64
+    assert page_buckets(6, 16) == [6]  # a context under the smallest bucket: one width, as before
+    cfg = small_config(num_pages=48, context_length=128, max_running_requests=8, chunked_prefill_size=32)
+    ps = [list(range(1, 3 + 9 * i)) for i in range(6)]  # 2 .. 47 tokens: 1 to 13 pages with the output
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(bucket_tokens: int):
+        monkeypatch.setattr(buckets_mod, "PAGE_BUCKET_TOKENS", bucket_tokens)
+        with jax.default_matmul_precision("highest"):
+            eng = Engine("tiny", "dp=2", cfg, seed=0)
+        widths, run_step = [], eng.runner.run
+        eng.runner.run = lambda shape, *a, **k: widths.append(shape.pages_per_seq) or run_step(shape, *a, **k)
+        try:
+            with jax.default_matmul_precision("highest"):
+                return [r.output_ids for r in eng.generate(ps, sp)], eng.buckets.pages, widths
+        finally:
+            eng.shutdown()
+
+    narrow, pages, widths = run(32)  # widths 8 and 32 pages
+    full, full_pages, full_widths = run(1 << 20)
+    assert pages == (8, 32) and full_pages == (32,) and set(full_widths) == {32}
+    assert set(widths) == {8, 32} and narrow == full

@@ -4,6 +4,13 @@ Every rank runs the same shape (an SPMD program has one), chosen from the busies
 of up to `max_len_rows` rows per rank pads every rank to the bucket (MAX_LEN); a larger one uses the
 SUM_LEN exact buffer, whose size is itself bucketed (powers of two) so that every shape is known at
 start-up and compiled ahead of time.
+
+The page table's width is bucketed too: a step's table holds as many pages per sequence as its longest
+sequence needs, rounded up to a page bucket (PAGE_BUCKET_TOKENS, then x4 up to the whole context), not the
+whole context's. At DeepSeek-V3's 163,840 tokens (2,560 pages of 64) a decode step of requests under 4k tokens
+sends and gathers 64 pages a sequence, not 2,560 (widths 64, 256, 1,024, 2,560: four times the decode and
+extend shapes to compile); the XLA attention reads what the bucket holds. A context of at most 4,096 tokens
+has one width, as before.
 """
 
 from __future__ import annotations
@@ -14,6 +21,18 @@ import dataclasses
 from jaxdp.parallel.accounting import decode_buckets
 from jaxdp.parallel.places import Agreement
 from jaxdp.parallel.step import StepShape
+
+PAGE_BUCKET_TOKENS = 4096  # the smallest page bucket covers this many tokens
+PAGE_BUCKET_GROWTH = 4  # each next page bucket is this many times larger (fewer shapes to compile than x2)
+
+
+def page_buckets(pages_per_seq: int, page_size: int) -> list[int]:
+    """Page-table widths compiled: PAGE_BUCKET_TOKENS worth of pages, x4, ... and the whole context's."""
+    out, n = [], -(-PAGE_BUCKET_TOKENS // page_size)
+    while n < pages_per_seq:
+        out.append(n)
+        n *= PAGE_BUCKET_GROWTH
+    return out + [pages_per_seq]
 
 
 def _pow2(n: int) -> int:
@@ -27,6 +46,13 @@ class Buckets:
     max_seqs: int  # requests per rank
     dp: int
     max_len_rows: int
+    pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
+
+    def with_pages(self, pages_per_seq: int, page_size: int) -> Buckets:
+        return dataclasses.replace(self, pages=tuple(page_buckets(pages_per_seq, page_size)))
+
+    def page_bucket(self, pages: int) -> int:
+        return self.pages[min(bisect.bisect_left(self.pages, pages), len(self.pages) - 1)]
 
     @classmethod
     def make(cls, max_running: int, chunk: int, dp: int, decode: list[int] | None = None,
@@ -52,15 +78,17 @@ class Buckets:
         sizes = [rows << i for i in range(self.dp.bit_length())]
         return [s for s in sizes if s < self.dp * rows] + [self.dp * rows]
 
-    def shapes(self, pages_per_seq: int) -> list[StepShape]:
+    def shapes(self) -> list[StepShape]:
         """Every step shape a serving step may take (compiled at start-up)."""
-        out = [StepShape(True, b, b, pages_per_seq) for b in self.decode]
-        for t in self.extend:
-            out += [StepShape(False, t, self.extend_seqs(t), pages_per_seq, m, s) for m, s in self.extend_modes(t)]
+        out = []
+        for n in self.pages:
+            out += [StepShape(True, b, b, n) for b in self.decode]
+            for t in self.extend:
+                out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
         return out
 
-    def shape_for(self, rows: list[int], agreement: Agreement, pages_per_seq: int) -> StepShape:
-        busiest = max(rows)
+    def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
+        busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
             return StepShape(True, b, b, pages_per_seq)

@@ -92,7 +92,7 @@ class Engine:
         carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
         runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
-                                    c.max_len_extend_rows)
+                                    c.max_len_extend_rows).with_pages(self.pages_per_seq, c.page_size)
         self.stats = StepStats(dp)
         self.delayer = PrefillDelayer(c.prefill_delayer, dp) if c.prefill_delayer else None
         self.hosts = hosts
@@ -119,8 +119,7 @@ class Engine:
     # ---- start-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
-        compile_steps(self.runner, self._sample, self.buckets, self.pages_per_seq, self.layout.dp,
-                      self.model_cfg.vocab_size)
+        compile_steps(self.runner, self._sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size)
         self.compiles_at_warmup = compiles_total()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -217,7 +216,8 @@ class Engine:
         message = self.link.message() if self.link else {}
         if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
             d.post(message, [self.schedulers[r] for r in self.local_ranks])
-        proposals, messages = self.exchange.exchange(rank_proposals(plans, self.buckets.decode[-1]), message)
+        mine = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
+        proposals, messages = self.exchange.exchange(mine, message)
         self.blocked = None
         if self.link:
             self.link.receive(messages)
@@ -232,7 +232,7 @@ class Engine:
             self._inflight = None
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
-        shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
+        shape = self.buckets.shape_for(rows, agreement)
         compiles_before = compiles_total()
         step = next(self._steps)
         try:
@@ -263,7 +263,7 @@ class Engine:
                t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
         c = self.cfg
-        out = plan_arrays(plans, self.rows, shape, self.pages_per_seq, c.page_size, c.num_pages * c.page_size)
+        out = plan_arrays(plans, self.rows, shape, c.page_size, c.num_pages * c.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
         t1 = time.perf_counter()
@@ -291,9 +291,9 @@ class Engine:
                 continue
             only: list[RankPlan | None] = [None] * self.layout.dp
             only[r] = plan
-            agreement = agree_on_step(rank_proposals(only, self.buckets.decode[-1]))
+            agreement = agree_on_step(rank_proposals(only, self.buckets.decode[-1], self.rows.num_pages))
             rows = list(agreement.rows_per_rank)
-            shape = self.buckets.shape_for(rows, agreement, self.pages_per_seq)
+            shape = self.buckets.shape_for(rows, agreement)
             step, t0 = next(self._steps), time.perf_counter()
             try:
                 f = self._queue(only, shape, rows, agreement, t0, 0.0)

@@ -55,7 +55,16 @@ class RankPlan:
         return self.subset([i for i, r in enumerate(self.reqs) if not r.finished])
 
 
-def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int) -> list[Proposal]:
-    """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket"."""
-    return [Proposal(p.num_rows if p else 0, bool(p and p.kind == "extend"),
-                     bool(p) and p.num_rows <= largest_decode_bucket) for p in plans]
+def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int,
+                   num_pages_RB: np.ndarray) -> list[Proposal]:
+    """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket", and the
+    most pages one of its sequences holds (num_pages_RB: the persistent batch's pages per row)."""
+    return [Proposal(p.num_rows, p.kind == "extend", p.num_rows <= largest_decode_bucket,
+                     plan_pages(p, num_pages_RB[r])) if p else Proposal(0, False, False)
+            for r, p in enumerate(plans)]
+
+
+def plan_pages(plan: RankPlan, num_pages_B: np.ndarray) -> int:
+    pieces = max((len(p.pages) for p in plan.pieces), default=0)
+    rows = int(num_pages_B[plan.rows].max()) if plan.rows is not None and len(plan.rows) else 0
+    return max(pieces, rows)

@@ -140,11 +140,11 @@ def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, 
     out["keys"][r, at, 1] = n_out
 
 
-def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape, pages_per_seq: int,
-                page_size: int, pad_slot: int) -> dict[str, np.ndarray]:
+def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape, page_size: int,
+                pad_slot: int) -> dict[str, np.ndarray]:
     """A step's arrays (and its sampling parameters) from every rank's plan: the decode plans of all ranks
     at once from the persistent rows, a plan of prompt chunks from its pieces; ranks without one stay padding."""
-    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, pages_per_seq, pad_slot)
+    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, shape.pages_per_seq, pad_slot)
     decodes = [(r, p.rows, p.num_rows - len(p.rows), len(p.pieces)) for r, p in enumerate(plans)
                if p is not None and p.rows is not None and len(p.rows)]  # (a mixed chunk's after its pieces)
     if decodes:
@@ -176,7 +176,7 @@ def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[i
     out["positions_T"][r, t] = pos
     out["seq_T"][r, t] = seq
     out["slots_T"][r, t] = table[np.arange(len(row)), pos // S] * S + pos % S
-    out["page_table_BN"][r, seq] = table
+    out["page_table_BN"][r, seq] = table[:, : out["page_table_BN"].shape[2]]  # (the step's page bucket)
     out["seq_lens_B"][r, seq] = pos + 1
     out["logits_idx_B"][r, seq] = t
     fill_sampling(out, r, seq, *(getattr(a, f)[r, row] for f in SAMPLING_FIELDS), a.n_out[r, row])

@@ -37,11 +37,11 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def compile_steps(runner: StepRunner, sample, buckets: Buckets, pages_per_seq: int, dp: int, vocab: int) -> None:
+def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: int) -> None:
     """Compile every step shape and its sampling ahead of time (the stand-in for CUDA graph capture)."""
     from tqdm import tqdm
 
-    shapes = buckets.shapes(pages_per_seq)
+    shapes = buckets.shapes()
     t0 = time.perf_counter()
     for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
         runner.compile(shape)
@@ -50,8 +50,8 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, pages_per_seq: i
         jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))
         if sample is sample_tokens:  # (a stand-in runner has no real logits)
             jax.block_until_ready(top_logprobs(logits))
-    log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s)", len(shapes),
-             time.perf_counter() - t0, buckets.decode, buckets.extend)
+    log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s; page-table widths %s)",
+             len(shapes), time.perf_counter() - t0, buckets.decode, buckets.extend, list(buckets.pages))
 
 
 def find_tokenizer(model):

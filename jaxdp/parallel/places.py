@@ -84,6 +84,7 @@ class Proposal:
     rows: int  # token rows of its batch (0: nothing to do)
     is_extend: bool  # it reads a prompt (chunk)
     decode_bucket_ok: bool  # its decode batch fits a compiled decode bucket
+    pages: int = 0  # the most pages one of its sequences holds in this step (the page table's width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Agreement:
     use_decode_bucket: bool  # AND over ranks
     idle_ranks: tuple[int, ...]  # ranks that run an idle batch
     run: bool  # False when every rank is idle: no step at all
+    max_pages: int = 0  # MAX over ranks of their pages per sequence
 
 
 class LocalExchange:
@@ -113,7 +115,7 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     busy = [p for p in proposals if p.rows > 0]
     use_decode = run and not any_extend and all(p.decode_bucket_ok for p in busy)
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
-    return Agreement(rows, any_extend, use_decode, idle, run)
+    return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------
