@@ -66,12 +66,16 @@ class Indexer(nnx.Module):
     def select(self, q_resid_TQ, x_TD, positions_T, keys_TCE, visible_TC, k: int) -> jax.Array:
         """The `k` context positions each query row keeps, best first [T, k] (see the module doc).
         keys_TCE: each row's own context [T, C, E], or one context all rows share [C, E]."""
+        score_TC = self.scores(q_resid_TQ, x_TD, positions_T, keys_TCE)
+        return jax.lax.top_k(jnp.where(visible_TC, score_TC, NEG_INF), k)[1].astype(jnp.int32)
+
+    def scores(self, q_resid_TQ, x_TD, positions_T, keys_TCE) -> jax.Array:
+        """Each query row's index score of every context position [T, C] (float32; keys as in `select`)."""
         q_TIE, w_TI = self.queries(q_resid_TQ, x_TD, positions_T)
         spec = "tie,ce->tic" if keys_TCE.ndim == 2 else "tie,tce->tic"
         # the keys stay in their dtype (no float32 copy of the context's keys); the dot accumulates in float32
         s_TIC = jnp.einsum(spec, q_TIE.astype(keys_TCE.dtype), keys_TCE, preferred_element_type=jnp.float32)
-        score_TC = jnp.einsum("tic,ti->tc", jax.nn.relu(s_TIC), w_TI)
-        return jax.lax.top_k(jnp.where(visible_TC, score_TC, NEG_INF), k)[1].astype(jnp.int32)
+        return jnp.einsum("tic,ti->tc", jax.nn.relu(s_TIC), w_TI)
 
     def select_prompt(self, q_resid_TQ, x_TD, positions_T, seq_T, keys_BCE, k: int, block: int | None = None):
         """`select` for prompt rows of any sequences (seq_T; B for padding), each over its own sequence's
