@@ -239,3 +239,16 @@ def test_fp8_index_keys_through_the_construction_path_and_the_pool_size():
     assert packed.cache["moe_index"].shape[-1] == fp8_key_width(cfg.index_key_dim)
     saved = cfg.num_layers * (2 * cfg.index_key_dim - fp8_key_width(cfg.index_key_dim))
     assert plain.pool_bytes_per_token - packed.pool_bytes_per_token == saved
+
+
+def test_prompt_rows_in_blocks_match_transformers(checkpoint, monkeypatch):
+    """The prompt path's indexer in blocks of 3 rows (a long prompt over a long context; the step's rows
+    are not a multiple of 3, so the last block is padded) selects as transformers does."""
+    from jaxdp.model import indexer
+
+    kind, hf, _, model = checkpoint
+    if kind == "v32":
+        pytest.skip(V32_ONCE)
+    monkeypatch.setattr(indexer, "query_block", lambda T, C, E, I: 3)
+    out = run(model, "dp=1", [0] * len(PROMPTS))
+    check_against_transformers(out, hf, PROMPTS)

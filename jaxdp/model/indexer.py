@@ -66,11 +66,45 @@ class Indexer(nnx.Module):
     def select(self, q_resid_TQ, x_TD, positions_T, keys_TCE, visible_TC, k: int) -> jax.Array:
         """The `k` context positions each query row keeps, best first [T, k] (see the module doc).
         keys_TCE: each row's own context [T, C, E], or one context all rows share [C, E]."""
+        score_TC = self.scores(q_resid_TQ, x_TD, positions_T, keys_TCE)
+        return jax.lax.top_k(jnp.where(visible_TC, score_TC, NEG_INF), k)[1].astype(jnp.int32)
+
+    def scores(self, q_resid_TQ, x_TD, positions_T, keys_TCE) -> jax.Array:
+        """Each query row's index score of every context position [T, C] (float32; keys as in `select`)."""
         q_TIE, w_TI = self.queries(q_resid_TQ, x_TD, positions_T)
         spec = "tie,ce->tic" if keys_TCE.ndim == 2 else "tie,tce->tic"
-        s_TIC = jnp.einsum(spec, q_TIE, keys_TCE.astype(jnp.float32))
-        score_TC = jnp.einsum("tic,ti->tc", jax.nn.relu(s_TIC), w_TI)
-        return jax.lax.top_k(jnp.where(visible_TC, score_TC, NEG_INF), k)[1].astype(jnp.int32)
+        # the keys stay in their dtype (no float32 copy of the context's keys); the dot accumulates in float32
+        s_TIC = jnp.einsum(spec, q_TIE.astype(keys_TCE.dtype), keys_TCE, preferred_element_type=jnp.float32)
+        return jnp.einsum("tic,ti->tc", jax.nn.relu(s_TIC), w_TI)
+
+    def select_prompt(self, q_resid_TQ, x_TD, positions_T, seq_T, keys_BCE, k: int, block: int | None = None):
+        """`select` for prompt rows of any sequences (seq_T; B for padding), each over its own sequence's
+        cached keys keys_BCE [B, C, E], causally. Rows go in blocks (`query_block`) under lax.map, so the
+        rows' keys [block, C, E] and scores [block, I, C] exist for one block at a time."""
+        T, (B, C, E) = x_TD.shape[0], keys_BCE.shape
+        block = block or query_block(T, C, E, self.w_q_QIE.shape[1])
+
+        def rows(args):
+            q_TQ, x_TD, pos_T, seq_T = args
+            visible_TC = jnp.arange(C)[None, :] <= pos_T[:, None]
+            return self.select(q_TQ, x_TD, pos_T, keys_BCE[jnp.clip(seq_T, 0, B - 1)], visible_TC, k)
+
+        args = (q_resid_TQ, x_TD, positions_T, seq_T)
+        if block >= T:
+            return rows(args)
+        pad = -T % block
+        blocks = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, block, *a.shape[1:]) for a in args]
+        return jax.lax.map(rows, tuple(blocks)).reshape(-1, k)[:T]
+
+
+QUERY_BLOCK_FLOATS = 1 << 26  # per block of prompt rows: their keys [rows, C, E] and scores [rows, I, C]
+
+
+def query_block(T: int, C: int, E: int, I: int, budget: int | None = None) -> int:
+    """Prompt rows scored at once over a context of C: a power of two (or all T) with
+    rows x C x (E + I) <= budget floats (default QUERY_BLOCK_FLOATS, 256 MiB in float32), at least one row."""
+    rows = max(1, (budget or QUERY_BLOCK_FLOATS) // (C * (E + I)))
+    return T if rows >= T else 1 << (rows.bit_length() - 1)
 
 
 # ---- fp8 index keys (an option of the pool: SGLang's 132 bytes a token for GLM-5) ----------------------

@@ -172,11 +172,11 @@ class MLA(nnx.Module):
         keys_BCE = gather_context(keys_PSE, batch.page_table_BN)
         if keys_BCE.dtype == jnp.uint8:
             keys_BCE = unpack_fp8_keys(keys_BCE, self.cfg.index_head_dim)
-        B, C = keys_BCE.shape[:2]
-        # decode: row b is sequence b; extend: each row reads its own sequence's keys
-        keys_TCE = keys_BCE if absorbed else keys_BCE[jnp.clip(batch.seq_T, 0, B - 1)]
-        visible_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]
-        return self.indexer.select(q_TQ, x_TD, batch.positions_T, keys_TCE, visible_TC, selection_size(self.cfg, C))
+        C, k = keys_BCE.shape[1], selection_size(self.cfg, keys_BCE.shape[1])
+        if not absorbed:  # extend: each row reads its own sequence's keys, in blocks of rows
+            return self.indexer.select_prompt(q_TQ, x_TD, batch.positions_T, batch.seq_T, keys_BCE, k)
+        visible_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]  # decode: row b is sequence b
+        return self.indexer.select(q_TQ, x_TD, batch.positions_T, keys_BCE, visible_TC, k)
 
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
