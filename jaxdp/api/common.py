@@ -41,21 +41,51 @@ def done_ids(req: Request) -> list[int]:
 
 class TextView:
     """The text of a request's output as a client sees it: decoded, cut before the first stop string,
-    holding back a partial UTF-8 character and, while running, a tail that could begin a stop string."""
+    holding back a partial UTF-8 character and, while running, a tail that could begin a stop string.
+
+    Decoded incrementally (as SGLang's detokenizer and vLLM's): each call decodes only the tokens since the
+    text last became whole, with the token before them as context (so a tokenizer that drops a word's leading
+    space at the start of a decode gives the same text as decoding everything), and looks for stop strings
+    only where a new one can end. A token costs the same at the 10th output token as at the 10,000th."""
 
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.matched: str | None = None
+        self._text = ""  # the whole text of ids[:_read]
+        self._prefix = self._read = 0  # ids[_prefix:_read] decode to the end of _text (the context)
+        self._searched = 0  # _text[:_searched] holds no stop string
+        self._cut: int | None = None  # where the first stop string begins
+
+    def _advance(self, ids: list[int], final: bool) -> str:
+        """The text of ids (a trailing partial character left out unless final)."""
+        if self._read >= len(ids) and not final:
+            return self._text
+        decode = self.tokenizer.decode
+        context = decode(ids[self._prefix:self._read], skip_special_tokens=self.skip) if self._read else ""
+        text = decode(ids[self._prefix:], skip_special_tokens=self.skip)
+        if not text.startswith(context):  # a tokenizer whose context decodes differently: decode it all
+            text, context, self._text, self._prefix = decode(ids, skip_special_tokens=self.skip), "", "", 0
+        new = text[len(context):]
+        if final or not new.endswith("\ufffd"):  # whole: the next call starts from here
+            self._text += new
+            self._prefix, self._read = self._read, len(ids)
+            return self._text
+        return self._text + new.rstrip("\ufffd")
 
     def text(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(done_ids(req), skip_special_tokens=self.skip)
-        cuts = [(text.find(s), s) for s in self.stop if s in text]
-        if cuts:
-            at, self.matched = min(cuts)
-            return text[:at]
+        if self._cut is not None:
+            return self._text[: self._cut]
+        text = self._advance(done_ids(req), req.finished)
+        if self.stop:
+            start = max(0, self._searched - self.hold)
+            cuts = [(at, s) for s in self.stop if (at := text.find(s, start)) >= 0]
+            self._searched = len(text)
+            if cuts:
+                self._cut, self.matched = min(cuts)
+                return text[: self._cut]
         if not req.finished:
             text = text.rstrip("\ufffd")
             if self.stop and self.hold:
