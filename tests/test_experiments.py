@@ -2,9 +2,12 @@
 (fast); each experiment's --quick run writes its JSON, PNG and markdown table (slow: minutes each)."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 
+from jaxdp.experiments import crossover, ep, single_request, skew
 from jaxdp.experiments.__main__ import EXPERIMENTS, main
 
 
@@ -27,20 +30,107 @@ def test_a_server_that_cannot_start_is_one_error_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and not (tmp_path / "skew.json").exists()
 
 
-KEYS = {"skew": "itl_ratio_skewed_over_balanced", "single-request": "itl_ratio_dp_over_tp",
-        "prompt-in-the-way": "decode_tokens_lost_pct_with_delayer", "ep": "expert_rows_per_step",
-        "crossover": "median_ttft_ms_poisson"}
+def positive(values) -> bool:
+    values = list(values)
+    return bool(values) and all(math.isfinite(v) and v > 0 for v in values)
+
+
+def ranks(counts) -> dict[str, int]:
+    return {str(r): c for r, c in enumerate(counts) if c}
+
+
+def check_skew(r: dict) -> None:
+    itl = r["median_itl_ms"]
+    assert set(itl) == set(skew.PATTERNS) and positive(itl.values())
+    assert r["itl_ratio_skewed_over_balanced"] == pytest.approx(itl["skewed"] / itl["balanced"])
+    assert r["itl_ratio_one_rank_over_balanced"] == pytest.approx(itl["one rank"] / itl["balanced"])
+    # every pattern's requests went to the ranks it pins them to, and each had a steady window
+    assert {k: p["requests_per_dp_rank"] for k, p in r["steady"].items()} == {
+        k: ranks(c) for k, c in skew.PATTERNS.items()}
+    assert all(p["window_s"] > 0 and p["tokens_in_window"] > 0 for p in r["steady"].values())
+
+
+def check_single_request(r: dict) -> None:
+    itl, per_rank = r["median_itl_ms"], r["requests_per_dp_rank"]
+    assert set(itl) == {*single_request.LAYOUTS, "dp=4, one per rank"} and positive(itl.values())
+    assert r["itl_ratio_dp_over_tp"] == pytest.approx(itl["dp=4"] / itl["tp=4"])
+    assert r["itl_ratio_four_over_one_dp4"] == pytest.approx(itl["dp=4, one per rank"] / itl["dp=4"])
+    repeats = sum(per_rank["tp=4"].values())
+    assert repeats > 0 and per_rank["tp=4"] == {"0": repeats}  # one dp rank under tp=4
+    assert sum(per_rank["dp=4"].values()) == sum(per_rank["dp=2,tp=2"].values()) == repeats
+    assert per_rank["dp=4, one per rank"] == ranks([repeats] * 4)
+
+
+def check_prompt_in_the_way(r: dict) -> None:
+    assert set(r["tests"]) == set(r["itl_series"]) and len(r["tests"]) == 4
+    for name, t in r["tests"].items():
+        # every prompt sent was read (a TTFT of nan hides prompts that never finished)
+        assert t["prompts_sent"] > 0 and t["prompts_done"] == t["prompts_sent"], name
+        assert positive([t["rate_alone"], t["prompt_ttft_s"], t["decode_step_ms_alone"], t["prompts_s"]]), name
+        assert t["rate_prompts"] >= 0 and -100 < t["lost_pct"] <= 100, name
+        assert t["lost_pct"] == pytest.approx(100 * (1 - t["rate_prompts"] / t["rate_alone"])), name
+        assert r["itl_series"][name] and all(gap >= 0 for _, gap in r["itl_series"][name]), name
+    assert r["decode_tokens_lost_pct"] == {"short": r["tests"]["pinned short"]["lost_pct"],
+                                           "long": r["tests"]["pinned long"]["lost_pct"]}
+    assert r["decode_tokens_lost_pct_with_delayer"] == r["tests"]["unpinned long, delayer"]["lost_pct"]
+
+
+def check_ep(r: dict) -> None:
+    for moe in ep.MESHES:
+        assert set(r["median_itl_ms"][moe]) == set(ep.LOADS) and positive(r["median_itl_ms"][moe].values())
+        for load, counts in ep.LOADS.items():
+            rows = r["expert_rows_per_step"][moe][load]
+            # jaxdp's experts compute the rows that exist; SGLang's TP MoE pads every rank to the busiest
+            assert rows["jaxdp_computed"] == rows["needed"] == sum(counts), (moe, load)
+            sglang = len(counts) * max(counts) if moe == "moe=tp" else sum(counts)
+            assert rows["sglang_computed"] == sglang, (moe, load)
+
+
+def check_crossover(r: dict) -> None:
+    assert set(r["curves"]) == set(crossover.LAYOUTS) and positive(r["median_ttft_ms_poisson"].values())
+    concurrency = [p["concurrency"] for p in r["curves"]["tp=4"]]
+    assert concurrency == sorted(concurrency) and len(concurrency) >= 3
+    for name, pts in r["curves"].items():
+        assert [p["concurrency"] for p in pts] == concurrency, name
+        assert positive(p["output_throughput"] for p in pts) and positive(p["tpot_ms"]["median"] for p in pts)
+    tok = {k: {p["concurrency"]: p["output_throughput"] for p in v} for k, v in r["curves"].items()}
+    assert r["dp_over_tp_throughput"] == {str(c): pytest.approx(tok["dp=4"][c] / tok["tp=4"][c])
+                                          for c in concurrency}
+
+
+CHECKS = {"skew": check_skew, "single-request": check_single_request,
+          "prompt-in-the-way": check_prompt_in_the_way, "ep": check_ep, "crossover": check_crossover}
+RECORDED = Path(__file__).parent.parent / "docs" / "experiments"
+
+
+def check_outputs(name: str, out: Path, quick: bool = True) -> None:
+    result = json.loads((out / f"{name}.json").read_text())
+    assert result["experiment"] == name and result["quick"] == quick
+    CHECKS[name](result)
+    assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / f"{name}.md").read_text()
+    assert "| quantity | article" in table and table.count("\n|") >= 4 and "nan" not in table.lower()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_quick_run_writes_results(name, tmp_path):
     assert main([name, "--quick", "--output-dir", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / f"{name}.json").read_text())
-    assert result["experiment"] == name and result["quick"] and KEYS[name] in result
-    assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = (tmp_path / f"{name}.md").read_text()
-    assert "| quantity | article" in table and table.count("\n|") >= 4
+    check_outputs(name, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_the_recorded_runs_pass_the_same_checks(name):
+    """docs/experiments/ holds one --quick run of each: the checks hold on it, and fail on a broken copy."""
+    check_outputs(name, RECORDED)
+    broken = json.loads((RECORDED / f"{name}.json").read_text())
+    {"skew": lambda r: r["steady"]["skewed"].update(requests_per_dp_rank={"0": 64}),
+     "single-request": lambda r: r["median_itl_ms"].update({"dp=4": float("nan")}),
+     "prompt-in-the-way": lambda r: r["tests"]["pinned long"].update(prompts_done=0),
+     "ep": lambda r: r["expert_rows_per_step"]["moe=tp"]["skewed"].update(jaxdp_computed=160),
+     "crossover": lambda r: r["curves"]["dp=4"][-1].update(output_throughput=0.0)}[name](broken)
+    with pytest.raises(AssertionError):
+        CHECKS[name](broken)
 
 
 def test_server_flags_for_the_delayer_and_mixed_chunks():

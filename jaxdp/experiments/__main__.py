@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m jaxdp.experiments", description=__doc__,
                epilog="Any other flag goes to every server the experiment starts (python -m jaxdp.serve --help).")
     p.add_argument("name", choices=[*EXPERIMENTS, "all"], help="the experiment (all: one after another)")
-    p.add_argument("--quick", action="store_true", help="small loads: about 5 minutes each on 2 CPU cores")
+    p.add_argument("--quick", action="store_true", help="small loads: 2 to 6 minutes each on 2 shared CPU cores")
     p.add_argument("--output-dir", default="experiments-out", help="where NAME.json, NAME.png, NAME.md go")
     try:
         args, server_flags = p.parse_known_args(argv)

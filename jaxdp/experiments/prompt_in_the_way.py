@@ -24,6 +24,7 @@ import numpy as np
 from jaxdp.bench import serving as bench
 from jaxdp.experiments.runner import Context, ExperimentError, figure
 
+BIN_S = 0.25  # the decoders' tokens per second are counted in bins of this many seconds
 ARTICLE = {"lost_pct_short": 6, "lost_pct_long": 38, "decoder_tok_s": (1270, 1610), "prompt_s": (0.30, 0.65)}
 
 
@@ -68,16 +69,7 @@ def run(ctx: Context) -> dict:
                                 "with_delayer": out["unpinned long, delayer"]["prompt_ttft_s"]},
               "prompt_len": {"short": short, "long": long}, "tests": summary, "article": ARTICLE,
               "itl_series": {k: r["itl_series"][:: 1 + len(r["itl_series"]) // 1000] for k, r in out.items()}}
-    fig, axes = figure(len(out), "prompt-in-the-way: every decoder token's ITL over time (Figure 8)")
-    for ax, (name, r) in zip(axes, out.items(), strict=True):
-        t, gap = np.asarray(r["itl_series"]).T if r["itl_series"] else (np.zeros(0), np.zeros(0))
-        ax.scatter(t, gap * 1000, s=2, alpha=0.4)
-        ax.axvline(r["alone_s"], color="tab:red", lw=0.8, ls="--", label="prompts start")
-        ax.set_title(f"{name}: {r['lost_pct']:.0f}% fewer tokens", fontsize=9)
-        ax.set_xlabel("s")
-        ax.set_yscale("log")
-    axes[0].set_ylabel("ITL (ms)")
-    axes[0].legend(fontsize=8)
+    fig = plot(out)
     wo, wi = out["unpinned long"], out["unpinned long, delayer"]
     table = [(f"decoder tokens lost, short prompts ({short} tokens here)", "6%",
               f"{out['pinned short']['lost_pct']:.0f}%"),
@@ -91,6 +83,31 @@ def run(ctx: Context) -> dict:
               f"{wo['prompt_ttft_s']:.2f} -> {wi['prompt_ttft_s']:.2f} s")]
     ctx.write(result, fig, table)
     return result
+
+
+def plot(out: dict[str, dict]):
+    """The decoders' tokens per second and ITL over time, one column per test (a test's dict from `_measure`)."""
+    fig, axes = figure(len(out), "prompt-in-the-way: the decoders' tokens per second (top) and every decoder "
+                       "token's ITL (bottom) over time (Figure 8)", nrows=2)
+    for rate_ax, itl_ax, (name, r) in zip(axes[:len(out)], axes[len(out):], out.items(), strict=True):
+        t, gap = np.asarray(r["itl_series"]).T if r["itl_series"] else (np.zeros(0), np.zeros(0))
+        # a stalled decoder sends no token, so the ITL plot alone shows a stall only where it ends; the rate
+        # in bins of 0.25 s shows it as a drop to zero
+        end = r["alone_s"] + r["prompts_s"]
+        edges = np.arange(0.0, end + BIN_S, BIN_S)
+        counts, _ = np.histogram(t, edges)
+        rate_ax.stairs(counts / BIN_S, edges, fill=True, alpha=0.6)
+        rate_ax.set_title(f"{name}: {r['lost_pct']:.0f}% fewer tokens", fontsize=9)
+        itl_ax.scatter(t, gap * 1000, s=2, alpha=0.4)
+        itl_ax.set_yscale("log")
+        itl_ax.set_xlabel("s since the decoders alone")
+        for ax in (rate_ax, itl_ax):
+            ax.axvline(r["alone_s"], color="tab:red", lw=0.8, ls="--", label="prompts start")
+            ax.set_xlim(0, end)
+    axes[0].set_ylabel("decoder tokens / s")
+    axes[len(out)].set_ylabel("ITL (ms)")
+    axes[0].legend(fontsize=8)
+    return fig
 
 
 async def _measure(url: str, load: Load, context: int) -> dict:

@@ -161,15 +161,16 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu}"
 
 
-def figure(ncols: int, title: str):
+def figure(ncols: int, title: str, nrows: int = 1):
+    """A figure of nrows x ncols plots; the axes row by row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.0), layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), layout="constrained", squeeze=False)
     fig.suptitle(title)
-    return fig, list(axes[0])
+    return fig, list(axes.flat)
 
 
 def context_for(tokens: int, page: int = 64) -> int:
