@@ -30,7 +30,7 @@ from tqdm import tqdm
 from jaxdp.config import ModelConfig, load_hf_config
 from jaxdp.layout import Layout
 from jaxdp.model import fp8, modelopt
-from jaxdp.model.checkpoint import Checkpoint, aligned_copy, aligned_empty
+from jaxdp.model.checkpoint import Checkpoint, Tiled, aligned_copy, aligned_empty, fill
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.quant import apply_quantization, resolve_quantization
 from jaxdp.model.sources import Box, sources
@@ -120,7 +120,7 @@ def _box(sharding: NamedSharding, shape: tuple[int, ...]) -> Box:
     return tuple(slice(min(i[a][0] for i in idx), max(i[a][1] for i in idx)) for a in range(len(shape)))
 
 
-def _place(arr: np.ndarray, box: Box, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
     """An array of `shape` on the mesh from the host box `arr` that covers this process's pieces."""
     pieces: dict[tuple, np.ndarray] = {}
 
@@ -128,7 +128,11 @@ def _place(arr: np.ndarray, box: Box, shape: tuple[int, ...], sharding: NamedSha
         key = _key(index, shape)
         if key not in pieces:  # replicas share one read (and on a CPU one buffer)
             rel = tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))
-            pieces[key] = aligned_copy(arr[rel])
+            if isinstance(arr, Tiled):
+                pieces[key] = aligned_empty(tuple(z - a for a, z in key), arr.dtype)
+                fill(pieces[key], arr, rel)
+            else:
+                pieces[key] = aligned_copy(arr[rel])
         return pieces[key]
 
     return jax.make_array_from_callback(shape, sharding, piece)
@@ -226,13 +230,13 @@ class _Stack:
             self.update = jax.jit(lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
                                   donate_argnums=0, out_shardings=sharding)
 
-    def set(self, layer: int, host: np.ndarray, box: Box) -> None:
+    def set(self, layer: int, host: np.ndarray | Tiled, box: Box) -> None:
         if self.pieces is None:
             x = _place(host, box, self.layer_shape, self.layer_sharding)
             self.array = self.update(self.array, x, jnp.int32(layer))
             return
         for key, piece in self.pieces.items():
-            piece[layer] = host[tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))]
+            fill(piece[layer], host, tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True)))
 
     def done(self) -> jax.Array:
         if self.pieces is None:
