@@ -27,6 +27,7 @@ READAHEAD = 256 << 20  # after each read the kernel is asked to fetch this much 
 ALIGN = 64  # XLA:CPU takes a host buffer without a copy when it is aligned like this
 TILE = 128  # the side of the square tiles a transposing copy moves (a tile of both arrays stays in cache)
 THREADED_BYTES = 1 << 20  # copies at least this big are split over threads (numpy drops the GIL while copying)
+SPLIT = 8  # ... in this many interleaved parts (the pool's threads take them as they come free)
 
 
 class CheckpointError(ValueError):
@@ -42,48 +43,55 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
-def aligned_copy(x: np.ndarray) -> np.ndarray:
+def aligned_copy(x: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     if x.flags.c_contiguous and x.ctypes.data % ALIGN == 0:
         return x
     out = aligned_empty(x.shape, x.dtype)
-    copy_into(out, x)
+    copy_into(out, x, pool)
     return out
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+def copy_into(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None = None) -> None:
     """dst[...] = src (same shape), fast when src is a transposed view (torch's [out, in] read as our
     [in, out]): numpy's own transposing copy walks one side a whole row apart per element (a new page
     each time at these widths), so the copy goes in TILE x TILE tiles of src's contiguous axis and dst's
-    last axis, and big copies are split over the cores."""
+    last axis, spread over `pool`'s threads when it is big."""
+    _run([(dst, src, t) for t in _tiles(dst, src)], pool)
+
+
+def _tiles(dst: np.ndarray, src: np.ndarray) -> list[tuple[slice, ...]]:
     if src.shape != dst.shape:
         raise ValueError(f"copy of {src.shape} into {dst.shape}")
     if dst.size == 0:
-        return
+        return []
     last = dst.ndim - 1
     moving = [k for k in range(src.ndim) if src.shape[k] > 1]
     fast = min(moving, key=lambda k: abs(src.strides[k])) if moving else last
     axes = [fast, last] if fast != last and src.shape[last] > 1 else []
     if not axes:  # rows contiguous in both: chunks of the leading axis
         axes = [0] if dst.ndim and dst.nbytes >= THREADED_BYTES else []
-    steps = {a: (TILE if len(axes) == 2 else -(-dst.shape[a] // _workers())) for a in axes}
+    steps = {a: TILE if len(axes) == 2 else max(1, (THREADED_BYTES // 2) * dst.shape[a] // dst.nbytes)
+             for a in axes}
     tiles = []
     for starts in itertools.product(*(range(0, dst.shape[a], steps[a]) for a in axes)):
         at = dict(zip(axes, starts, strict=True))
         tiles.append(tuple(slice(at[a], at[a] + steps[a]) if a in at else slice(None) for a in range(dst.ndim)))
-
-    def run(part: list[tuple]) -> None:
-        for t in part:
-            dst[t] = src[t]
-
-    n = _workers() if dst.nbytes >= THREADED_BYTES else 1
-    if n == 1 or len(tiles) == 1:
-        return run(tiles)
-    with ThreadPoolExecutor(n) as pool:
-        list(pool.map(run, [tiles[i::n] for i in range(n)]))
+    return tiles
 
 
-def _workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+def _run(tasks: list[tuple[np.ndarray, np.ndarray, tuple]], pool: ThreadPoolExecutor | None) -> None:
+    def run(part) -> None:
+        for d, s, t in part:
+            d[t] = s[t]
+
+    if pool is None or len(tasks) < 2 or sum(d.nbytes for d, _, _ in tasks) < THREADED_BYTES:
+        return run(tasks)
+    list(pool.map(run, [tasks[i::SPLIT] for i in range(SPLIT)]))
+
+
+def copy_pool() -> ThreadPoolExecutor:
+    """The threads a load copies with (numpy drops the GIL while it copies): one per core, at most 4."""
+    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="jaxdp-copy")
 
 
 @dataclasses.dataclass
@@ -109,16 +117,20 @@ class Tiled:
         return Tiled(self.shape, np.dtype(dtype), [(o, a.astype(dtype)) for o, a in self.parts])
 
 
-def fill(dst: np.ndarray, src: np.ndarray | Tiled, index: tuple[slice, ...]) -> None:
+def fill(dst: np.ndarray, src: np.ndarray | Tiled, index: tuple[slice, ...],
+         pool: ThreadPoolExecutor | None = None) -> None:
     """dst[...] = src[index] (index: one slice with a step of 1 per dimension), one pass per part."""
     if not isinstance(src, Tiled):
-        return copy_into(dst, src[index])
+        return copy_into(dst, src[index], pool)
+    tasks = []
     for off, a in src.parts:
         lo = [max(s.start, o) for s, o in zip(index, off, strict=True)]
         hi = [min(s.stop, o + n) for s, o, n in zip(index, off, a.shape, strict=True)]
         if all(b > a_ for a_, b in zip(lo, hi, strict=True)):
-            copy_into(dst[tuple(slice(a_ - s.start, b - s.start) for a_, b, s in zip(lo, hi, index, strict=True))],
-                      a[tuple(slice(a_ - o, b - o) for a_, b, o in zip(lo, hi, off, strict=True))])
+            d = dst[tuple(slice(a_ - s.start, b - s.start) for a_, b, s in zip(lo, hi, index, strict=True))]
+            s = a[tuple(slice(a_ - o, b - o) for a_, b, o in zip(lo, hi, off, strict=True))]
+            tasks += [(d, s, t) for t in _tiles(d, s)]
+    _run(tasks, pool)
 
 
 def assemble(x: np.ndarray | Tiled) -> np.ndarray:
@@ -157,6 +169,7 @@ class Checkpoint:
                 begin, end = e["data_offsets"]
                 self.entries[name] = (fname, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
         self._fds: dict[str, int] = {}
+        self.pool = copy_pool()  # for whoever places what is read (copy_into, fill)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -222,6 +235,7 @@ class Checkpoint:
         return self._fds[fname]
 
     def close(self) -> None:
+        self.pool.shutdown()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -120,7 +121,8 @@ def _box(sharding: NamedSharding, shape: tuple[int, ...]) -> Box:
     return tuple(slice(min(i[a][0] for i in idx), max(i[a][1] for i in idx)) for a in range(len(shape)))
 
 
-def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: NamedSharding,
+           pool: ThreadPoolExecutor | None = None) -> jax.Array:
     """An array of `shape` on the mesh from the host box `arr` that covers this process's pieces."""
     pieces: dict[tuple, np.ndarray] = {}
 
@@ -130,9 +132,9 @@ def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: 
             rel = tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))
             if isinstance(arr, Tiled):
                 pieces[key] = aligned_empty(tuple(z - a for a, z in key), arr.dtype)
-                fill(pieces[key], arr, rel)
+                fill(pieces[key], arr, rel, pool)
             else:
-                pieces[key] = aligned_copy(arr[rel])
+                pieces[key] = aligned_copy(arr[rel], pool)
         return pieces[key]
 
     return jax.make_array_from_callback(shape, sharding, piece)
@@ -193,11 +195,11 @@ def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[s
                 if host.dtype != info.dtype:
                     host = host.astype(info.dtype)
                 if not stacked:
-                    arrays[p] = _place(host, boxes[p], shapes[p], shardings[p])
+                    arrays[p] = _place(host, boxes[p], shapes[p], shardings[p], ck.pool)
                 else:
                     if p not in layers:
                         layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
-                    layers[p].set(layer, host, boxes[p])
+                    layers[p].set(layer, host, boxes[p], ck.pool)
                 del host
                 bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
 
@@ -230,13 +232,14 @@ class _Stack:
             self.update = jax.jit(lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
                                   donate_argnums=0, out_shardings=sharding)
 
-    def set(self, layer: int, host: np.ndarray | Tiled, box: Box) -> None:
+    def set(self, layer: int, host: np.ndarray | Tiled, box: Box, pool: ThreadPoolExecutor | None = None) -> None:
         if self.pieces is None:
-            x = _place(host, box, self.layer_shape, self.layer_sharding)
+            x = _place(host, box, self.layer_shape, self.layer_sharding, pool)
             self.array = self.update(self.array, x, jnp.int32(layer))
             return
         for key, piece in self.pieces.items():
-            fill(piece[layer], host, tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True)))
+            fill(piece[layer], host, tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True)),
+                 pool)
 
     def done(self) -> jax.Array:
         if self.pieces is None:
