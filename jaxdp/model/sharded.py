@@ -178,37 +178,50 @@ def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16
 
 
 def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[str, jax.Array]:
+    """Every parameter read and placed in order, the next one read (in a thread) while this one is
+    placed: one parameter of one layer ahead at most."""
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.dtype.itemsize for i in table.values())
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     arrays: dict[str, jax.Array] = {}
     layers: dict[str, _Stack] = {}
-    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=total < GiB) as bar:
-        def put(src, pre: str, stacked: bool, layer: int = 0) -> None:
-            infos = {p: table[p] for p in src.paths}
-            shardings = {p: NamedSharding(mesh, _layer_spec(i.spec, len(i.shape)) if stacked else i.spec)
-                         for p, i in infos.items()}
-            shapes = {p: i.shape[1:] if stacked else i.shape for p, i in infos.items()}
-            boxes = {p: _box(shardings[p], shapes[p]) for p in src.paths}
-            got = src.read(ck, pre, boxes)
-            for p, info in infos.items():
-                host = got.pop(p)
-                if host.dtype != info.dtype:
-                    host = host.astype(info.dtype)
-                if not stacked:
-                    arrays[p] = _place(host, boxes[p], shapes[p], shardings[p], ck.pool)
-                else:
-                    if p not in layers:
-                        layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
-                    layers[p].set(layer, host, boxes[p], ck.pool)
-                del host
-                bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
+    jobs = [(src, "", False, 0) for src in top] + [
+        (src, f"model.layers.{first[stack] + j}", True, j)
+        for stack, srcs in stacks.items() for j in range(counts[stack]) for src in srcs]
 
-        for src in top:
-            put(src, "", stacked=False)
-        for stack, srcs in stacks.items():
-            for j in range(counts[stack]):
-                for src in srcs:
-                    put(src, f"model.layers.{first[stack] + j}", stacked=True, layer=j)
+    def where(src, stacked: bool):
+        shardings = {p: NamedSharding(mesh, _layer_spec(table[p].spec, len(table[p].shape)) if stacked
+                                      else table[p].spec) for p in src.paths}
+        shapes = {p: table[p].shape[1:] if stacked else table[p].shape for p in src.paths}
+        return shardings, shapes, {p: _box(shardings[p], shapes[p]) for p in src.paths}
+
+    def read(job) -> dict:
+        src, pre, stacked, _ = job
+        return src.read(ck, pre, where(src, stacked)[2])
+
+    def put(job, got: dict) -> None:
+        src, _, stacked, layer = job
+        shardings, shapes, boxes = where(src, stacked)
+        for p in src.paths:
+            info, host = table[p], got.pop(p)
+            if host.dtype != info.dtype:
+                host = host.astype(info.dtype)
+            if not stacked:
+                arrays[p] = _place(host, boxes[p], shapes[p], shardings[p], ck.pool)
+            else:
+                if p not in layers:
+                    layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
+                layers[p].set(layer, host, boxes[p], ck.pool)
+            del host
+            bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
+
+    with (tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=total < GiB) as bar,
+          ThreadPoolExecutor(1, thread_name_prefix="jaxdp-read") as reader):
+        ahead = reader.submit(read, jobs[0]) if jobs else None
+        for i, job in enumerate(jobs):
+            got = ahead.result()
+            ahead = reader.submit(read, jobs[i + 1]) if i + 1 < len(jobs) else None
+            put(job, got)
+            del got
     return arrays | {p: s.done() for p, s in layers.items()}
 
 
