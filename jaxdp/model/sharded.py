@@ -9,8 +9,9 @@ are the step's own (`jaxdp.parallel.sharding`).
 The layer stacks [L, ...] are never assembled on the host: each is created on the mesh once (zeros),
 then every layer's piece is read and written into it in place (a donated dynamic_update_slice). A device
 piece is read once per call and shared by the devices that hold the same index (replicas); each process
-reads only what its own devices hold. Peak host memory is one parameter of one layer beyond what the
-devices hold (on a CPU the devices' buffers are host memory; an aligned piece is taken without a copy).
+reads only what its own devices hold. Peak host memory is two parameters of one layer (the one placed,
+the next one read meanwhile) beyond what the devices hold (on a CPU the devices' buffers are host memory;
+an aligned piece is taken without a copy).
 """
 
 from __future__ import annotations
