@@ -283,3 +283,25 @@ def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack():
     assert weights["fp8"] < 0.6 * weights[None]
     dense_stack = weights[None]  # a whole dequantized copy would add at least this much
     assert temp["fp8"] < temp[None] and temp["fp8"] < dense_stack + 0.25 * temp[None], (temp, weights)
+
+
+@pytest.mark.parametrize("box", [(slice(0, 300), slice(0, 272)), (slice(128, 256), slice(0, 128)),
+                                 (slice(37, 201), slice(5, 250)), (slice(299, 300), slice(271, 272))])
+def test_read_dense_dequantizes_only_its_box_and_equals_the_slice_of_the_whole(tmp_path, box):
+    from jaxdp.model.checkpoint import Checkpoint
+    from jaxdp.model.modelopt import dequantize_weight
+    from jaxdp.model.sources import read_dense
+    from kernels_pallas.nvfp4 import quantize_nvfp4
+
+    rng = np.random.default_rng(0)
+    w8, scale, _ = pow2_fp8(rng.standard_normal((300, 272)).astype(np.float32), 128)
+    packed, s16, s2 = (np.asarray(a) for a in quantize_nvfp4(jnp.asarray(rng.standard_normal((300, 272)),
+                                                                          jnp.float32)))
+    save_file({"a.weight": w8, "a.weight_scale_inv": scale, "b.weight": packed, "b.weight_scale": s16,
+               "b.weight_scale_2": s2}, str(tmp_path / "model.safetensors"))
+    whole_fp8 = fp8.dequantize_fp8_blocks(w8, scale, (128, 128))
+    whole_nvfp4 = dequantize_weight(packed, s16, s2)
+    with Checkpoint(tmp_path) as ck:
+        np.testing.assert_array_equal(read_dense(ck, "a.weight", 128, box), whole_fp8[box])
+        np.testing.assert_array_equal(read_dense(ck, "b.weight", None, box), whole_nvfp4[box])
+        np.testing.assert_array_equal(read_dense(ck, "a.weight", None), whole_fp8)

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.dir) / "config.json").exists():
         write_checkpoint(args.dir, cfg, fp8=args.fp8)
     size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+    load_before = os.getloadavg()[0]
     evict(args.dir)
     read_s, read_cpu_s = read_once(args.dir)
     evict(args.dir)
@@ -193,8 +194,16 @@ def main(argv: list[str] | None = None) -> int:
            "load_cpu_s": got["load_cpu_s"], "load_over_read": got["load_s"] / read_s,
            "load_GBps": size / got["load_s"] / 1e9, "load_GBps_per_cpu_s": size / got["load_cpu_s"] / 1e9,
            "peak_rss_gib": got["peak_rss_bytes"] / 2**30, "rss_over_size": got["peak_rss_bytes"] / size,
-           "mesh": args.mesh}
-    print(" | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+           "mesh": args.mesh, "cpus": os.cpu_count(), "loadavg_1min_before": load_before,
+           "loadavg_1min_after": os.getloadavg()[0]}
+    print(f"{row['checkpoint']} {size / 2**30:.2f} GiB, --mesh {args.mesh} on 8 host devices, {row['cpus']} CPUs, "
+          f"1-min load average {load_before:.1f} before / {row['loadavg_1min_after']:.1f} after (others' work "
+          "slows both figures; compare ratios from one run):")
+    print(f"  read the files once, cold:  {read_s:6.2f} s wall, {read_cpu_s:6.2f} s CPU ({row['read_GBps']:.2f} GB/s)")
+    print(f"  load onto the mesh, cold:   {row['load_s']:6.2f} s wall, {row['load_cpu_s']:6.2f} s CPU "
+          f"({row['load_GBps']:.2f} GB/s)  -> load / read {row['load_over_read']:.2f} (goal <= 2)")
+    print(f"  peak RSS of the loading process: {row['peak_rss_gib']:.2f} GiB = {row['rss_over_size']:.2f} x the "
+          "checkpoint (tests bound it by 1.2 x + 1 GiB)")
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
     return 0

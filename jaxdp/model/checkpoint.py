@@ -9,9 +9,12 @@ float8 and no bfloat16: those come from `ml_dtypes`.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -20,7 +23,11 @@ import numpy as np
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+READAHEAD = 256 << 20  # after each read the kernel is asked to fetch this much further on (while we copy)
 ALIGN = 64  # XLA:CPU takes a host buffer without a copy when it is aligned like this
+TILE = 128  # the side of the square tiles a transposing copy moves (a tile of both arrays stays in cache)
+THREADED_BYTES = 1 << 20  # copies at least this big are split over threads (numpy drops the GIL while copying)
+SPLIT = 8  # ... in this many interleaved parts (the pool's threads take them as they come free)
 
 
 class CheckpointError(ValueError):
@@ -36,11 +43,101 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
-def aligned_copy(x: np.ndarray) -> np.ndarray:
+def aligned_copy(x: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     if x.flags.c_contiguous and x.ctypes.data % ALIGN == 0:
         return x
     out = aligned_empty(x.shape, x.dtype)
-    out[...] = x
+    copy_into(out, x, pool)
+    return out
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None = None) -> None:
+    """dst[...] = src (same shape), fast when src is a transposed view (torch's [out, in] read as our
+    [in, out]): numpy's own transposing copy walks one side a whole row apart per element (a new page
+    each time at these widths), so the copy goes in TILE x TILE tiles of src's contiguous axis and dst's
+    last axis, spread over `pool`'s threads when it is big."""
+    _run([(dst, src, t) for t in _tiles(dst, src)], pool)
+
+
+def _tiles(dst: np.ndarray, src: np.ndarray) -> list[tuple[slice, ...]]:
+    if src.shape != dst.shape:
+        raise ValueError(f"copy of {src.shape} into {dst.shape}")
+    if dst.size == 0:
+        return []
+    last = dst.ndim - 1
+    moving = [k for k in range(src.ndim) if src.shape[k] > 1]
+    fast = min(moving, key=lambda k: abs(src.strides[k])) if moving else last
+    axes = [fast, last] if fast != last and src.shape[last] > 1 else []
+    if not axes:  # rows contiguous in both: chunks of the leading axis
+        axes = [0] if dst.ndim and dst.nbytes >= THREADED_BYTES else []
+    steps = {a: TILE if len(axes) == 2 else max(1, (THREADED_BYTES // 2) * dst.shape[a] // dst.nbytes)
+             for a in axes}
+    tiles = []
+    for starts in itertools.product(*(range(0, dst.shape[a], steps[a]) for a in axes)):
+        at = dict(zip(axes, starts, strict=True))
+        tiles.append(tuple(slice(at[a], at[a] + steps[a]) if a in at else slice(None) for a in range(dst.ndim)))
+    return tiles
+
+
+def _run(tasks: list[tuple[np.ndarray, np.ndarray, tuple]], pool: ThreadPoolExecutor | None) -> None:
+    def run(part) -> None:
+        for d, s, t in part:
+            d[t] = s[t]
+
+    if pool is None or len(tasks) < 2 or sum(d.nbytes for d, _, _ in tasks) < THREADED_BYTES:
+        return run(tasks)
+    list(pool.map(run, [tasks[i::SPLIT] for i in range(SPLIT)]))
+
+
+def copy_pool() -> ThreadPoolExecutor:
+    """The threads a load copies with (numpy drops the GIL while it copies): one per core, at most 4."""
+    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="jaxdp-copy")
+
+
+@dataclasses.dataclass
+class Tiled:
+    """A box held as the parts it was read in (e.g. one per expert and gate/up), each a view at an
+    offset, never assembled: whoever places it copies each part once, straight into its destination."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: list[tuple[tuple[int, ...], np.ndarray]]  # (offset, array)
+
+    @classmethod
+    def stack(cls, items: list, axis: int) -> Tiled:
+        """items (arrays or Tiled of one shape) stacked along a new `axis`."""
+        parts = []
+        for j, it in enumerate(items):
+            for off, a in (it.parts if isinstance(it, Tiled) else [((0,) * it.ndim, it)]):
+                parts.append(((*off[:axis], j, *off[axis:]), np.expand_dims(a, axis)))
+        first = items[0]
+        return cls((*first.shape[:axis], len(items), *first.shape[axis:]), np.dtype(first.dtype), parts)
+
+    def astype(self, dtype) -> Tiled:
+        return Tiled(self.shape, np.dtype(dtype), [(o, a.astype(dtype)) for o, a in self.parts])
+
+
+def fill(dst: np.ndarray, src: np.ndarray | Tiled, index: tuple[slice, ...],
+         pool: ThreadPoolExecutor | None = None) -> None:
+    """dst[...] = src[index] (index: one slice with a step of 1 per dimension), one pass per part."""
+    if not isinstance(src, Tiled):
+        return copy_into(dst, src[index], pool)
+    tasks = []
+    for off, a in src.parts:
+        lo = [max(s.start, o) for s, o in zip(index, off, strict=True)]
+        hi = [min(s.stop, o + n) for s, o, n in zip(index, off, a.shape, strict=True)]
+        if all(b > a_ for a_, b in zip(lo, hi, strict=True)):
+            d = dst[tuple(slice(a_ - s.start, b - s.start) for a_, b, s in zip(lo, hi, index, strict=True))]
+            s = a[tuple(slice(a_ - o, b - o) for a_, b, o in zip(lo, hi, off, strict=True))]
+            tasks += [(d, s, t) for t in _tiles(d, s)]
+    _run(tasks, pool)
+
+
+def assemble(x: np.ndarray | Tiled) -> np.ndarray:
+    if not isinstance(x, Tiled):
+        return x
+    out = aligned_empty(x.shape, x.dtype)
+    fill(out, x, tuple(slice(0, n) for n in x.shape))
     return out
 
 
@@ -72,6 +169,7 @@ class Checkpoint:
                 begin, end = e["data_offsets"]
                 self.entries[name] = (fname, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
         self._fds: dict[str, int] = {}
+        self.pool = copy_pool()  # for whoever places what is read (copy_into, fill)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -125,6 +223,8 @@ class Checkpoint:
                 if got <= 0:
                     raise CheckpointError(f"tensor {name!r} in {fname} is cut short; the file is truncated")
                 done += got
+            if hasattr(os, "posix_fadvise"):  # the next tensors are read from disk while this one is placed
+                os.posix_fadvise(fd, offset + done, READAHEAD, os.POSIX_FADV_WILLNEED)
         if shape and any(s != slice(None) for s in index[1:]):
             out = aligned_copy(out[(slice(None), *index[1:])])
         return out
@@ -135,6 +235,7 @@ class Checkpoint:
         return self._fds[fname]
 
     def close(self) -> None:
+        self.pool.shutdown()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

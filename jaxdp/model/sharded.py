@@ -9,14 +9,16 @@ are the step's own (`jaxdp.parallel.sharding`).
 The layer stacks [L, ...] are never assembled on the host: each is created on the mesh once (zeros),
 then every layer's piece is read and written into it in place (a donated dynamic_update_slice). A device
 piece is read once per call and shared by the devices that hold the same index (replicas); each process
-reads only what its own devices hold. Peak host memory is one parameter of one layer beyond what the
-devices hold (on a CPU the devices' buffers are host memory; an aligned piece is taken without a copy).
+reads only what its own devices hold. Peak host memory is two parameters of one layer (the one placed,
+the next one read meanwhile) beyond what the devices hold (on a CPU the devices' buffers are host memory;
+an aligned piece is taken without a copy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -30,7 +32,7 @@ from tqdm import tqdm
 from jaxdp.config import ModelConfig, load_hf_config
 from jaxdp.layout import Layout
 from jaxdp.model import fp8, modelopt
-from jaxdp.model.checkpoint import Checkpoint, aligned_copy, aligned_empty
+from jaxdp.model.checkpoint import Checkpoint, Tiled, aligned_copy, aligned_empty, fill
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.quant import apply_quantization, resolve_quantization
 from jaxdp.model.sources import Box, sources
@@ -120,7 +122,8 @@ def _box(sharding: NamedSharding, shape: tuple[int, ...]) -> Box:
     return tuple(slice(min(i[a][0] for i in idx), max(i[a][1] for i in idx)) for a in range(len(shape)))
 
 
-def _place(arr: np.ndarray, box: Box, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: NamedSharding,
+           pool: ThreadPoolExecutor | None = None) -> jax.Array:
     """An array of `shape` on the mesh from the host box `arr` that covers this process's pieces."""
     pieces: dict[tuple, np.ndarray] = {}
 
@@ -128,7 +131,11 @@ def _place(arr: np.ndarray, box: Box, shape: tuple[int, ...], sharding: NamedSha
         key = _key(index, shape)
         if key not in pieces:  # replicas share one read (and on a CPU one buffer)
             rel = tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))
-            pieces[key] = aligned_copy(arr[rel])
+            if isinstance(arr, Tiled):
+                pieces[key] = aligned_empty(tuple(z - a for a, z in key), arr.dtype)
+                fill(pieces[key], arr, rel, pool)
+            else:
+                pieces[key] = aligned_copy(arr[rel], pool)
         return pieces[key]
 
     return jax.make_array_from_callback(shape, sharding, piece)
@@ -172,37 +179,50 @@ def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16
 
 
 def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[str, jax.Array]:
+    """Every parameter read and placed in order, the next one read (in a thread) while this one is
+    placed: one parameter of one layer ahead at most."""
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.dtype.itemsize for i in table.values())
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     arrays: dict[str, jax.Array] = {}
     layers: dict[str, _Stack] = {}
-    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=total < GiB) as bar:
-        def put(src, pre: str, stacked: bool, layer: int = 0) -> None:
-            infos = {p: table[p] for p in src.paths}
-            shardings = {p: NamedSharding(mesh, _layer_spec(i.spec, len(i.shape)) if stacked else i.spec)
-                         for p, i in infos.items()}
-            shapes = {p: i.shape[1:] if stacked else i.shape for p, i in infos.items()}
-            boxes = {p: _box(shardings[p], shapes[p]) for p in src.paths}
-            got = src.read(ck, pre, boxes)
-            for p, info in infos.items():
-                host = got.pop(p)
-                if host.dtype != info.dtype:
-                    host = host.astype(info.dtype)
-                if not stacked:
-                    arrays[p] = _place(host, boxes[p], shapes[p], shardings[p])
-                else:
-                    if p not in layers:
-                        layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
-                    layers[p].set(layer, host, boxes[p])
-                del host
-                bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
+    jobs = [(src, "", False, 0) for src in top] + [
+        (src, f"model.layers.{first[stack] + j}", True, j)
+        for stack, srcs in stacks.items() for j in range(counts[stack]) for src in srcs]
 
-        for src in top:
-            put(src, "", stacked=False)
-        for stack, srcs in stacks.items():
-            for j in range(counts[stack]):
-                for src in srcs:
-                    put(src, f"model.layers.{first[stack] + j}", stacked=True, layer=j)
+    def where(src, stacked: bool):
+        shardings = {p: NamedSharding(mesh, _layer_spec(table[p].spec, len(table[p].shape)) if stacked
+                                      else table[p].spec) for p in src.paths}
+        shapes = {p: table[p].shape[1:] if stacked else table[p].shape for p in src.paths}
+        return shardings, shapes, {p: _box(shardings[p], shapes[p]) for p in src.paths}
+
+    def read(job) -> dict:
+        src, pre, stacked, _ = job
+        return src.read(ck, pre, where(src, stacked)[2])
+
+    def put(job, got: dict) -> None:
+        src, _, stacked, layer = job
+        shardings, shapes, boxes = where(src, stacked)
+        for p in src.paths:
+            info, host = table[p], got.pop(p)
+            if host.dtype != info.dtype:
+                host = host.astype(info.dtype)
+            if not stacked:
+                arrays[p] = _place(host, boxes[p], shapes[p], shardings[p], ck.pool)
+            else:
+                if p not in layers:
+                    layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
+                layers[p].set(layer, host, boxes[p], ck.pool)
+            del host
+            bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
+
+    with (tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=total < GiB) as bar,
+          ThreadPoolExecutor(1, thread_name_prefix="jaxdp-read") as reader):
+        ahead = reader.submit(read, jobs[0]) if jobs else None
+        for i, job in enumerate(jobs):
+            got = ahead.result()
+            ahead = reader.submit(read, jobs[i + 1]) if i + 1 < len(jobs) else None
+            put(job, got)
+            del got
     return arrays | {p: s.done() for p, s in layers.items()}
 
 
@@ -226,13 +246,14 @@ class _Stack:
             self.update = jax.jit(lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
                                   donate_argnums=0, out_shardings=sharding)
 
-    def set(self, layer: int, host: np.ndarray, box: Box) -> None:
+    def set(self, layer: int, host: np.ndarray | Tiled, box: Box, pool: ThreadPoolExecutor | None = None) -> None:
         if self.pieces is None:
-            x = _place(host, box, self.layer_shape, self.layer_sharding)
+            x = _place(host, box, self.layer_shape, self.layer_sharding, pool)
             self.array = self.update(self.array, x, jnp.int32(layer))
             return
         for key, piece in self.pieces.items():
-            piece[layer] = host[tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True))]
+            fill(piece[layer], host, tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True)),
+                 pool)
 
     def done(self) -> jax.Array:
         if self.pieces is None:

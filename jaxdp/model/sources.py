@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdp.config import ModelConfig
 from jaxdp.model import fp8, indexer, modelopt
-from jaxdp.model.checkpoint import Checkpoint, CheckpointError, aligned_copy, aligned_empty
+from jaxdp.model.checkpoint import Checkpoint, CheckpointError, Tiled, aligned_copy, assemble
 from jaxdp.model.moe import NVFP4_PARAMS, nvfp4_expert_params
 
 Box = tuple[slice, ...]
@@ -50,7 +50,7 @@ def _torch_linear(ck: Checkpoint, name: str, in_dims, out_dims, box: Box, dense:
     i_rng, i_post = _flat(box[:n_in], in_dims)
     o_rng, o_post = _flat(box[n_in:], out_dims)
     if dense and _quantized(ck, name):
-        t = read_dense(ck, name, block)[o_rng, i_rng]
+        t = read_dense(ck, name, block, (o_rng, i_rng))
     else:
         t = ck.read(name, (o_rng, i_rng))
     n_o, n_i = box[n_in].stop - box[n_in].start, box[0].stop - box[0].start
@@ -63,26 +63,35 @@ def _quantized(ck: Checkpoint, name: str) -> bool:
     return f"{base}.weight_scale_inv" in ck or f"{base}.weight_scale_2" in ck
 
 
-def read_dense(ck: Checkpoint, name: str, block: int | None) -> np.ndarray:
-    """A whole FP8 or NVFP4 tensor as float32 (for a parameter that is held dense; FP8 in square blocks
-    of `block`, 128 when None)."""
+def read_dense(ck: Checkpoint, name: str, block: int | None, box: tuple[slice, slice] | None = None) -> np.ndarray:
+    """tensor[box] (torch's [out, in]; the whole tensor when None) of an FP8 or NVFP4 tensor as float32
+    (for a parameter that is held dense; FP8 in square blocks of `block`, 128 when None). Only the box's
+    values and the scales covering them are read and dequantized."""
     base = name.removesuffix(".weight")
-    if f"{base}.weight_scale_2" in ck:
-        return modelopt.dequantize_weight(ck.read(name), ck.read(f"{base}.weight_scale"),
-                                          ck.read(f"{base}.weight_scale_2"))
-    block = block or 128
-    return fp8.dequantize_fp8_blocks(ck.read(name), ck.read(f"{base}.weight_scale_inv"), (block, block))
+    nvfp4 = f"{base}.weight_scale_2" in ck
+    O, I = ck.shape(name)
+    rows, cols = box or (slice(0, O), slice(0, I * 2 if nvfp4 else I))
+    if nvfp4:  # two values a byte along `in`, one E4M3 scale per BLOCK_K of them: read whole groups
+        g = modelopt.BLOCK_K
+        lo, hi = cols.start // g * g, -(-cols.stop // g) * g
+        w = modelopt.dequantize_weight(ck.read(name, (rows, slice(lo // 2, hi // 2))),
+                                       ck.read(f"{base}.weight_scale", (rows, slice(lo // g, hi // g))),
+                                       ck.read(f"{base}.weight_scale_2"))
+        return w[:, cols.start - lo:cols.stop - lo]
+    b = block or 128
+    s = ck.read(f"{base}.weight_scale_inv", (slice(rows.start // b, -(-rows.stop // b)),
+                                             slice(cols.start // b, -(-cols.stop // b))))
+    s = np.repeat(np.repeat(s.astype(np.float32), b, axis=0), b, axis=1)
+    r0, c0 = rows.start % b, cols.start % b
+    w = ck.read(name, (rows, cols))
+    w = (w.view(F8) if w.dtype == np.uint8 else w).astype(np.float32)
+    return w * s[r0:r0 + w.shape[0], c0:c0 + w.shape[1]]
 
 
-def _stacked(part: Callable[[int], dict[str, np.ndarray]], over: slice, axis: int) -> dict[str, np.ndarray]:
-    """{key: the parts for i in `over` stacked along `axis`}, filled in place (one part in memory at a time)."""
-    out: dict[str, np.ndarray] = {}
-    for j, i in enumerate(range(over.start, over.stop)):
-        for k, v in part(i).items():
-            if k not in out:
-                out[k] = aligned_empty((*v.shape[:axis], over.stop - over.start, *v.shape[axis:]), v.dtype)
-            out[k][(slice(None),) * axis + (j,)] = v
-    return out
+def _stacked(part: Callable[[int], dict[str, np.ndarray | Tiled]], over: slice, axis: int) -> dict[str, Tiled]:
+    """{key: the parts for i in `over` stacked along `axis`}, as parts (never copied into one array here)."""
+    got = [part(i) for i in range(over.start, over.stop)]
+    return {k: Tiled.stack([g[k] for g in got], axis) for k in got[0]}
 
 
 class Builder:
@@ -210,8 +219,8 @@ class Builder:
                 q, scales = modelopt.read_nvfp4_experts(ck.read, ck.__contains__, pre, self.cfg)
                 self.input_scales.append(scales)
             else:
-                gu = gu_src.read(ck, pre, {gu_path: full_box((E, D, 2, I))})[gu_path]
-                dn = dn_src.read(ck, pre, {dn_path: full_box((E, I, D))})[dn_path]
+                gu = assemble(gu_src.read(ck, pre, {gu_path: full_box((E, D, 2, I))})[gu_path])
+                dn = assemble(dn_src.read(ck, pre, {dn_path: full_box((E, I, D))})[dn_path])
                 q = nvfp4_expert_params(gu.astype(np.float32), dn.astype(np.float32))
             return {p: aligned_copy(np.asarray(q[k])[boxes[p]]) for p, k in zip(paths, NVFP4_PARAMS, strict=True)}
 
