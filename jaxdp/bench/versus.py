@@ -54,6 +54,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def server_steps(port: int) -> dict[str, float]:
+    """Steps the server has run so far, by kind (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "jaxdp:steps":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["kind"]] = out.get(sample.labels["kind"], 0) + sample.value
+    return out
+
+
 def shape(args) -> dict:
     """The pools and buckets `jaxdp.bench.engine` gives this load (per rank), for the server to match."""
     per_rank = max(1, args.concurrency // args.dp)
@@ -71,7 +85,8 @@ def offline(args, cpus: set[int] | None) -> list[float]:
                "--output-len", str(args.output_len), "--page-size", str(args.page_size),
                "--chunk-per-rank", str(args.chunk_per_rank), "--json", out]
         subprocess.run(cmd, check=True, preexec_fn=_pinned(cpus), stdout=subprocess.DEVNULL)
-        return [r["tokens_per_s"] for r in json.loads(Path(out).read_text())["results"]]
+        results = json.loads(Path(out).read_text())["results"]
+        return [r["tokens_per_s"] for r in results], [r["steps"] for r in results]
 
 
 def start_server(args, cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
@@ -108,16 +123,17 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
     asyncio.run(serving.run_point(client_args, reqs[:8], 8, float("inf")))  # warm the connections
     rounds = []
     for _ in range(args.rounds):
-        c0, s0 = time.process_time(), _cpu_seconds(server.pid)
+        c0, s0, k0 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
         point = asyncio.run(serving.run_point(client_args, reqs, args.concurrency, float("inf")))
-        c1, s1 = time.process_time(), _cpu_seconds(server.pid)
+        c1, s1, k1 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
         tokens = max(1, point["total_output_tokens"])
         rounds.append({"tokens_per_s": point["output_throughput"], "failed": point["failed"],
                        "duration_s": point["duration_s"], "tpot_ms": point["tpot_ms"]["median"],
                        "client_cpu_us_per_token": 1e6 * (c1 - c0) / tokens,
                        "server_cpu_us_per_token": 1e6 * (s1 - s0) / tokens,
                        "client_cpu_share": (c1 - c0) / point["duration_s"],
-                       "server_cpu_share": (s1 - s0) / point["duration_s"]})
+                       "server_cpu_share": (s1 - s0) / point["duration_s"],
+                       "steps": {k: k1[k] - k0.get(k, 0) for k in k1}})
     return rounds
 
 
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_cpus = client_cpus = None
     if not args.no_pin and len(every) > 1:
         engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
-    first = offline(args, engine_cpus)
+    first, first_steps = offline(args, engine_cpus)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args, engine_cpus, port, Path(tmp) / "server.log")
@@ -158,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, set(every))
             server.terminate()
             server.wait(60)
-    last = offline(args, engine_cpus)
+    last, last_steps = offline(args, engine_cpus)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     served = med([r["tokens_per_s"] for r in rounds])
     engine = statistics.fmean([med(first), med(last)])
     result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
               "client_cpus": sorted(client_cpus or every),
               "offline_first_tok_s": first, "offline_last_tok_s": last, "server_rounds": rounds,
+              "offline_steps": first_steps + last_steps,
               "server_tok_s": served, "offline_tok_s": engine, "server_over_offline": served / engine,
               "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
               "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"client CPU {result['client_cpu_us_per_token']:.1f} us per token, server process CPU "
           f"{result['server_cpu_us_per_token']:.1f} us per token; failed requests "
           f"{sum(r['failed'] for r in rounds)}; load average {result['load_average'][0]:.2f}")
+    print(f"steps per run: offline {result['offline_steps']}, server {[r['steps'] for r in rounds]}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
     return 0
