@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.nnodes > 1 and args.node_rank > 0:
-        from jaxdp.engine.hosts import NODE_CHILD_ENV, supervise_node
+        from jaxdp.engine.supervise import NODE_CHILD_ENV, supervise_node
 
         if not os.environ.get(NODE_CHILD_ENV):
             return supervise_node(["-m", "jaxdp.serve", *argv])
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_node(args, backend.engines[0])
     code = run_server(args, layout, backend, tokenizer)
     if dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
-        from jaxdp.engine.hosts import exit_now
+        from jaxdp.engine.supervise import exit_now
 
         time.sleep(1.0)  # the other nodes passed the "stopped" barrier; let them exit before the runtime goes
         exit_now(code)
@@ -359,7 +359,8 @@ def run_node(args, engine) -> int:
     import uvicorn
     from fastapi import FastAPI, Response
 
-    from jaxdp.engine.hosts import PeerFailure, exit_now
+    from jaxdp.engine.hosts import PeerFailure
+    from jaxdp.engine.supervise import exit_now
 
     app = FastAPI(title=f"jaxdp node {args.node_rank}")
 

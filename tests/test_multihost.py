@@ -413,6 +413,33 @@ def test_a_silent_node_fails_the_exchange_within_the_timeout(transport):
     assert time.monotonic() - t0 < 2
 
 
+def test_the_exchange_names_the_node_whose_connection_dropped():
+    """After a collective fails, the message names the dead node: the one whose exchange socket disconnected."""
+    store, nodes = FakeStore(), 3
+    gathers = [None] * nodes
+
+    def make(k):
+        gathers[k] = ZmqGather(nodes, k, 10, store, "127.0.0.1", init_timeout_s=10, prefix="lost")
+
+    threads = [threading.Thread(target=make, args=(k,)) for k in range(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    exchanges = [HostExchange(nodes, k, 6, timeout_s=10, client=store, gather=gathers[k]) for k in range(nodes)]
+    threads = [threading.Thread(target=ex.exchange, args=([Proposal(0, False, False)] * 6, {})) for ex in exchanges]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert exchanges[0].lost_nodes(wait_s=0.3) == []
+    gathers[2].close()  # node 2 dies
+    assert exchanges[0].lost_nodes(wait_s=5) == [2]
+    assert exchanges[1].lost_nodes(wait_s=5) == [2]
+    for g in gathers[:2]:
+        g.close()
+
+
 class _Boom:
     def __reduce__(self):  # what a forged frame would carry: pickle imports and calls os.system
         import os

@@ -372,7 +372,7 @@ class Engine:
                 return
             except Exception as e:
                 if self.link and self.failed is None:  # a collective with a dead node fails here
-                    self.fail(f"a step across the nodes failed ({first_line(e, 160)}); another node died or stopped")
+                    self.fail(f"a step across the nodes failed ({first_line(e, 120)}); {self.link.suspects()} died")
                     return
                 # a bug outside the step's own requests (a failed step is isolated in `step`): fail loudly
                 log.exception("the engine loop failed; aborting all requests")

@@ -20,13 +20,9 @@ import dataclasses
 import io
 import ipaddress
 import logging
-import os
 import pickle
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -200,7 +196,7 @@ class ZmqGather:
         self.pull = self._socket(zmq.PULL)
         port = self.pull.bind_to_random_port(f"tcp://{url_host}")
         client.key_value_set(f"{prefix}/zmq/n{node_rank}", f"tcp://{url_host}:{port}")
-        self.push = {}
+        self.push, self.monitors, self.connected = {}, {}, {}
         for node in range(nnodes):
             if node != node_rank:
                 try:
@@ -209,6 +205,8 @@ class ZmqGather:
                     raise PeerFailure(f"node {node} did not post its exchange address within {init_timeout_s:.0f} s "
                                       f"({_short(e)})") from None
                 self.push[node] = self._socket(zmq.PUSH)
+                self.monitors[node] = self.push[node].get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                                         | zmq.EVENT_DISCONNECTED)
                 self.push[node].connect(addr)
         self.seq = 0
         self._next: dict[int, bytes] = {}  # messages of the next iteration from nodes already there
@@ -247,6 +245,22 @@ class ZmqGather:
             (got if seq == self.seq else self._next)[node] = body
         self.seq += 1
         return [payload if k == self.node_rank else got[k] for k in range(self.nnodes)]
+
+    def lost(self, wait_s: float) -> list[int]:
+        """The nodes whose connection dropped (read from the sockets' monitors, waiting up to `wait_s` for the
+        first such news): after a failed collective, which node died."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            for node, mon in self.monitors.items():
+                while mon.poll(0):
+                    self.connected[node] = recv_monitor_message(mon)["event"] != zmq.EVENT_DISCONNECTED
+            gone = [k for k in self.monitors if self.connected.get(k) is False]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -345,6 +359,11 @@ class HostExchange:
         self.gather = gather or ZmqGather(nnodes, node_rank, timeout_s, self.client, _coordinator_host(),
                                           init_timeout_s=init_timeout_s, prefix=prefix)
 
+    def lost_nodes(self, wait_s: float = 2.0) -> list[int]:
+        """The other nodes known to be gone (an empty list when the transport cannot tell)."""
+        lost = getattr(self.gather, "lost", None)
+        return lost(wait_s) if lost else []
+
     def local_ranks(self, node: int | None = None) -> range:
         node = self.node_rank if node is None else node
         return range(node * self.per_node, (node + 1) * self.per_node)
@@ -395,38 +414,3 @@ def local_device_count(world: int, nnodes: int, tp: int) -> int:
         raise DistError(f"each node holds {per} devices, which does not fit whole TP groups of {tp}; a TP group "
                         "must stay on one node (choose --tp-size dividing the devices per node)")
     return per
-
-
-def exit_now(code: int) -> None:
-    """End a non-zero node without waiting for JAX's shutdown barrier (the other nodes may be gone)."""
-    for h in logging.getLogger().handlers:
-        h.flush()
-    os._exit(code)
-
-
-def supervise_node(child_argv: list[str]) -> int:
-    """Nodes > 0 run as a child of this process: JAX's runtime aborts a node whose coordinator (node 0)
-    vanishes, and the parent then says in one line what that means. Signals are passed on to the child."""
-    child = subprocess.Popen([sys.executable, *child_argv], env={**os.environ, NODE_CHILD_ENV: "1"},
-                             preexec_fn=_die_with_parent)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: child.send_signal(s))
-    code = child.wait()
-    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-        print(f"error: this node was stopped by JAX's distributed runtime ({signal.Signals(-code).name}): node 0 "
-              "died or became unreachable; restart every node with the same --dist-init-addr", file=sys.stderr)
-        return 1
-    return code if code >= 0 else 128 - code
-
-
-NODE_CHILD_ENV = "JAXDP_NODE_CHILD"  # set in the supervised child
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGKILL when the supervising parent dies (kill -9 of the node kills both)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

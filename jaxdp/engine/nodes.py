@@ -185,6 +185,12 @@ class NodeLink:
             del self._flushing[flush_id]
             result.set_result([answers[k] for k in sorted(answers)])
 
+    def suspects(self) -> str:
+        """Which node a failed step across the nodes lost: the one whose connection dropped, else the only
+        other node, else "another node"."""
+        gone = self.hosts.lost_nodes() or ([1 - self.hosts.node_rank] if self.hosts.nnodes == 2 else [])
+        return " and ".join(f"node {k}" for k in gone) or "another node"
+
     def start_watchdog(self) -> None:
         threading.Thread(target=self._watchdog, name="jaxdp-watchdog", daemon=True).start()
 
