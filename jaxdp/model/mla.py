@@ -5,14 +5,14 @@ roped shared key (qk_rope_head_dim), `K = kv_lora_rank + rope`. All heads read i
 
 Three paths:
 - `extend` (reading prompts): the latent of the context is expanded into per-head keys and values with
-  W_UK / W_UV (kv_b_proj), then ordinary attention;
+  W_UK / W_UV (kv_b_proj), then ordinary attention, in blocks of keys and rows (`jaxdp.model.prefill`);
 - `decode`: the absorbed form. q_nope is projected into latent space (q . W_UK), attention runs over the
   latent cache directly, W_UV is applied to the result;
 - no cache (`kv_PSK=None`, training): each sequence's context is its own rows of the step, expanded as
   in `extend`; nothing is written.
 With DeepSeek sparse attention (`cfg.index_topk`, see `jaxdp.model.indexer`) each query reads only the
-tokens its layer's indexer selected: `extend` masks the rest of the context, `decode` gathers just the
-selected latents through the page table (`sparse_mla_decode_xla`, or the Pallas kernel).
+tokens its layer's indexer selected: both paths gather just the selected latents through the page table
+(absorbed) (`sparse_mla_decode_xla`, or the Pallas kernel).
 Inside a shard_map the head axis of the weights is the device's slice of the heads; shapes are read
 from the arrays, never from the config.
 
@@ -32,6 +32,7 @@ from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
+from jaxdp.model.prefill import attend_blocked, attend_selected
 
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
 
@@ -185,23 +186,19 @@ class MLA(nnx.Module):
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
-        """Prompt path: expand the context's latent into per-head K and V; causal within each sequence
-        (and, with a DSA selection, only the selected positions)."""
+        """Prompt path: each row over its own sequence's cached context, causally, in blocks (expanded per
+        head, `prefill.attend_blocked`); with a DSA selection, over the selected latents in the absorbed form
+        (`prefill.attend_selected`)."""
         cfg = self.cfg
-        kv_BCK = gather_context(kv_PSK, batch.page_table_BN)
-        B, C = kv_BCK.shape[:2]
-        k_nope_BCHN, v_BCHV, k_rope_BCR = self.expand(kv_BCK)
-        s_THBC = jnp.einsum("thn,bchn->thbc", q_nope_THN, k_nope_BCHN, preferred_element_type=jnp.float32)
-        s_THBC += jnp.einsum("thr,bcr->thbc", q_rope_THR, k_rope_BCR, preferred_element_type=jnp.float32)
-        own_seq_TB = batch.seq_T[:, None] == jnp.arange(B)[None, :]
-        causal_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]
-        if sel_TK is not None:
-            causal_TC &= selected_mask(sel_TK, C)
-        mask_TBC = own_seq_TB[:, :, None] & causal_TC[:, None, :]
-        s_THBC = jnp.where(mask_TBC[:, None], s_THBC * cfg.softmax_scale, NEG_INF)
-        T, H = s_THBC.shape[:2]
-        p_THBC = jax.nn.softmax(s_THBC.reshape(T, H, B * C), axis=-1).reshape(T, H, B, C)
-        return jnp.einsum("thbc,bchv->thv", p_THBC.astype(v_BCHV.dtype), v_BCHV)
+        w_kv_b_LHX = weight(self, "w_kv_b_LHX")
+        args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
+        if sel_TK is None:
+            return attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, kv_lora_rank=cfg.kv_lora_rank,
+                                  softmax_scale=cfg.softmax_scale)
+        q_latent_THL = jnp.einsum("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
+        o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
+                                softmax_scale=cfg.softmax_scale, attend=_attend_latents)
+        return jnp.einsum("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,
