@@ -40,8 +40,7 @@ class Load:
 
 def run(ctx: Context) -> dict:
     q = ctx.quick
-    # the prompt path's attention scores every row against every sequence's whole context (rows x seqs x
-    # context per rank), so the pools, the batch and the context stay small on a CPU
+    # small pools, batch and context: a CPU's steps are slow, and --quick must fit in minutes
     short, long, context = (64, 384, 512) if q else (128, 768, 1024)
     alone_s, n = (4.0, 8) if q else (10.0, 30)
     pinned = [r for r in (1, 2, 3) for _ in range(16)]
