@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.model.mla import _attend_latents
 from jaxdp.model.prefill import attend_blocked, attend_dense, attend_selected
 
 L, R, N, V, H, S = 16, 8, 12, 10, 3, 4
@@ -78,7 +77,7 @@ def test_selected_prompt_attention_matches_dense_with_the_selection_as_mask():
     q_latent = jnp.einsum("thn,lhn->thl", q_nope, w[..., :N])
     for block in (None, 1, 4):  # all rows at once, one row per block, blocks with a padded last one
         o = attend_selected(q_latent, q_rope, kv, table, seq, pos, sel, kv_lora_rank=L, softmax_scale=SCALE,
-                            attend=_attend_latents, block=block)
+                            block=block)
         got = jnp.einsum("thl,lhv->thv", o, w[..., N:])[:n]
         sees = np.asarray((sel <= pos[:, None]).any(1))[:n]  # rows whose selection holds a visible position
         np.testing.assert_allclose(np.asarray(got)[sees], np.asarray(want)[sees], rtol=2e-5, atol=2e-5)

@@ -32,9 +32,7 @@ from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
-from jaxdp.model.prefill import attend_blocked, attend_selected
-
-NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
+from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_latents, attend_selected
 
 
 @dataclasses.dataclass
@@ -197,7 +195,7 @@ class MLA(nnx.Module):
                                   softmax_scale=cfg.softmax_scale)
         q_latent_THL = jnp.einsum("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
-                                softmax_scale=cfg.softmax_scale, attend=_attend_latents)
+                                softmax_scale=cfg.softmax_scale)
         return jnp.einsum("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
@@ -269,7 +267,7 @@ def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, 
     """The portable absorbed decode (and the reference for the Pallas kernel's use in the model)."""
     kv_BCK = gather_context(kv_PSK, page_table_BN)
     valid_BC = jnp.arange(kv_BCK.shape[1])[None, :] < seq_lens_B[:, None]
-    return _attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
+    return attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
 
 
 def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
@@ -278,14 +276,4 @@ def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, 
     P, S, K = kv_PSK.shape
     kv_BKK = kv_PSK.reshape(P * S, K)[jnp.clip(slots_BK, 0, P * S - 1)]
     valid_BK = jnp.arange(slots_BK.shape[1])[None, :] < num_B[:, None]
-    return _attend_latents(q_latent_BHL, q_rope_BHR, kv_BKK, valid_BK, softmax_scale, kv_lora_rank)
-
-
-def _attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
-    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones)."""
-    latent_BXL, k_rope_BXR = kv_BXK[..., :kv_lora_rank], kv_BXK[..., kv_lora_rank:]
-    s_BHX = jnp.einsum("bhl,bxl->bhx", q_latent_BHL, latent_BXL, preferred_element_type=jnp.float32)
-    s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
-    s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
-    p_BHX = jax.nn.softmax(s_BHX, axis=-1)
-    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL)
+    return attend_latents(q_latent_BHL, q_rope_BHR, kv_BKK, valid_BK, softmax_scale, kv_lora_rank)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
 ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
 ABSORBED_BLOCK = 16  # rows of a sequence with few rows, attended in the absorbed form at once
@@ -176,10 +176,9 @@ def attend_dense(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_
 
 
 def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, sel_TK, *, kv_lora_rank: int,
-                    softmax_scale: float, attend, block: int | None = None) -> jax.Array:
+                    softmax_scale: float, block: int | None = None) -> jax.Array:
     """Each row over its own selected latents (sel_TK: context positions; those past the row's own position
-    are the top-k's filler), in blocks of rows -> [T, H, L] in latent space. `attend` is the absorbed
-    attention over gathered entries (mla's `_attend_latents`)."""
+    are the top-k's filler), in blocks of rows -> [T, H, L] in latent space."""
     T, k = sel_TK.shape
     P, S, K = kv_PSK.shape
     B = page_table_BN.shape[0]
@@ -190,7 +189,7 @@ def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_
         ql, qr, seq, pos, sel = args
         pages_WK = jnp.take_along_axis(page_table_BN[jnp.clip(seq, 0, B - 1)], sel // S, axis=1)
         kv_WKK = flat_XK[jnp.clip(pages_WK * S + sel % S, 0, P * S - 1)]
-        return attend(ql, qr, kv_WKK, sel <= pos[:, None], softmax_scale, kv_lora_rank)
+        return attend_latents(ql, qr, kv_WKK, sel <= pos[:, None], softmax_scale, kv_lora_rank)
 
     args = (q_latent_THL, q_rope_THR, seq_T, pos_T, sel_TK)
     if block >= T:
@@ -199,3 +198,13 @@ def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_
     blocks = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, block, *a.shape[1:]) for a in args)
     out = jax.lax.map(rows, blocks)
     return out.reshape(-1, *out.shape[2:])[:T]
+
+
+def attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
+    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones)."""
+    latent_BXL, k_rope_BXR = kv_BXK[..., :kv_lora_rank], kv_BXK[..., kv_lora_rank:]
+    s_BHX = jnp.einsum("bhl,bxl->bhx", q_latent_BHL, latent_BXL, preferred_element_type=jnp.float32)
+    s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
+    s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
+    p_BHX = jax.nn.softmax(s_BHX, axis=-1)
+    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL)
