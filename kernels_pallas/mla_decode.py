@@ -145,8 +145,7 @@ def default_num_splits(batch: int, head_blocks: int, context_blocks: int, num_sm
 )
 def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows, *,
               softmax_scale, kv_lora_rank, num_splits, block_h, block_t, interpret, num_warps, num_stages):
-    b, h, c = q_latent_BHC.shape
-    r = q_rope_BHR.shape[-1]
+    c, r = q_latent_BHC.shape[-1], q_rope_BHR.shape[-1]
     num_pages, page_size, _ = kv_cache_PSK.shape
     capacity = page_table_BN.shape[1] * page_size  # a longer length reads only what the table holds
     lengths_B = jnp.minimum(_masked_lengths(lengths_B, num_valid_rows), capacity)
@@ -158,20 +157,32 @@ def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, 
     table_BN = jnp.pad(page_table_BN.astype(jnp.int32), ((0, 0), (0, padded_pages - page_table_BN.shape[1])))
     pages_used_B = (lengths_B + page_size - 1) // page_size
     table_BN = jnp.where(jnp.arange(padded_pages)[None, :] < pages_used_B[:, None], table_BN, 0)
-    h_pad = pl.cdiv(h, block_h) * block_h  # the dot wants >= 16 rows: pad heads with zero queries
-    q_latent_BHC = jnp.pad(q_latent_BHC, ((0, 0), (0, h_pad - h), (0, 0)))
-    q_rope_BHR = jnp.pad(q_rope_BHR, ((0, 0), (0, h_pad - h), (0, 0)))
-    kv_TK = kv_cache_PSK.reshape(num_pages * page_size, c + r)
-
     kernel = functools.partial(
         _split_kernel, softmax_scale=softmax_scale, page_size=page_size, block_t=block_t,
         blocks_per_split=blocks_per_split, latent_dim=c, rope_dim=r,
     )
+    return run_splits(kernel, "mla_decode_split", lengths_B, table_BN, q_latent_BHC, q_rope_BHR, kv_cache_PSK,
+                      num_splits=num_splits, block_h=block_h, interpret=interpret, num_warps=num_warps,
+                      num_stages=num_stages)
+
+
+def run_splits(kernel, name: str, counts_B, where_BX, q_latent_BHC, q_rope_BHR, kv_cache_PSK, *, num_splits: int,
+               block_h: int, interpret: bool, num_warps: int, num_stages: int) -> jax.Array:
+    """The launch both decode kernels share: one program per (block of `block_h` heads, split, row), head
+    blocks fastest so the programs that read the same cache blocks run together (L2). `counts_B` and
+    `where_BX` (lengths and page table, or counts and selected slots) and the cache, viewed as
+    [pages * page_size, C + R] rows, are read whole; each program writes its split's normalised output and
+    log-sum-exp, and `combine_splits` merges them -> [B, H, C]."""
+    b, h, c = q_latent_BHC.shape
+    r = q_rope_BHR.shape[-1]
+    h_pad = pl.cdiv(h, block_h) * block_h  # the dot wants >= 16 rows: pad heads with zero queries
+    q_latent_BHC = jnp.pad(q_latent_BHC, ((0, 0), (0, h_pad - h), (0, 0)))
+    q_rope_BHR = jnp.pad(q_rope_BHR, ((0, 0), (0, h_pad - h), (0, 0)))
+    kv_TK = kv_cache_PSK.reshape(-1, c + r)
     out_BSHC, lse_BSH = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((b, num_splits, h_pad, c), jnp.float32),
                    jax.ShapeDtypeStruct((b, num_splits, h_pad), jnp.float32)),
-        # Head blocks vary fastest, so the programs that read the same cache blocks run together (L2).
         grid=(h_pad // block_h, num_splits, b),
         in_specs=[
             pl.no_block_spec,
@@ -185,10 +196,9 @@ def _mla_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, 
             pl.BlockSpec((None, None, block_h), lambda j, s, i: (i, s, j)),
         ),
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
-                                                                    num_stages=num_stages),
-        name="mla_decode_split",
-    )(lengths_B, table_BN, q_latent_BHC, q_rope_BHR, kv_TK)
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name,
+    )(counts_B, where_BX, q_latent_BHC, q_rope_BHR, kv_TK)
     return combine_splits(out_BSHC, lse_BSH)[:, :h]
 
 

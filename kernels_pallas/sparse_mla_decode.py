@@ -21,9 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.mla_decode import _is_pow2, attend_blocks, combine_splits, default_interpret, default_num_splits
+from kernels_pallas.mla_decode import _is_pow2, attend_blocks, default_interpret, default_num_splits, run_splits
 
 
 def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
@@ -50,8 +49,7 @@ def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref
 )
 def _sparse_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B, *, softmax_scale, num_splits, block_h,
                  block_t, interpret, num_warps, num_stages):
-    b, h, c = q_latent_BHC.shape
-    r = q_rope_BHR.shape[-1]
+    c, r = q_latent_BHC.shape[-1], q_rope_BHR.shape[-1]
     num_pages, page_size, _ = kv_cache_PSK.shape
     k = slots_BK.shape[1]
     num_B = jnp.clip(num_B.astype(jnp.int32), 0, k)
@@ -61,34 +59,11 @@ def _sparse_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B, *, sof
     valid_BK = jnp.arange(padded)[None, :] < num_B[:, None]
     slots_BK = jnp.pad(slots_BK.astype(jnp.int32), ((0, 0), (0, padded - k)))
     slots_BK = jnp.where(valid_BK, jnp.clip(slots_BK, 0, num_pages * page_size - 1), 0)
-    h_pad = pl.cdiv(h, block_h) * block_h  # the dot wants >= 16 rows: pad heads with zero queries
-    q_latent_BHC = jnp.pad(q_latent_BHC, ((0, 0), (0, h_pad - h), (0, 0)))
-    q_rope_BHR = jnp.pad(q_rope_BHR, ((0, 0), (0, h_pad - h), (0, 0)))
-    kv_TK = kv_cache_PSK.reshape(num_pages * page_size, c + r)
-
     kernel = functools.partial(_sparse_kernel, softmax_scale=softmax_scale, block_t=block_t,
                                blocks_per_split=blocks_per_split, latent_dim=c, rope_dim=r)
-    out_BSHC, lse_BSH = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, num_splits, h_pad, c), jnp.float32),
-                   jax.ShapeDtypeStruct((b, num_splits, h_pad), jnp.float32)),
-        grid=(h_pad // block_h, num_splits, b),
-        in_specs=[
-            pl.no_block_spec,
-            pl.no_block_spec,
-            pl.BlockSpec((None, block_h, c), lambda j, s, i: (i, j, 0)),
-            pl.BlockSpec((None, block_h, r), lambda j, s, i: (i, j, 0)),
-            pl.no_block_spec,
-        ],
-        out_specs=(
-            pl.BlockSpec((None, None, block_h, c), lambda j, s, i: (i, s, j, 0)),
-            pl.BlockSpec((None, None, block_h), lambda j, s, i: (i, s, j)),
-        ),
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="sparse_mla_decode_split",
-    )(num_B, slots_BK, q_latent_BHC, q_rope_BHR, kv_TK)
-    return combine_splits(out_BSHC, lse_BSH)[:, :h]
+    return run_splits(kernel, "sparse_mla_decode_split", num_B, slots_BK, q_latent_BHC, q_rope_BHR, kv_cache_PSK,
+                      num_splits=num_splits, block_h=block_h, interpret=interpret, num_warps=num_warps,
+                      num_stages=num_stages)
 
 
 def sparse_mla_decode(
