@@ -120,6 +120,12 @@ def test_quick_run_writes_results(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_the_recorded_full_runs_pass_the_same_checks(name):
+    """docs/experiments/full/ holds one full run of each (docs/experiments.md quotes them)."""
+    check_outputs(name, RECORDED / "full", quick=False)
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_the_recorded_runs_pass_the_same_checks(name):
     """docs/experiments/ holds one --quick run of each: the checks hold on it, and fail on a broken copy."""
     check_outputs(name, RECORDED)
