@@ -77,17 +77,18 @@ class Indexer(nnx.Module):
         s_TIC = jnp.einsum(spec, q_TIE.astype(keys_TCE.dtype), keys_TCE, preferred_element_type=jnp.float32)
         return jnp.einsum("tic,ti->tc", jax.nn.relu(s_TIC), w_TI)
 
-    def select_prompt(self, q_resid_TQ, x_TD, positions_T, seq_T, keys_BCE, k: int, block: int | None = None):
-        """`select` for prompt rows of any sequences (seq_T; B for padding), each over its own sequence's
-        cached keys keys_BCE [B, C, E], causally. Rows go in blocks (`query_block`) under lax.map, so the
-        rows' keys [block, C, E] and scores [block, I, C] exist for one block at a time."""
-        T, (B, C, E) = x_TD.shape[0], keys_BCE.shape
-        block = block or query_block(T, C, E, self.w_q_QIE.shape[1])
+    def select_prompt(self, q_resid_TQ, x_TD, positions_T, seq_T, keys_of, C: int, k: int, block: int | None = None):
+        """`select` for rows of any sequences (seq_T; B for padding), each over its own sequence's cached
+        keys, causally: `keys_of(seq_W)` gives the keys of a block of rows' sequences [rows, C, E] (gathered
+        through the page table for that block only). Rows go in blocks (`query_block`) under lax.map, so the
+        rows' keys [block, C, E] and scores [block, I, C] exist for one block at a time, prompt or decode."""
+        T, (E, I) = x_TD.shape[0], self.w_q_QIE.shape[1:][::-1]
+        block = block or query_block(T, C, E, I)
 
         def rows(args):
             q_TQ, x_TD, pos_T, seq_T = args
             visible_TC = jnp.arange(C)[None, :] <= pos_T[:, None]
-            return self.select(q_TQ, x_TD, pos_T, keys_BCE[jnp.clip(seq_T, 0, B - 1)], visible_TC, k)
+            return self.select(q_TQ, x_TD, pos_T, keys_of(seq_T), visible_TC, k)
 
         args = (q_resid_TQ, x_TD, positions_T, seq_T)
         if block >= T:

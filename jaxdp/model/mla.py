@@ -157,7 +157,7 @@ class MLA(nnx.Module):
             keys_PSE = write_cache(index.keys_PSE, batch.slots_T, keys_TE, page_offset, P)
             sel_TK = index.sel_TK
             if sel_TK is not None:
-                sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch, absorbed),
+                sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch),
                                        index.sel_TK)
             index = IndexState(keys_PSE, sel_TK)
         if absorbed:
@@ -166,16 +166,20 @@ class MLA(nnx.Module):
             o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK)
         return self.output(o_THV.astype(x_TD.dtype)), kv_PSK, index
 
-    def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch, absorbed: bool) -> jax.Array:
-        """This layer's DSA selection over the cached context of each row's sequence [T, index_topk]."""
-        keys_BCE = gather_context(keys_PSE, batch.page_table_BN)
-        if keys_BCE.dtype == jnp.uint8:
-            keys_BCE = unpack_fp8_keys(keys_BCE, self.cfg.index_head_dim)
-        C, k = keys_BCE.shape[1], selection_size(self.cfg, keys_BCE.shape[1])
-        if not absorbed:  # extend: each row reads its own sequence's keys, in blocks of rows
-            return self.indexer.select_prompt(q_TQ, x_TD, batch.positions_T, batch.seq_T, keys_BCE, k)
-        visible_TC = jnp.arange(C)[None, :] <= batch.positions_T[:, None]  # decode: row b is sequence b
-        return self.indexer.select(q_TQ, x_TD, batch.positions_T, keys_BCE, visible_TC, k)
+    def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch) -> jax.Array:
+        """This layer's DSA selection over the cached context of each row's sequence [T, index_topk], prompt
+        or decode rows alike: in blocks of rows, each block gathering only its own sequences' index keys."""
+        B, N = batch.page_table_BN.shape
+        C = N * keys_PSE.shape[1]
+
+        def keys_of(seq_W):
+            keys_WCE = gather_context(keys_PSE, batch.page_table_BN[jnp.clip(seq_W, 0, B - 1)])
+            if keys_WCE.dtype == jnp.uint8:  # fp8 keys with their scales
+                keys_WCE = unpack_fp8_keys(keys_WCE, self.cfg.index_head_dim)
+            return keys_WCE
+
+        return self.indexer.select_prompt(q_TQ, x_TD, batch.positions_T, batch.seq_T, keys_of, C,
+                                          selection_size(self.cfg, C))
 
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
