@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from servers import Server, free_port
@@ -107,6 +108,14 @@ def check_same_as_single_process(cluster: Cluster, reference: dict) -> None:
     stream = client.completions.create(model="default-model", prompt=PROMPTS[1], max_tokens=12, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == generate(node0, PROMPTS[1])["text"]
+    # log probabilities and top alternatives come back from node 1's ranks as from node 0's
+    logprobs = [client.completions.create(model="default-model", prompt=PROMPTS[2], max_tokens=6, temperature=0,
+                                          logprobs=3, extra_body={"routed_dp_rank": r}).choices[0].logprobs
+                for r in (1, 6)]
+    assert len(logprobs[1].token_logprobs) == len(logprobs[1].top_logprobs) == len(logprobs[1].tokens) >= 1
+    assert all(len(t) == 3 for t in logprobs[1].top_logprobs)
+    assert logprobs[1].tokens == logprobs[0].tokens
+    np.testing.assert_allclose(logprobs[1].token_logprobs, logprobs[0].token_logprobs, atol=1e-4)
     load = httpx.get(node0.url + "/get_load", timeout=10).json()
     assert [s["dp_rank"] for s in load] == list(range(8))
     assert httpx.get(cluster.node1.url + "/health", timeout=5).status_code == 200
@@ -458,7 +467,7 @@ def test_an_exchange_frame_naming_another_class_is_refused_not_run():
         return lambda mine: [mine, payload]
 
     ex = HostExchange(2, 0, 8, timeout_s=1, client=FakeStore(), gather=gather_with(b""))
-    good = pickle.dumps(([Proposal(3, True, True)] * 4, {"updates": [("r", [1, 2], [], 0, None, None)],
+    good = pickle.dumps(([Proposal(3, True, True)] * 4, {"updates": [("r", [1, 2], [], [[(5, -0.1)]], 0, None, None)],
                                                          "ranks": range(4, 8)}))
     ex.gather = gather_with(good)
     full, messages = ex.exchange([Proposal(0, False, False)] * 8, {})
@@ -467,3 +476,17 @@ def test_an_exchange_frame_naming_another_class_is_refused_not_run():
     with pytest.raises(PeerFailure, match=r"node 1 sent a message that is not the exchange's \(posix.system is not"):
         ex.exchange([Proposal(0, False, False)] * 8, {})
     assert not os.path.exists("/tmp/jaxdp-exchange-pwned")
+
+
+def test_every_node_computes_top_logprobs_when_any_rank_asks():
+    """The top logprobs are computed over every node's logits in one collective, so "a request asks for them"
+    is part of the agreement (a node that skipped it while another ran it would hang the collective)."""
+    from jaxdp.parallel.places import agree_on_step
+
+    quiet = [Proposal(2, False, True)] * 8
+    assert not agree_on_step(quiet).any_top
+    asks = list(quiet)
+    asks[6] = Proposal(2, False, True, top=True)  # a rank of node 1
+    assert agree_on_step(asks).any_top
+    asks[6] = Proposal(0, False, False, top=True)  # an idle rank's request is not in this step
+    assert not agree_on_step(asks).any_top

@@ -62,9 +62,8 @@ class Engine:
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
         self.cfg = config or EngineConfig()
-        runner = model if not isinstance(model, str) else make_runner(
+        self.runner = runner = model if not isinstance(model, str) else make_runner(
             model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
-        self.runner = runner
         self._sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
         self.model_cfg, self.layout = runner.cfg, runner.layout
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
@@ -77,8 +76,8 @@ class Engine:
             log.info("DP attention is enabled. chunked prefill size is adjusted from %d to %d.",
                      c.chunked_prefill_size, chunk)
         conservativeness = c.schedule_conservativeness * (0.3 if dp > 1 else 1.0)
-        context_len = min(c.context_length or self.model_cfg.max_position_embeddings, c.num_pages * c.page_size)
-        self.context_len = context_len
+        self.context_len = context_len = min(c.context_length or self.model_cfg.max_position_embeddings,
+                                             c.num_pages * c.page_size)
         self.pages_per_seq = -(-context_len // c.page_size)
         sched_cfg = SchedulerConfig(chunk, self.max_running_per_rank, context_len, conservativeness,
                                     self.model_cfg.eos_token_ids, self.model_cfg.vocab_size, c.seed)
@@ -89,8 +88,7 @@ class Engine:
             self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
                                              RankRows(self.rows.rank(r), c.page_size)))
         self.controller = Controller(dp, c.load_balance_method)  # (a server's ReplicaSet pins ranks itself)
-        carry = max(self.max_running_per_rank, *(c.decode_buckets or [1]))
-        runner.ensure_token_carry(carry)  # the next step reads this many of the previous step's tokens
+        runner.ensure_token_carry(max(self.max_running_per_rank, *(c.decode_buckets or [1])))  # tokens read back
         self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
                                     c.max_len_extend_rows).with_pages(self.pages_per_seq, c.page_size)
         self.stats = StepStats(dp)
@@ -204,8 +202,7 @@ class Engine:
 
         With `overlap`, step N+1 is planned and queued on the device before step N's tokens are read
         back: rows whose input token is still in flight carry a marker (-1-j: the j-th token step N
-        sampled on this rank) that the step resolves on the device, and step N is booked while N+1 runs.
-        """
+        sampled on this rank) that the step resolves on the device, and step N is booked while N+1 runs."""
         self._drain_inbox()
         t0 = time.perf_counter()
         d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
@@ -216,7 +213,7 @@ class Engine:
         message = self.link.message() if self.link else {}
         if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
             d.post(message, [self.schedulers[r] for r in self.local_ranks])
-        mine = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
+        mine = self._proposals(plans)
         proposals, messages = self.exchange.exchange(mine, message)
         self.blocked = None
         if self.link:
@@ -273,11 +270,14 @@ class Engine:
         logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
         tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
         self.blocked = None
-        wants_top = any(s.top_logprob_requests for s in self.schedulers)  # (not a scan of the requests)
-        t2 = time.perf_counter()
+        t2 = time.perf_counter()  # top logprobs: on every node together (the agreement says), or on none
         return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
                         host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
-                        top=top_logprobs(logits) if wants_top else None)
+                        top=top_logprobs(logits) if agreement.any_top else None)
+
+    def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
+        tops = [s.top_logprob_requests > 0 for s in self.schedulers]
+        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
 
     def _isolate(self, plans: list[RankPlan | None]) -> None:
         """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
@@ -291,7 +291,7 @@ class Engine:
                 continue
             only: list[RankPlan | None] = [None] * self.layout.dp
             only[r] = plan
-            agreement = agree_on_step(rank_proposals(only, self.buckets.decode[-1], self.rows.num_pages))
+            agreement = agree_on_step(self._proposals(only))
             rows = list(agreement.rows_per_rank)
             shape = self.buckets.shape_for(rows, agreement)
             step, t0 = next(self._steps), time.perf_counter()

@@ -115,7 +115,8 @@ class NodeLink:
             ids = req.done_ids
             if len(ids) > sent or req.finished:
                 lps = req.output_logprobs[sent:] if req.params.return_logprob else []
-                updates.append((rid, ids[sent:], lps, req.cached_tokens,
+                tops = req.output_top_logprobs[sent:] if req.params.top_logprobs else []
+                updates.append((rid, ids[sent:], lps, tops, req.cached_tokens,
                                 req.finish_reason if req.finished else None, req.error))
                 if req.finished:
                     del self.origin[rid]
@@ -139,12 +140,13 @@ class NodeLink:
             self.remote_state.update(msg.get("states", {}))
             for flush_id, answer in msg.get("flushed", ()):
                 self._flush_answered(flush_id, answer)
-            for rid, ids, lps, cached, finish, error in msg.get("updates", ()):
+            for rid, ids, lps, tops, cached, finish, error in msg.get("updates", ()):
                 req = self.engine.requests.get(rid)
                 if req is None or req.finished:
                     continue
                 req.output_ids.extend(ids)
                 req.output_logprobs.extend(lps)
+                req.output_top_logprobs.extend(tops)
                 req.cached_tokens = cached
                 if ids and req.first_token_at is None:
                     req.first_token_at = now

@@ -85,6 +85,7 @@ class Proposal:
     is_extend: bool  # it reads a prompt (chunk)
     decode_bucket_ok: bool  # its decode batch fits a compiled decode bucket
     pages: int = 0  # the most pages one of its sequences holds in this step (the page table's width)
+    top: bool = False  # a request of its asks for top logprobs (computed over every node's logits, so together)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Agreement:
     idle_ranks: tuple[int, ...]  # ranks that run an idle batch
     run: bool  # False when every rank is idle: no step at all
     max_pages: int = 0  # MAX over ranks of their pages per sequence
+    any_top: bool = False  # OR over ranks: the step computes the top logprobs
 
 
 class LocalExchange:
@@ -115,7 +117,8 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     busy = [p for p in proposals if p.rows > 0]
     use_decode = run and not any_extend and all(p.decode_bucket_ok for p in busy)
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
-    return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals))
+    return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
+                     any(p.top for p in busy))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------
