@@ -7,3 +7,17 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def blocked_prompt_path():
+    """Every prompt step in blocks (`jaxdp.model.prefill.attend_blocked`), however small: the test steps are
+    small enough to run in one piece otherwise (`DENSE_MAX_SCORES`), so the modules that compare against
+    transformers and the single device take this fixture to check the form real sizes run."""
+    from jaxdp.model import prefill
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill, "DENSE_MAX_SCORES", -1)
+        yield

@@ -11,6 +11,8 @@ from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
 from jaxdp.engine.stats import compiles_total
 from jaxdp.one_batch import run_prompts
 
+pytestmark = pytest.mark.usefixtures("blocked_prompt_path")  # the form real sizes run (conftest)
+
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 
 

@@ -17,6 +17,8 @@ from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import load_model
 from jaxdp.parallel.step import StepRunner, StepShape
 
+pytestmark = pytest.mark.usefixtures("blocked_prompt_path")  # the form real sizes run (conftest)
+
 RANKS = 8
 PAGE, NPAGES, PAGES_PER_SEQ = 8, 64, 4
 T_EXT, B, SUM_ROWS = 64, 16, 64

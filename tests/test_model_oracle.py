@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxdp.layout import Layout  # noqa: E402
+from jaxdp.model import mla, prefill  # noqa: E402
 from jaxdp.model.loader import load_checkpoint  # noqa: E402
 from jaxdp.one_batch import run_prompts  # noqa: E402
 from jaxdp.parallel.step import StepRunner  # noqa: E402
@@ -62,13 +63,19 @@ def hf_logits(model, tokens):
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
-def test_prompt_and_decode_logits_match_transformers(hf_dir):
+@pytest.mark.parametrize("blocked", [False, True], ids=["small-steps-in-one-piece", "blocked"])
+def test_prompt_and_decode_logits_match_transformers(hf_dir, blocked, monkeypatch):
+    if blocked:  # the prompt path real sizes run (the test's steps are small enough for one piece otherwise)
+        monkeypatch.setattr(prefill, "DENSE_MAX_SCORES", -1)
+    traced = []  # which form the prompt steps took
+    monkeypatch.setattr(mla, "attend_blocked", lambda *a, **k: traced.append(1) or prefill.attend_blocked(*a, **k))
     path, hf = hf_dir
     with jax.default_matmul_precision("highest"):
         cfg, model = load_checkpoint(path, jnp.float32)
         layout = Layout()
         runner = StepRunner(model, layout, layout.make_mesh(jax.devices()[:1]), num_pages=32, page_size=4)
         out = run_prompts(runner, PROMPTS, [0] * len(PROMPTS), DECODE_STEPS)
+    assert bool(traced) == blocked
     for i, prompt in enumerate(PROMPTS):
         tokens = out["tokens"][i].tolist()
         ref = hf_logits(hf, prompt + tokens)
@@ -106,9 +113,9 @@ def test_absorbed_and_expanded_paths_agree(hf_dir):
         for absorbed in (True, False):
             runner = StepRunner(model, layout, mesh, num_pages=32, page_size=4)
             pages = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
-            prefill = [Piece(p, 0, pages[i]) for i, p in enumerate(PROMPTS)]
+            first = [Piece(p, 0, pages[i]) for i, p in enumerate(PROMPTS)]
             shape = StepShape(False, 64, 4, 8)
-            b = build_rank_batch(prefill, num_rows=64, num_seqs=4, pages_per_seq=8, page_size=4, num_pages=32)
+            b = build_rank_batch(first, num_rows=64, num_seqs=4, pages_per_seq=8, page_size=4, num_pages=32)
             runner.run(shape, stack_ranks([b]))
             dec = [Piece([7 + i], len(p), pages[i]) for i, p in enumerate(PROMPTS)]
             shape = StepShape(absorbed, 4, 4, 8)

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model import prefill
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, init_normal, rms_norm
-from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_latents, attend_selected
+from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
 
 
 @dataclasses.dataclass
@@ -194,9 +195,11 @@ class MLA(nnx.Module):
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
-        if sel_TK is None:
-            return attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, kv_lora_rank=cfg.kv_lora_rank,
-                                  softmax_scale=cfg.softmax_scale)
+        if sel_TK is None:  # a small step in one piece (it compiles faster), any other in blocks
+            small = q_nope_THN.shape[0] * q_nope_THN.shape[1] * kv_PSK.shape[1] * batch.page_table_BN.size
+            attend = attend_dense if small <= prefill.DENSE_MAX_SCORES else attend_blocked
+            return attend(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, kv_lora_rank=cfg.kv_lora_rank,
+                          softmax_scale=cfg.softmax_scale)
         q_latent_THL = jnp.einsum("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
                                 softmax_scale=cfg.softmax_scale)

@@ -29,6 +29,7 @@ NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their ou
 ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
 ABSORBED_BLOCK = 16  # rows of a sequence with few rows, attended in the absorbed form at once
+DENSE_MAX_SCORES = 1 << 24  # a step whose dense scores [T, H, B, C] are this small runs `attend_dense`
 SELECTED_FLOATS = 1 << 25  # sparse rows: gathered latents [rows, index_topk, K] per block of rows
 
 
@@ -158,8 +159,9 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
 
 def attend_dense(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *, kv_lora_rank: int,
                  softmax_scale: float, sel_TK=None) -> jax.Array:
-    """The reference: every row against every sequence's whole context, masked ([T, H, B, C] scores, every
-    context expanded). What the prompt path was; for tests and `jaxdp.bench.prefill` only."""
+    """Every row against every sequence's whole context, masked ([T, H, B, C] scores, every context
+    expanded): the reference for the blocked form, and what a step runs while those scores stay under
+    DENSE_MAX_SCORES (64 MiB; a small step compiles faster in one piece than in loops)."""
     N = q_nope_THN.shape[-1]
     kv_BCK = kv_PSK[page_table_BN].reshape(page_table_BN.shape[0], -1, kv_PSK.shape[-1])
     B, C = kv_BCK.shape[:2]
