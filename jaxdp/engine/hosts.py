@@ -235,7 +235,7 @@ class ZmqGather:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0 or not self.pull.poll(left_ms):
                 missing = ", ".join(f"node {k}" for k in self.push if k not in got)
-                raise PeerFailure(f"{missing} did not answer the step exchange #{self.seq} within "
+                raise PeerFailure(f"no answer from {missing} to the step exchange #{self.seq} within "
                                   f"{self.timeout_s:.0f} s: it died or stopped")
             head, body = self.pull.recv_multipart()
             seq, node = struct.unpack("<qi", head)
@@ -303,7 +303,7 @@ class StoreGather:
                 out.append(self.client.blocking_key_value_get_bytes(self._key(self.seq, node),
                                                                     int(self.timeout_s * 1000)))
             except Exception as e:
-                raise PeerFailure(f"node {node} did not answer the step exchange #{self.seq} within "
+                raise PeerFailure(f"no answer from node {node} to the step exchange #{self.seq} within "
                                   f"{self.timeout_s:.0f} s ({_short(e)}): it died or stopped") from None
         # every node has posted this iteration, so every node has read all keys of the ones before it
         if self.node_rank == 0 and self.seq % self.BLOCK == 0 and self.seq > 0:
