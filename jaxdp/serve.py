@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxdp.engine.supervise import NODE_CHILD_ENV, supervise_node
 
         if not os.environ.get(NODE_CHILD_ENV):
-            return supervise_node(["-m", "jaxdp.serve", *argv])
+            return supervise_node(["-m", "jaxdp.serve", *argv], args.node_rank)
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     from jaxdp.engine.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count

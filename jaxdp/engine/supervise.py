@@ -17,17 +17,20 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def supervise_node(child_argv: list[str]) -> int:
+def supervise_node(child_argv: list[str], node_rank: int) -> int:
     """Nodes > 0 run as a child of this process: JAX's runtime aborts a node whose coordinator (node 0)
-    vanishes, and the parent then says in one line what that means. Signals are passed on to the child."""
+    vanishes or has given it up (it missed its heartbeats, e.g. stalled), and the parent then says in one line
+    what that means, in the form the node's own failures take ("error: node N: ..."). Signals are passed on
+    to the child."""
     child = subprocess.Popen([sys.executable, *child_argv], env={**os.environ, NODE_CHILD_ENV: "1"},
                              preexec_fn=_die_with_parent)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
     code = child.wait()
     if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-        print(f"error: this node was stopped by JAX's distributed runtime ({signal.Signals(-code).name}): node 0 "
-              "died or became unreachable; restart every node with the same --dist-init-addr", file=sys.stderr)
+        print(f"error: node {node_rank}: stopped by JAX's distributed runtime ({signal.Signals(-code).name}): node 0 "
+              "died, became unreachable or gave this node up (it stalled past the heartbeat timeout); restart every "
+              "node with the same --dist-init-addr", file=sys.stderr)
         return 1
     return code if code >= 0 else 128 - code
 
