@@ -14,8 +14,8 @@ from safetensors.numpy import save_file
 
 from jaxdp.config import PRESETS, hf_config_dict
 from jaxdp.layout import parse_mesh_spec
-from jaxdp.model import fp8
-from jaxdp.model.checkpoint import CheckpointError
+from jaxdp.model import checkpoint, fp8
+from jaxdp.model.checkpoint import CheckpointError, memory_order
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.loader import hf_state_dict, load_checkpoint
 from jaxdp.model.sharded import abstract_state, load_sharded, param_table, weight_bytes_per_device
@@ -94,6 +94,40 @@ def test_sharded_load_matches_one_device_in_the_steps_sharding(checkpoints, mesh
     want = gathered(nnx.state(one))
     for k, v in gathered(sharded.state).items():
         np.testing.assert_array_equal(v, want[k], err_msg=k)
+
+
+def _row_major(a: np.ndarray) -> bool:
+    moving = [k for k in memory_order(a) if a.shape[k] > 1]
+    return moving == sorted(moving)
+
+
+@pytest.mark.parametrize("name,mesh", [("dense", "tp=8"), ("dense", "dp=2,tp=4,moe=ep"), ("fp8", "tp=8")])
+def test_the_devices_transpose_what_a_gpu_load_places_as_stored(checkpoints, monkeypatch, name, mesh):
+    """A GPU's load (torch's [out, in] placed as stored, transposed by the devices), forced on the CPU: the
+    same arrays in the same shardings as the host's transposing copies, and the host copies only row-major
+    runs (where the host's path, checked by the same spy, transposes)."""
+    layout = parse_mesh_spec(mesh)
+    m = layout.make_mesh(jax.devices()[:8])
+    copies: list[bool] = []
+    run = checkpoint._run
+
+    def spy(tasks, pool):
+        copies.extend(_row_major(src[t]) for _, src, t in tasks)
+        return run(tasks, pool)
+
+    monkeypatch.setattr(checkpoint, "_run", spy)
+    host = load_sharded(checkpoints / name, layout, m, jnp.float32, transpose_on_devices=False)
+    assert copies and not all(copies)
+    copies.clear()
+    dev = load_sharded(checkpoints / name, layout, m, jnp.float32, transpose_on_devices=True)
+    assert copies and all(copies)
+    specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_flatten_with_path(host.state)[0]}
+    for p, x in jax.tree_util.tree_flatten_with_path(dev.state)[0]:
+        assert x.sharding.spec == specs[jax.tree_util.keystr(p)], p
+    want = gathered(host.state)
+    for k, v in gathered(dev.state).items():
+        assert v.dtype == want[k].dtype, k
+        np.testing.assert_array_equal(v.view(np.uint8), want[k].view(np.uint8), err_msg=k)
 
 
 def test_fp8_checkpoint_stays_fp8_and_gives_the_logits_of_its_exact_dequantization(checkpoints):

@@ -150,21 +150,28 @@ from jaxdp.model.sharded import weight_bytes_per_device
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_SELF))
 t0, c0 = time.perf_counter(), cpu()
-runner = build_runners(sys.argv[1], layout, [layout.make_mesh(jax.devices()[:layout.world])], dtype=sys.argv[3],
-                       quantization=sys.argv[4] or None, num_pages=2, page_size=16)[0]
-jax.block_until_ready(runner.state)
+mesh = layout.make_mesh(jax.devices()[:layout.world])
+if sys.argv[5]:  # the devices' path forced (what a GPU runs): the loader alone
+    from jaxdp.model.sharded import load_sharded
+    state = load_sharded(sys.argv[1], layout, mesh, sys.argv[3], sys.argv[4] or None, transpose_on_devices=True).state
+else:
+    state = build_runners(sys.argv[1], layout, [mesh], dtype=sys.argv[3], quantization=sys.argv[4] or None,
+                          num_pages=2, page_size=16)[0].state
+jax.block_until_ready(state)
 print(json.dumps({"load_s": time.perf_counter() - t0, "load_cpu_s": cpu() - c0,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "rss_before_load_bytes": before,
-                  "weights_per_device": weight_bytes_per_device(runner.state)}))
+                  "weights_per_device": weight_bytes_per_device(state)}))
 """
 
 
 def load_in_child(model_dir: str | Path, mesh: str = "tp=8", dtype: str = "bfloat16",
-                  quantization: str | None = None) -> dict:
-    """Load in a fresh process (its peak RSS is the loader's alone); returns load_s, peak_rss_bytes, ..."""
+                  quantization: str | None = None, transpose_on_devices: bool = False) -> dict:
+    """Load in a fresh process (its peak RSS is the loader's alone); returns load_s, peak_rss_bytes, ...
+    `transpose_on_devices`: the path a GPU takes (torch's layout placed as stored, transposed by the devices)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(model_dir), mesh, dtype, quantization or ""],
+    res = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(model_dir), mesh, dtype, quantization or "",
+                          "devices" if transpose_on_devices else ""],
                          capture_output=True, text=True, env=env)
     if res.returncode:
         raise RuntimeError(f"loading {model_dir} failed:\n{res.stderr[-4000:]}")
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--mesh", default="tp=8")
+    ap.add_argument("--transpose-on-devices", action="store_true",
+                    help="force the path a GPU takes: torch's [out, in] placed as stored, transposed by the devices")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     cfg = real_width_config(args.layers, args.experts)
@@ -188,13 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     evict(args.dir)
     read_s, read_cpu_s = read_once(args.dir)
     evict(args.dir)
-    got = load_in_child(args.dir, args.mesh)
+    got = load_in_child(args.dir, args.mesh, transpose_on_devices=args.transpose_on_devices)
     row = {"checkpoint": "block-FP8" if args.fp8 else "bf16", "size_gib": size / 2**30, "read_once_s": read_s,
            "read_GBps": size / read_s / 1e9, "read_cpu_s": read_cpu_s, "load_s": got["load_s"],
            "load_cpu_s": got["load_cpu_s"], "load_over_read": got["load_s"] / read_s,
            "load_GBps": size / got["load_s"] / 1e9, "load_GBps_per_cpu_s": size / got["load_cpu_s"] / 1e9,
            "peak_rss_gib": got["peak_rss_bytes"] / 2**30, "rss_over_size": got["peak_rss_bytes"] / size,
-           "mesh": args.mesh, "cpus": os.cpu_count(), "loadavg_1min_before": load_before,
+           "transpose_on_devices": args.transpose_on_devices, "mesh": args.mesh, "cpus": os.cpu_count(),
+           "loadavg_1min_before": load_before,
            "loadavg_1min_after": os.getloadavg()[0]}
     print(f"{row['checkpoint']} {size / 2**30:.2f} GiB, --mesh {args.mesh} on 8 host devices, {row['cpus']} CPUs, "
           f"1-min load average {load_before:.1f} before / {row['loadavg_1min_after']:.1f} after (others' work "

@@ -116,6 +116,18 @@ class Tiled:
     def astype(self, dtype) -> Tiled:
         return Tiled(self.shape, np.dtype(dtype), [(o, a.astype(dtype)) for o, a in self.parts])
 
+    def transpose(self, perm: tuple[int, ...]) -> Tiled:
+        return Tiled(tuple(self.shape[k] for k in perm), self.dtype,
+                     [(tuple(o[k] for k in perm), a.transpose(perm)) for o, a in self.parts])
+
+
+def memory_order(x: np.ndarray | Tiled) -> tuple[int, ...]:
+    """x's axes in the order they lie in memory, outermost first (axes of one element first, as they come):
+    the permutation under which its parts are row-major, i.e. how they lie in the checkpoint (a transposed
+    view of torch's [out, in] gives (1, 0))."""
+    a = x.parts[0][1] if isinstance(x, Tiled) else x
+    return tuple(sorted(range(a.ndim), key=lambda k: (a.shape[k] > 1, -abs(a.strides[k]))))
+
 
 def fill(dst: np.ndarray, src: np.ndarray | Tiled, index: tuple[slice, ...],
          pool: ThreadPoolExecutor | None = None) -> None:

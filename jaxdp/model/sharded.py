@@ -7,7 +7,9 @@ piece read as a slice, `jax.make_array_from_callback`), `init_sharded` fills wit
 are the step's own (`jaxdp.parallel.sharding`).
 
 The layer stacks [L, ...] are never assembled on the host: each is created on the mesh once (zeros),
-then every layer's piece is read and written into it in place (a donated dynamic_update_slice). A device
+then every layer's piece is read and written into it in place (a donated dynamic_update_slice). On a GPU a
+piece goes to its device in the order it is stored (torch's [out, in]: the host copies only contiguous
+runs) and the update transposes it there; on a CPU the host transposes as it copies. A device
 piece is read once per call and shared by the devices that hold the same index (replicas); each process
 reads only what its own devices hold. Peak host memory is two parameters of one layer (the one placed,
 the next one read meanwhile) beyond what the devices hold (on a CPU the devices' buffers are host memory;
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from tqdm import tqdm
 from jaxdp.config import ModelConfig, load_hf_config
 from jaxdp.layout import Layout
 from jaxdp.model import fp8, modelopt
-from jaxdp.model.checkpoint import Checkpoint, Tiled, aligned_copy, aligned_empty, fill
+from jaxdp.model.checkpoint import Checkpoint, Tiled, aligned_copy, aligned_empty, fill, memory_order
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.quant import apply_quantization, resolve_quantization
 from jaxdp.model.sources import Box, sources
@@ -141,8 +144,40 @@ def _place(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: 
     return jax.make_array_from_callback(shape, sharding, piece)
 
 
+def _permuted(sharding: NamedSharding, perm: tuple[int, ...]) -> NamedSharding:
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    return NamedSharding(sharding.mesh, P(*(spec[k] for k in perm)))
+
+
+def _place_as_stored(arr: np.ndarray | Tiled, box: Box, shape: tuple[int, ...], sharding: NamedSharding,
+                     pool: ThreadPoolExecutor | None = None) -> tuple[jax.Array, tuple[int, ...]]:
+    """(`arr` on the mesh in the order its values lie in the checkpoint, the permutation back to ours): the
+    host copies only contiguous runs, and whoever takes the array transposes it on the devices."""
+    perm = memory_order(arr)
+    if perm == tuple(range(len(shape))):
+        return _place(arr, box, shape, sharding, pool), perm
+    x = _place(arr.transpose(perm), tuple(box[k] for k in perm), tuple(shape[k] for k in perm),
+               _permuted(sharding, perm), pool)
+    return x, tuple(int(k) for k in np.argsort(perm))
+
+
+class _Transposes:
+    """The compiled transposes into our layout (one per permutation and sharding), for the devices' path."""
+
+    def __init__(self):
+        self._fns: dict = {}
+
+    def __call__(self, x: jax.Array, back: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+        if back == tuple(range(len(back))):
+            return x
+        key = (back, sharding)
+        if key not in self._fns:
+            self._fns[key] = jax.jit(lambda a: jnp.transpose(a, back), out_shardings=sharding)
+        return self._fns[key](x)
+
+
 def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16, quantization: str | None = None,
-                 cfg: ModelConfig | None = None) -> ShardedModel:
+                 cfg: ModelConfig | None = None, transpose_on_devices: bool | None = None) -> ShardedModel:
     """A Hugging Face checkpoint (bf16/fp32, block-FP8 kept FP8, ModelOpt NVFP4 experts kept NVFP4) read
     straight into its sharding on `mesh`. Every tensor is checked against the config before anything
     is allocated."""
@@ -171,18 +206,22 @@ def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16
                 for src in srcs:
                     src.check(ck, f"model.layers.{i}")
         check_fp8_split(table, mesh, layout, cfg.fp8_block[0] if cfg.fp8_block else None)
-        arrays = _read_all(ck, table, top, stacks, mesh, first, counts)
+        on_devices = mesh.devices.flat[0].platform != "cpu" if transpose_on_devices is None else transpose_on_devices
+        arrays = _read_all(ck, table, top, stacks, mesh, first, counts, on_devices)
     if input_scales:
         log.info(modelopt.describe_input_scales(input_scales))
     state = jax.tree_util.tree_map_with_path(lambda p, x: arrays[_dotted(p)], astate)
     return ShardedModel(cfg, graphdef, state)
 
 
-def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[str, jax.Array]:
+def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts, on_devices: bool) -> dict[str, jax.Array]:
     """Every parameter read and placed in order, the next one read (in a thread) while this one is
-    placed: one parameter of one layer ahead at most."""
+    placed: one parameter of one layer ahead at most. `on_devices`: torch's [out, in] goes to the devices as
+    stored and is transposed there (a GPU's memory does that at hundreds of GB/s, where the host's
+    transposing copies manage about one per core); else the host transposes as it copies (on a CPU, where
+    the devices' buffers are host memory and replicas share one)."""
     total = sum(int(np.prod(i.shape, dtype=np.int64)) * i.dtype.itemsize for i in table.values())
-    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    transposes = _Transposes()
     arrays: dict[str, jax.Array] = {}
     layers: dict[str, _Stack] = {}
     jobs = [(src, "", False, 0) for src in top] + [
@@ -206,11 +245,14 @@ def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[s
             info, host = table[p], got.pop(p)
             if host.dtype != info.dtype:
                 host = host.astype(info.dtype)
-            if not stacked:
+            if not stacked and on_devices:
+                arrays[p] = transposes(*_place_as_stored(host, boxes[p], shapes[p], shardings[p], ck.pool),
+                                       shardings[p])
+            elif not stacked:
                 arrays[p] = _place(host, boxes[p], shapes[p], shardings[p], ck.pool)
             else:
                 if p not in layers:
-                    layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], on_cpu)
+                    layers[p] = _Stack(info, NamedSharding(mesh, info.spec), shardings[p], not on_devices)
                 layers[p].set(layer, host, boxes[p], ck.pool)
             del host
             bar.update(int(np.prod(shapes[p], dtype=np.int64)) * info.dtype.itemsize)
@@ -228,28 +270,32 @@ def _read_all(ck: Checkpoint, table, top, stacks, mesh, first, counts) -> dict[s
 
 class _Stack:
     """A stacked [L, ...] parameter filled one layer at a time. On a GPU it is created on the devices
-    (zeros) and each layer's array is written into it in place. On a CPU a device's buffer is host memory:
-    each distinct device piece of the whole stack is an aligned host buffer, filled layer by layer and
-    taken by the devices without a copy at the end (replicas share one)."""
+    (zeros) and each layer's array, placed as stored, is transposed into it in place (one donated update).
+    On a CPU (`host_pieces`) a device's buffer is host memory: each distinct device piece of the whole stack
+    is an aligned host buffer, filled layer by layer and taken by the devices without a copy at the end
+    (replicas share one)."""
 
-    def __init__(self, info: ParamInfo, sharding: NamedSharding, layer_sharding: NamedSharding, on_cpu: bool):
+    def __init__(self, info: ParamInfo, sharding: NamedSharding, layer_sharding: NamedSharding, host_pieces: bool):
         self.info, self.sharding, self.layer_sharding = info, sharding, layer_sharding
         self.layer_shape = info.shape[1:]
         self.pieces: dict[tuple, np.ndarray] | None = None
         self.array = None
-        if on_cpu:
+        if host_pieces:
             idx = sharding.addressable_devices_indices_map(info.shape).values()
             keys = {_key(ix[1:], self.layer_shape) for ix in idx}
             self.pieces = {k: aligned_empty((info.shape[0], *(b - a for a, b in k)), info.dtype) for k in keys}
         else:
             self.array = jax.jit(lambda: jnp.zeros(info.shape, info.dtype), out_shardings=sharding)()
-            self.update = jax.jit(lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
-                                  donate_argnums=0, out_shardings=sharding)
+            self.updates: dict[tuple[int, ...], Callable] = {}  # per permutation back to our layout
 
     def set(self, layer: int, host: np.ndarray | Tiled, box: Box, pool: ThreadPoolExecutor | None = None) -> None:
         if self.pieces is None:
-            x = _place(host, box, self.layer_shape, self.layer_sharding, pool)
-            self.array = self.update(self.array, x, jnp.int32(layer))
+            x, back = _place_as_stored(host, box, self.layer_shape, self.layer_sharding, pool)
+            if back not in self.updates:
+                self.updates[back] = jax.jit(
+                    lambda s, v, i: jax.lax.dynamic_update_index_in_dim(s, jnp.transpose(v, back), i, 0),
+                    donate_argnums=0, out_shardings=self.sharding)
+            self.array = self.updates[back](self.array, x, jnp.int32(layer))
             return
         for key, piece in self.pieces.items():
             fill(piece[layer], host, tuple(slice(a - b.start, z - b.start) for (a, z), b in zip(key, box, strict=True)),

@@ -265,7 +265,7 @@ class Builder:
             return {"w": aligned_copy(values), "s": aligned_copy(scale)}
         values = _torch_linear(ck, name, in_dims, out_dims, box, dense=False)
         s = ck.read(name.removesuffix(".weight") + ".weight_scale_inv")
-        return {"w": values, "s": aligned_copy(fp8.scale_from_torch(s, in_dims, out_dims, b)[sbox])}
+        return {"w": values, "s": fp8.scale_from_torch(s, in_dims, out_dims, b)[sbox]}  # a view, as the values
 
     def _check_linear(self, ck, name, in_dims, out_dims, is_fp8: bool) -> None:
         O, I = math.prod(out_dims), math.prod(in_dims)
