@@ -54,6 +54,23 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """A live process's CPU seconds by kind of thread (Linux /proc): its main thread (the server's event
+    loop: HTTP, SSE, the streams), its other Python threads (the engine's loop, the monitor) and the native
+    ones (XLA's)."""
+    out = {"event_loop": 0.0, "python_threads": 0.0, "native_threads": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        kind = "event_loop" if int(tid) == pid else "python_threads" if name.startswith("python") else "native_threads"
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def server_steps(port: int) -> dict[str, float]:
     """Steps the server has run so far, by kind (its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -124,8 +141,10 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
     rounds = []
     for _ in range(args.rounds):
         c0, s0, k0 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
+        t0 = thread_cpu_seconds(server.pid)
         point = asyncio.run(serving.run_point(client_args, reqs, args.concurrency, float("inf")))
         c1, s1, k1 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
+        t1 = thread_cpu_seconds(server.pid)
         tokens = max(1, point["total_output_tokens"])
         rounds.append({"tokens_per_s": point["output_throughput"], "failed": point["failed"],
                        "duration_s": point["duration_s"], "tpot_ms": point["tpot_ms"]["median"],
@@ -133,6 +152,7 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
                        "server_cpu_us_per_token": 1e6 * (s1 - s0) / tokens,
                        "client_cpu_share": (c1 - c0) / point["duration_s"],
                        "server_cpu_share": (s1 - s0) / point["duration_s"],
+                       "server_threads_cpu_us_per_token": {k: 1e6 * (t1[k] - t0[k]) / tokens for k in t1},
                        "steps": {k: k1[k] - k0.get(k, 0) for k in k1}})
     return rounds
 
@@ -185,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
               "server_tok_s": served, "offline_tok_s": engine, "server_over_offline": served / engine,
               "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
               "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
+              "server_threads_cpu_us_per_token": {k: med([r["server_threads_cpu_us_per_token"][k] for r in rounds])
+                                                  for k in rounds[0]["server_threads_cpu_us_per_token"]},
               "load_average": os.getloadavg()}
     print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine and "
           f"server on CPUs {result['engine_cpus']}, client on {result['client_cpus']}")
@@ -195,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"client CPU {result['client_cpu_us_per_token']:.1f} us per token, server process CPU "
           f"{result['server_cpu_us_per_token']:.1f} us per token; failed requests "
           f"{sum(r['failed'] for r in rounds)}; load average {result['load_average'][0]:.2f}")
+    print("server process CPU by thread, us per token: " + ", ".join(
+        f"{k.replace('_', ' ')} {v:.1f}" for k, v in result["server_threads_cpu_us_per_token"].items()))
     print(f"steps per run: offline {result['offline_steps']}, server {[r['steps'] for r in rounds]}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
