@@ -248,7 +248,8 @@ def test_page_table_width_follows_the_longest_sequence_and_tokens_do_not_change(
 
     assert page_buckets(2560, 64) == [64, 256, 1024, 2560]  # DeepSeek-V3's context in pages of 64
     assert page_buckets(6, 16) == [6]  # a context under the smallest bucket: one width, as before
-    cfg = small_config(num_pages=48, context_length=128, max_running_requests=8, chunked_prefill_size=32)
+    cfg = small_config(num_pages=48, context_length=128, max_running_requests=8, chunked_prefill_size=32,
+                       decode_buckets=[4], extend_buckets=[16])  # few buckets: two engines compile them all
     ps = [list(range(1, 3 + 9 * i)) for i in range(6)]  # 2 .. 47 tokens: 1 to 13 pages with the output
     sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
