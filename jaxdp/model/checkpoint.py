@@ -125,8 +125,13 @@ def memory_order(x: np.ndarray | Tiled) -> tuple[int, ...]:
     """x's axes in the order they lie in memory, outermost first (axes of one element first, as they come):
     the permutation under which its parts are row-major, i.e. how they lie in the checkpoint (a transposed
     view of torch's [out, in] gives (1, 0))."""
-    a = x.parts[0][1] if isinstance(x, Tiled) else x
-    return tuple(sorted(range(a.ndim), key=lambda k: (a.shape[k] > 1, -abs(a.strides[k]))))
+    def order(a: np.ndarray) -> tuple[int, ...]:
+        return tuple(sorted(range(a.ndim), key=lambda k: (a.shape[k] > 1, -abs(a.strides[k]))))
+
+    if not isinstance(x, Tiled):
+        return order(x)
+    orders = {order(a) for _, a in x.parts}
+    return orders.pop() if len(orders) == 1 else tuple(range(len(x.shape)))  # parts that disagree: ours
 
 
 def fill(dst: np.ndarray, src: np.ndarray | Tiled, index: tuple[slice, ...],
