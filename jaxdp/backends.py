@@ -1,9 +1,10 @@
-"""Kernel backends: `--attention-backend xla|pallas` and `--moe-runner-backend xla|pallas`.
+"""Kernel backends: `--attention-backend xla|pallas` and `--moe-runner-backend xla|pallas|blocked`.
 
 On a GPU the default is pallas (the Triton kernels of `kernels_pallas`); on a CPU it is xla, and
-pallas there runs the same kernels in interpret mode, for checking. The MoE runner backend applies to
-NVFP4 experts (the grouped NVFP4 GEMM, or dequantize + `lax.ragged_dot`); bf16 experts always run
-`lax.ragged_dot`.
+pallas there runs the same kernels in interpret mode, for checking. For the MoE, xla is `lax.ragged_dot`,
+which XLA expands into a product per expert over every row (what `plan --compile` shows at full size);
+blocked is `jaxdp.model.grouped.grouped_matmul`, the same products by blocks of rows, for every kind of
+expert; pallas is the grouped NVFP4 GEMM for NVFP4 experts and the blocked form for bf16 and FP8 ones.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections.abc import Callable
 
 import jax
 
+from jaxdp.model.moe import MOE_RUNNER_BACKENDS
+
 ATTENTION_BACKENDS = ("xla", "pallas")
-MOE_RUNNER_BACKENDS = ("xla", "pallas")
 
 
 def default_attention_backend() -> str:

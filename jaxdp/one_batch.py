@@ -111,6 +111,7 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxdp.layout import add_layout_args
+    from jaxdp.model.moe import MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.one_batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny",
@@ -129,9 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", choices=["xla", "pallas"],
                     help="MLA decode: Pallas kernel or the XLA path (default: pallas on a GPU, xla on a CPU)")
-    ap.add_argument("--moe-runner-backend", choices=["xla", "pallas"],
-                    help="NVFP4 experts: the Pallas grouped GEMM or dequantize + ragged_dot (default: pallas on "
-                         "a GPU, xla on a CPU; pallas on a CPU runs in interpret mode)")
+    ap.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
+                    help="routed experts: xla (lax.ragged_dot), blocked (jaxdp.model.grouped, not expanded per "
+                         "expert) or pallas (NVFP4's grouped GEMM, blocked for bf16 and FP8 experts) (default: "
+                         "pallas on a GPU, xla on a CPU; pallas on a CPU runs in interpret mode)")
     ap.add_argument("--quantization", choices=["nvfp4", "fp8"],
                     help="nvfp4: hold the routed experts as NVFP4, quantized at load (a ModelOpt NVFP4 or "
                          "jaxdp.quantize checkpoint is NVFP4 without it); fp8: the layers' Linear weights in "

@@ -41,6 +41,7 @@ class UserError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     from jaxdp.engine.controller import METHODS
     from jaxdp.layout import add_layout_args
+    from jaxdp.model.moe import MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
@@ -59,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--random-seed", type=int, default=0, metavar="N", help="weights of a preset, and unseeded sampling")
     g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
                    help="MLA decode: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
-    g.add_argument("--moe-runner-backend", choices=["xla", "pallas"], default=None,
-                   help="NVFP4 expert GEMM: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
+    g.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS, default=None,
+                   help="routed experts' grouped matmul: xla (lax.ragged_dot, which XLA expands per expert), "
+                        "blocked (by blocks of rows, not expanded) or pallas (NVFP4's kernel, blocked for bf16 and "
+                        "FP8 experts) (default: pallas on a GPU, xla on a CPU)")
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")

@@ -102,9 +102,11 @@ def test_nvfp4_tp_refuses_to_split_a_scale_block(nvfp4):
         StepRunner(nvfp4, lay, lay.make_mesh(jax.devices()[:8]), num_pages=8, page_size=8)
 
 
-def test_pallas_moe_backend_equals_xla(nvfp4, reference):
-    """The grouped NVFP4 GEMM (interpret mode on the CPU) inside the sharded step, TP over 2 devices."""
-    np.testing.assert_allclose(logits(nvfp4, "dp=2", backend="pallas"), reference, atol=1e-4, rtol=0)
+@pytest.mark.parametrize("backend", ["pallas", "blocked"])
+def test_pallas_and_blocked_moe_backends_equal_xla(nvfp4, reference, backend):
+    """The grouped NVFP4 GEMM (interpret mode on the CPU), and the blocked grouped matmul over the dequantized
+    experts, inside the sharded step, TP over 2 devices."""
+    np.testing.assert_allclose(logits(nvfp4, "dp=2", backend=backend), reference, atol=1e-4, rtol=0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

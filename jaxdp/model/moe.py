@@ -25,10 +25,15 @@ Gate and up keep their own axis so that TP, which splits I, leaves each device i
 matching up rows; the down projection's K is I, so TP needs I / devices to be a multiple of 16
 (checked by the step). `runner_backend` picks the matmul: "xla" dequantizes and calls
 `lax.ragged_dot`; "pallas" runs `kernels_pallas.nvfp4_moe.nvfp4_grouped_matmul` on the sorted rows
-(interpret mode on a CPU). bf16 experts always use `lax.ragged_dot`.
+(interpret mode on a CPU). `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by
+blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
+experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
+is `lax.ragged_dot` for every kind (the CPU's default).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +41,13 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
+from jaxdp.model.grouped import grouped_matmul
 from jaxdp.model.layers import MLP, init_normal
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
                 "w_down_packed", "w_down_scale", "w_down_gscale")
-MOE_RUNNER_BACKENDS = ("xla", "pallas")
+MOE_RUNNER_BACKENDS = ("xla", "pallas", "blocked")
 
 
 class MoE(nnx.Module):
@@ -49,7 +55,7 @@ class MoE(nnx.Module):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.quantization: str | None = None  # "nvfp4" once `to_nvfp4` ran
-        self.runner_backend = "xla"  # NVFP4 experts' matmul: "xla" or "pallas" (static: part of the graph)
+        self.runner_backend = "xla"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: part of the graph)
         self.router_DE = nnx.Param(init_normal(rngs, (D, E), jnp.float32, D))
         self.router_bias_E = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.w_gate_up_ED2I = nnx.Param(init_normal(rngs, (E, D, 2, I), dtype, D))
@@ -82,7 +88,7 @@ class MoE(nnx.Module):
             q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
             return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
         return routed_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"),
-                              expert_offset)
+                              expert_offset, self.runner_backend)
 
     def experts_dense(self, x_TD, idx_TK, w_TK):
         """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
@@ -136,18 +142,26 @@ def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
     return jax.ops.segment_sum(y, tok_sorted, num_segments=T), group_sizes_E
 
 
-def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0):
+def _ragged(backend: str):
+    """The grouped matmul of bf16 and FP8 experts (and of NVFP4 ones under "xla" / "blocked"):
+    `lax.ragged_dot` under "xla", else the blocked form (under "pallas", the GPU's default, since those
+    experts have no kernel of their own and XLA's expansion would not fit at full size)."""
+    return jax.lax.ragged_dot if backend == "xla" else grouped_matmul
+
+
+def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "xla"):
     """Sum over a row's chosen experts (among those held here) of weight * expert(row).
 
     Returns (y_TD in float32, rows received per local expert [E_local]).
     """
     E_local, D, _, I = w_gate_up_ED2I.shape
+    ragged = _ragged(backend)
 
     def ffn(x_sorted, sizes_E):
-        h = jax.lax.ragged_dot(x_sorted, w_gate_up_ED2I.reshape(E_local, D, 2 * I), sizes_E,
-                               preferred_element_type=jnp.float32).reshape(-1, 2, I)
+        h = ragged(x_sorted, w_gate_up_ED2I.reshape(E_local, D, 2 * I), sizes_E,
+                   preferred_element_type=jnp.float32).reshape(-1, 2, I)
         h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
-        return jax.lax.ragged_dot(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
+        return ragged(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
 
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
 
@@ -170,7 +184,8 @@ def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_off
     gate_up = (q["w_gate_up_packed"].reshape(E_local, 2 * I, half_D),
                q["w_gate_up_scale"].reshape(E_local, 2 * I, -1), q["w_gate_up_gscale"])
     down = (q["w_down_packed"], q["w_down_scale"], q["w_down_gscale"])
-    matmul = _nvfp4_matmul_pallas if backend == "pallas" else _nvfp4_matmul_xla
+    matmul = _nvfp4_matmul_pallas if backend == "pallas" else functools.partial(_nvfp4_matmul_xla,
+                                                                                 ragged=_ragged(backend))
 
     def ffn(x_sorted, sizes_E):
         h = matmul(x_sorted, *gate_up, sizes_E).astype(jnp.float32).reshape(-1, 2, I)
@@ -180,10 +195,10 @@ def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_off
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
 
 
-def _nvfp4_matmul_xla(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):
-    """Dequantize every held expert to x's dtype, then one ragged_dot (float32 out)."""
+def _nvfp4_matmul_xla(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, ragged=jax.lax.ragged_dot):
+    """Dequantize every held expert to x's dtype, then one grouped matmul (float32 out)."""
     w_ENK = dequantize_nvfp4(packed_ENK2, scale_ENK16, gscale_E, x_TK.dtype)
-    return jax.lax.ragged_dot(x_TK, jnp.swapaxes(w_ENK, 1, 2), sizes_E, preferred_element_type=jnp.float32)
+    return ragged(x_TK, jnp.swapaxes(w_ENK, 1, 2), sizes_E, preferred_element_type=jnp.float32)
 
 
 def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):

@@ -85,7 +85,7 @@ class StepRunner:
         self.decode_kernel = decode_kernel
         self.expert_quantization = expert_quantization(model)
         check_divisible(self.cfg, layout, self.expert_quantization)
-        if moe_backend is not None:  # "xla" | "pallas": how NVFP4 experts multiply (see jaxdp.model.moe)
+        if moe_backend is not None:  # one of MOE_RUNNER_BACKENDS: how the experts multiply (jaxdp.model.moe)
             model = with_moe_runner_backend(model, moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)

@@ -32,6 +32,7 @@ class CompileCase:
     context: int = 1024  # tokens of context per decoding request
     page_size: int = PAGE_SIZE
     kinds: tuple[str, ...] = ("decode", "extend")
+    moe_backend: str = "xla"  # the routed experts' grouped matmul (--moe-runner-backend)
 
 
 # --expert-dtype -> the loader's quantization: fp8 is a DeepSeek block-FP8 checkpoint (every Linear of the
@@ -92,7 +93,8 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
     model = abstract_sharded(cfg, layout, mesh, expert_dtype)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
-                                   cache_dtype=jnp.bfloat16, abstract=True) for n in (num_pages, 1))
+                                   cache_dtype=jnp.bfloat16, abstract=True, moe_backend=case.moe_backend)
+                        for n in (num_pages, 1))
     compiled = []
     for shape in step_shapes(layout, case):
         t0 = time.perf_counter()

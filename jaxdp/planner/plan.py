@@ -198,7 +198,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         kinds = tuple(args.compile_steps.split(","))
         if not kinds or set(kinds) - {"decode", "extend"}:
             raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
-        case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds)
+        case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds,
+                           args.moe_runner_backend)
         result = compile_plan(cfg, layout, plan, case, gpu.memory_bytes)
         plan["compiled"] = result.pop("compiled")
         plan["compile"] = result
@@ -243,6 +244,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend-rows", type=int, default=4096, help="--compile: extend bucket, rows per rank")
     p.add_argument("--page-size", type=int, default=16, help="--compile: tokens per KV page")
     p.add_argument("--compile-steps", default="decode,extend", help="--compile: which steps (decode, extend)")
+    p.add_argument("--moe-runner-backend", choices=("xla", "pallas", "blocked"), default="xla",
+                   help="--compile: the routed experts' grouped matmul, as the server's flag (default xla: "
+                        "lax.ragged_dot, which XLA expands per expert; blocked: jaxdp.model.grouped)")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--plot", help="draw the situations to this PNG file")
     return p
