@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import jax
 
-from jaxdp.model.moe import MOE_RUNNER_BACKENDS
-
 ATTENTION_BACKENDS = ("xla", "pallas")
+MOE_RUNNER_BACKENDS = ("xla", "pallas", "blocked")  # how the routed experts multiply (jaxdp.model.moe)
 
 
 def default_attention_backend() -> str:

@@ -110,8 +110,8 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxdp.backends import MOE_RUNNER_BACKENDS
     from jaxdp.layout import add_layout_args
-    from jaxdp.model.moe import MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.one_batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny",

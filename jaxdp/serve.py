@@ -39,9 +39,9 @@ class UserError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxdp.backends import MOE_RUNNER_BACKENDS
     from jaxdp.engine.controller import METHODS
     from jaxdp.layout import add_layout_args
-    from jaxdp.model.moe import MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.grouped import grouped_matmul
@@ -47,7 +48,6 @@ from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_exper
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
                 "w_down_packed", "w_down_scale", "w_down_gscale")
-MOE_RUNNER_BACKENDS = ("xla", "pallas", "blocked")
 
 
 class MoE(nnx.Module):

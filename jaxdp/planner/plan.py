@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any
 
+from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import UnsupportedConfigError, get_config
 from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
@@ -244,7 +245,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend-rows", type=int, default=4096, help="--compile: extend bucket, rows per rank")
     p.add_argument("--page-size", type=int, default=16, help="--compile: tokens per KV page")
     p.add_argument("--compile-steps", default="decode,extend", help="--compile: which steps (decode, extend)")
-    p.add_argument("--moe-runner-backend", choices=("xla", "pallas", "blocked"), default="xla",
+    p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS, default="xla",
                    help="--compile: the routed experts' grouped matmul, as the server's flag (default xla: "
                         "lax.ragged_dot, which XLA expands per expert; blocked: jaxdp.model.grouped)")
     p.add_argument("--json", help="write the plan as JSON to this file")
