@@ -57,5 +57,10 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, blo
         yb = jnp.dot(xb, wb, preferred_element_type=preferred_element_type)
         return lax.dynamic_update_slice_in_dim(out, yb, b * block, 0)
 
-    out = lax.fori_loop(0, block_ends[-1], one, jnp.zeros((padded, N), preferred_element_type))  # blocks in use
+    # zeros that vary over the mesh axes the body's result varies over (inside shard_map a loop's carry keeps
+    # one type): a select that never takes the operands' value, which XLA folds away
+    probe = (x_pad[0, 0].astype(preferred_element_type) + w_EKN[0, 0, 0].astype(preferred_element_type)
+             + group_of_block[0].astype(preferred_element_type))
+    out = jnp.where(False, probe, jnp.zeros((padded, N), preferred_element_type))
+    out = lax.fori_loop(0, block_ends[-1], one, out)  # the blocks in use only
     return jnp.where(in_group[:, None], out[jnp.minimum(pos_M, padded - 1)], 0).astype(preferred_element_type)
