@@ -1,8 +1,7 @@
 """Kernel backends: `--attention-backend xla|pallas` and `--moe-runner-backend xla|pallas|blocked`.
 
-On a GPU the default is pallas (the Triton kernels of `kernels_pallas`); on a CPU it is xla for attention
-and blocked for the MoE (what a GPU runs for bf16 and FP8 experts), and pallas there runs the same kernels in
-interpret mode, for checking. For the MoE, xla is `lax.ragged_dot`,
+On a GPU the default is pallas (the Triton kernels of `kernels_pallas`); on a CPU it is xla, and pallas
+there runs the same kernels in interpret mode, for checking. For the MoE, xla is `lax.ragged_dot`,
 which XLA expands into a product per expert over every row (what `plan --compile` shows at full size);
 blocked is `jaxdp.model.grouped.grouped_matmul`, the same products by blocks of rows, for every kind of
 expert; pallas is the grouped NVFP4 GEMM for NVFP4 experts and the blocked form for bf16 and FP8 ones.
@@ -50,7 +49,7 @@ def decode_kernel(backend: str | None):
 
 def moe_runner_backend(backend: str | None) -> str:
     """The MoE runner backend name the step gives the model (None: the device's default)."""
-    backend = backend or ("pallas" if jax.default_backend() == "gpu" else "blocked")
+    backend = backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"--moe-runner-backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")
     return backend

@@ -43,13 +43,13 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, blo
     blocks_E = (sizes + block - 1) // block
     block_ends = jnp.cumsum(blocks_E)
     rows = jnp.arange(M, dtype=jnp.int32)
-    group_M = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # E: in no group
+    group_M = _count_at_or_below(ends, M)  # E: in no group
     in_group = group_M < E
     g = jnp.minimum(group_M, E - 1)
     pos_M = (block_ends[g] - blocks_E[g]) * block + rows - (ends[g] - sizes[g])
     pos_M = jnp.where(in_group, pos_M, padded)  # past the end: dropped below
     x_pad = jnp.zeros((padded, K), x_MK.dtype).at[pos_M].set(x_MK, mode="drop")
-    group_of_block = jnp.minimum(jnp.searchsorted(block_ends, jnp.arange(nblocks), side="right"), E - 1)
+    group_of_block = jnp.minimum(_count_at_or_below(block_ends, nblocks), E - 1)
 
     def one(b, out):
         xb = lax.dynamic_slice_in_dim(x_pad, b * block, block)
@@ -64,3 +64,10 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, blo
     out = jnp.where(False, probe, jnp.zeros((padded, N), preferred_element_type))
     out = lax.fori_loop(0, block_ends[-1], one, out)  # the blocks in use only
     return jnp.where(in_group[:, None], out[jnp.minimum(pos_M, padded - 1)], 0).astype(preferred_element_type)
+
+
+def _count_at_or_below(ends: jax.Array, n: int) -> jax.Array:
+    """For i in 0..n-1, how many of `ends` (non-decreasing, each <= n) are <= i: searchsorted(ends, i,
+    side="right"), as a scatter and a running sum (a binary search compiles into a loop of its own)."""
+    marks = jnp.zeros(n + 1, jnp.int32).at[ends].add(1)
+    return jnp.cumsum(marks)[:n]

@@ -28,7 +28,8 @@ matching up rows; the down projection's K is I, so TP needs I / devices to be a 
 (interpret mode on a CPU). `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by
 blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
 experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
-is `lax.ragged_dot` for every kind. The default: pallas on a GPU, blocked elsewhere.
+is `lax.ragged_dot` for every kind. The default: pallas on a GPU, xla elsewhere (on XLA:CPU the blocked
+form's loops add about 0.4 s to each compile of a MoE layer, which the suite's many engines would feel).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class MoE(nnx.Module):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.quantization: str | None = None  # "nvfp4" once `to_nvfp4` ran
-        self.runner_backend = "blocked"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: in the graph)
+        self.runner_backend = "xla"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: in the graph)
         self.router_DE = nnx.Param(init_normal(rngs, (D, E), jnp.float32, D))
         self.router_bias_E = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.w_gate_up_ED2I = nnx.Param(init_normal(rngs, (E, D, 2, I), dtype, D))
@@ -149,7 +150,7 @@ def _ragged(backend: str):
     return jax.lax.ragged_dot if backend == "xla" else grouped_matmul
 
 
-def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "blocked"):
+def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "xla"):
     """Sum over a row's chosen experts (among those held here) of weight * expert(row).
 
     Returns (y_TD in float32, rows received per local expert [E_local]).
@@ -176,7 +177,7 @@ def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
     return jnp.einsum("tei,eid->td", h_TEI.astype(x_TD.dtype), w_down_EID, preferred_element_type=jnp.float32)
 
 
-def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "blocked"):
+def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "xla"):
     """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here)."""
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"MoE runner backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")

@@ -6,7 +6,8 @@ abstract_state`: ShapeDtypeStructs in the checkpoint's dtypes, each in its final
 takes them with an abstract KV pool of the planned size (latents and DSA index keys), and
 each step is lowered and compiled on as many host devices as the layout has (created for it, as `serve`
 does on a CPU machine). The compile runs on XLA:CPU, so the temp bytes are XLA:CPU's: docs/plan.md says
-where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert).
+where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert; with
+`--moe-runner-backend blocked` the experts run `jaxdp.model.grouped` instead, which is not).
 """
 
 from __future__ import annotations
