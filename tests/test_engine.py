@@ -194,8 +194,7 @@ def test_retraction_keeps_outputs_and_frees_everything(overlap):
 
 
 def test_stop_strings_through_the_tokenizer(engine):
-    from jaxdp.engine.request import Request
-    from jaxdp.engine.setup import stop_string_check
+    from jaxdp.engine.request import Request, stop_string_check
     from jaxdp.model.loader import default_model_path
     from jaxdp.tokenizer import Tokenizer
 

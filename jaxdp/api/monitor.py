@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 
+from jaxdp.engine.threads import start_thread
+
 log = logging.getLogger("jaxdp.serve")
 
 
@@ -37,8 +39,7 @@ class Monitor:
         self._gen_tokens[rank] += new
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="jaxdp-monitor", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "jaxdp-monitor")
 
     def stop(self) -> None:
         self._stop.set()

@@ -30,17 +30,19 @@ from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
-from jaxdp.engine.nodes import NodeFlush, NodeLink, end_request, flush_ranks
+from jaxdp.engine.nodes import NodeFlush, NodeLink, flush_ranks
 from jaxdp.engine.options import EngineConfig
 from jaxdp.engine.plan import RankPlan, rank_proposals
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import BadRequest, Request, SamplingParams
+from jaxdp.engine.request import Request, SamplingParams, new_request
 from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
-from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner, stop_string_check
+from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
 from jaxdp.engine.stats import InFlight, StepStats, compiles_total
 from jaxdp.engine.streams import Result, Wakeups
+from jaxdp.engine.threads import start_thread
+from jaxdp.engine.updates import end as end_request
 from jaxdp.parallel.places import LocalExchange, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
@@ -128,24 +130,10 @@ class Engine:
         the server's ReplicaSet, keeps its own); raises BadRequest."""
         if self.failed:
             raise EngineFailed(self.failed)
-        params = (params or SamplingParams()).validate()
-        if isinstance(prompt_ids, str):
-            if self.tokenizer is None:
-                raise BadRequest("this model has no tokenizer (tokenizer.json); send token ids instead of text")
-            prompt_ids = self.tokenizer.encode(prompt_ids)
-        if not prompt_ids:
-            raise BadRequest("the prompt is empty; send at least one token")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.model_cfg.vocab_size]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
         rid = rid or f"req-{next(self._ids)}"
         self.controller.check_rid(rid)
-        req = Request(rid, [int(t) for t in prompt_ids], params)
-        self.schedulers[0].check(req)  # (every rank of an engine has the same pool and context length)
-        if params.stop:
-            if self.tokenizer is None:
-                raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
-            req.stop_check = stop_string_check(self.tokenizer, params.stop)
+        req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
+                          check=self.schedulers[0].check)  # (every rank of an engine has the same pool and context)
         req.rank = req.dp_rank = self.controller.choose(rank)
         if rank is None:
             self.controller.add(req, req.rank)
@@ -355,8 +343,7 @@ class Engine:
             if self.hosts is not None:  # nodes finish compiling at different times: meet before the first step
                 self.hosts.barrier("ready", self.hosts.init_timeout_s)
             self._stop = False
-            self._thread = threading.Thread(target=self._loop, name="jaxdp-engine", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._loop, "jaxdp-engine")
             if self.link:
                 self.link.start_watchdog()
 

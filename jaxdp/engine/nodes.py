@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 import time
 from typing import Any, Protocol
 
+from jaxdp.engine import updates as updates_mod
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
-from jaxdp.engine.request import Request, SamplingParams, State
+from jaxdp.engine.request import Request
 from jaxdp.engine.scheduler import Scheduler
-from jaxdp.engine.setup import stop_string_check
+from jaxdp.engine.threads import start_thread
 from jaxdp.parallel.places import Proposal
 
 STATES_EVERY_S = 0.25  # rank states for /get_load and metrics: four times a second is enough
@@ -64,12 +64,12 @@ class NodeLink:
     def forward(self, req: Request) -> None:
         """A request for another node's rank: it goes out with the next message; the stand-in stays here."""
         self.engine.requests[req.rid] = req
-        self._outgoing["new"].append((req.rid, req.prompt_ids, dataclasses.asdict(req.params), req.rank))
+        self._outgoing["new"].append(updates_mod.sent(req))
 
     def forward_abort(self, req: Request, now: float) -> None:
         """The owning node frees the pages; the stand-in ends now."""
         self._outgoing["abort"].append(req.rid)
-        end_request(req, "abort", None, now)
+        updates_mod.end(req, "abort", None, now)
 
     def flush(self, result: Any) -> None:
         """/flush_cache on every node: node 0 flushes its ranks now and asks the others in the next message;
@@ -112,17 +112,12 @@ class NodeLink:
             if req is None:
                 del self.origin[rid]
                 continue
-            ids = req.done_ids
-            if len(ids) > sent or req.finished:
-                lps = req.output_logprobs[sent:] if req.params.return_logprob else []
-                tops = req.output_top_logprobs[sent:] if req.params.top_logprobs else []
-                updates.append((rid, ids[sent:], lps, tops, req.cached_tokens,
-                                req.finish_reason if req.finished else None, req.error))
-                if req.finished:
-                    del self.origin[rid]
-                    del requests[rid]
-                else:
-                    self.origin[rid] = len(ids)
+            update, self.origin[rid] = updates_mod.report(req, sent)
+            if update is not None:
+                updates.append(update)
+            if req.finished:
+                del self.origin[rid]
+                del requests[rid]
         msg = {"updates": updates, "flushed": flushed} if flushed else {"updates": updates}
         now = time.perf_counter()
         if now - self._states_sent >= STATES_EVERY_S:
@@ -140,22 +135,7 @@ class NodeLink:
             self.remote_state.update(msg.get("states", {}))
             for flush_id, answer in msg.get("flushed", ()):
                 self._flush_answered(flush_id, answer)
-            for rid, ids, lps, tops, cached, finish, error in msg.get("updates", ()):
-                req = self.engine.requests.get(rid)
-                if req is None or req.finished:
-                    continue
-                req.output_ids.extend(ids)
-                req.output_logprobs.extend(lps)
-                req.output_top_logprobs.extend(tops)
-                req.cached_tokens = cached
-                if ids and req.first_token_at is None:
-                    req.first_token_at = now
-                if finish:
-                    end_request(req, finish, error, now)
-                else:
-                    req.state = State.RUNNING
-                    if ids and req.on_update:
-                        req.on_update(req)
+            updates_mod.apply(self.engine.requests, msg.get("updates", ()), now)
 
     def _receive_from_node_0(self, msg: dict) -> None:
         if msg.get("stop"):
@@ -166,13 +146,11 @@ class NodeLink:
             busy = any(engine.schedulers[r].running or engine.schedulers[r].waiting for r in engine.local_ranks)
             answer = flush_ranks(engine.schedulers, engine.local_ranks, self.hosts.node_rank, busy)
             self._flush_answers.append((flush_id, answer))
-        for rid, prompt_ids, params, rank in msg.get("new", ()):
-            if rank not in engine.local_ranks:
+        for fields in msg.get("new", ()):
+            if fields[3] not in engine.local_ranks:
                 continue
-            req = Request(rid, prompt_ids, SamplingParams(**params), rank=rank)
-            if req.params.stop and engine.tokenizer is not None:
-                req.stop_check = stop_string_check(engine.tokenizer, req.params.stop)
-            self.origin[rid] = 0
+            req = updates_mod.received(fields, engine.tokenizer)
+            self.origin[req.rid] = 0
             engine.submit(req)
         for rid in msg.get("abort", ()):
             if rid in self.origin:
@@ -194,7 +172,7 @@ class NodeLink:
         return " and ".join(f"node {k}" for k in gone) or "another node"
 
     def start_watchdog(self) -> None:
-        threading.Thread(target=self._watchdog, name="jaxdp-watchdog", daemon=True).start()
+        start_thread(self._watchdog, "jaxdp-watchdog")
 
     def _watchdog(self) -> None:
         """A wait on another node that outlives the timeout (a stalled node, a collective that never ends)
@@ -208,15 +186,6 @@ class NodeLink:
                 engine.fail(f"no answer from {who} for {timeout:.0f} s while {blocked[1]}; it died or stalled")
                 return
             time.sleep(0.2)
-
-
-def end_request(req: Request, reason: str, error: str | None, now: float) -> None:
-    """End a request outside a scheduler (a stand-in for another node's, or on failure)."""
-    req.output_ids = list(req.done_ids)
-    req.finish_reason, req.error = reason, error if error is not None else req.error
-    req.state, req.finished_at = State.FINISHED, now
-    if req.on_update:
-        req.on_update(req)
 
 
 @dataclasses.dataclass(frozen=True)

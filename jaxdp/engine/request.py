@@ -103,3 +103,38 @@ class Request:
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+
+def stop_string_check(tokenizer, stops: list[str]) -> Callable[[Request], bool]:
+    """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
+    at least one character, so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
+    window = max(len(s) for s in stops) + 8
+
+    def check(req: Request) -> bool:
+        tail = tokenizer.decode([t for t in req.output_ids[-window:] if t >= 0])  # negative: still in flight
+        return any(s in tail for s in stops)
+
+    return check
+
+
+def new_request(rid: str, prompt_ids: list[int] | str, params: SamplingParams | None, *, tokenizer, vocab_size: int,
+                check: Callable[[Request], None]) -> Request:
+    """A validated request (token ids, or text when there is a tokenizer); `check` refuses what a rank can never
+    serve. Raises BadRequest with what to change."""
+    params = (params or SamplingParams()).validate()
+    if isinstance(prompt_ids, str):
+        if tokenizer is None:
+            raise BadRequest("this model has no tokenizer (tokenizer.json); send token ids instead of text")
+        prompt_ids = tokenizer.encode(prompt_ids)
+    if not prompt_ids:
+        raise BadRequest("the prompt is empty; send at least one token")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    req = Request(rid, [int(t) for t in prompt_ids], params)
+    check(req)
+    if params.stop:
+        if tokenizer is None:
+            raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
+        req.stop_check = stop_string_check(tokenizer, params.stop)
+    return req

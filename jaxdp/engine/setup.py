@@ -13,7 +13,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxdp.batch import SAMPLING_KEYS, empty_step
-from jaxdp.engine.request import Request
 from jaxdp.engine.sampling import sample_tokens, top_logprobs
 from jaxdp.parallel.step import StepRunner
 
@@ -62,18 +61,6 @@ def find_tokenizer(model):
     if not isinstance(model, str) or model in PRESETS:
         return None
     return Tokenizer.from_dir(default_model_path() if model == "default" else model)
-
-
-def stop_string_check(tokenizer, stops: list[str]):
-    """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
-    at least one character, so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
-    window = max(len(s) for s in stops) + 8
-
-    def check(req: Request) -> bool:
-        tail = tokenizer.decode([t for t in req.output_ids[-window:] if t >= 0])  # negative: still in flight
-        return any(s in tail for s in stops)
-
-    return check
 
 
 def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: int = 0,
