@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 import numpy as np
+
+from jaxdp.bench.cpu import thread_cpu_seconds
 
 HOST_ONLY_CONCURRENCY = "8,16,32,64,128,256,512,1024,2048"
 
@@ -71,9 +74,9 @@ def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int
     engine.stats.records.clear()
     steps_before = engine.stats.steps
     engine.flush_cache()
-    t0 = time.perf_counter()
+    cpu0, t0 = thread_cpu_seconds(os.getpid()), time.perf_counter()
     reqs = engine.generate(prompts, sp)
-    wall = time.perf_counter() - t0
+    wall, cpu1 = time.perf_counter() - t0, thread_cpu_seconds(os.getpid())
     s = engine.stats.summary()
     out_tokens = sum(len(r.output_ids) for r in reqs)
     decode = [r for r in engine.stats.records if r.kind == "decode"]
@@ -85,6 +88,8 @@ def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int
         "decode_step_ms": 1e3 * float(np.mean([r.step_s for r in decode])) if decode else 0.0,
         "decode_host_ms": 1e3 * float(np.mean([r.host_s for r in decode])) if decode else 0.0,
         "compiles_in_steps": engine.stats.compiles_in_steps,
+        # the process's CPU per output token by kind of thread (the engine's loop is the main thread here)
+        "threads_cpu_us_per_token": {k: 1e6 * (cpu1[k] - cpu0[k]) / max(1, out_tokens) for k in cpu1},
     }
 
 
