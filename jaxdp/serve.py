@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
                    help="a Decode batch log line per rank every this many decode steps")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine (its loop and the devices) in a process of its own, as SGLang's scheduler "
+                        "and vLLM's engine core do: HTTP, tokenization and streaming then take no CPU or "
+                        "interpreter lock from the loop (one node)")
+    g.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # set by --engine-process itself
     g = ap.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=0.88, metavar="F",
                    help="share of device memory for weights + KV cache (see the pool sizing above)")
@@ -329,14 +334,17 @@ def main(argv: list[str] | None = None) -> int:
             init_distributed(dist)  # before anything else starts JAX's backends
         else:
             ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
-        import jax
+        if args.engine_process:  # the devices are the child's: JAX starts there, not here
+            backend, tokenizer = start_engine_process(args, argv)
+        else:
+            import jax
 
-        from jaxdp.engine.setup import enable_compilation_cache
+            from jaxdp.engine.setup import enable_compilation_cache
 
-        enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
-        layout = layout_from_args(args, num_devices=len(jax.devices()))
-        tokenizer = resolve_model(args)
-        backend = build_backend(args, layout, tokenizer, dist)
+            enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
+            layout = layout_from_args(args, num_devices=len(jax.devices()))
+            tokenizer = resolve_model(args)
+            backend = build_backend(args, layout, tokenizer, dist)
     except (LayoutError, UserError, DistError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -347,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     if dist.multi and dist.node_rank > 0:
+        from jaxdp.api.node import run_node
+
         return run_node(args, backend.engines[0])
+    if args.engine_child:
+        from jaxdp.engine.process import serve_engines
+
+        return serve_engines(backend.engines, args.engine_child)
     code = run_server(args, layout, backend, tokenizer)
     if dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
         from jaxdp.engine.supervise import exit_now
@@ -357,46 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def run_node(args, engine) -> int:
-    """Nodes other than 0: the loop of this node's ranks, and /health; ends when node 0 ends or a node fails."""
-    import uvicorn
-    from fastapi import FastAPI, Response
+def start_engine_process(args, argv: list[str]):
+    """--engine-process: a child (`jaxdp.engine.process`) builds and runs the engines with the same flags; this
+    process serves HTTP over them. Returns (backend, tokenizer); exits with the child's status if it fails."""
+    from jaxdp.api.replicas import ReplicaSet
+    from jaxdp.engine.remote import EngineProcess, EngineProcessError
 
-    from jaxdp.engine.hosts import PeerFailure
-    from jaxdp.engine.supervise import exit_now
-
-    app = FastAPI(title=f"jaxdp node {args.node_rank}")
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.is_running else 503)
-
+    if args.nnodes > 1:
+        raise UserError("--engine-process runs one node's engine in a child process; drop it with --nnodes > 1")
+    tokenizer = resolve_model(args)  # (it finds the embedded model's path, which the child is told)
+    child_argv = [a for a in argv if a != "--engine-process"] + ["--model-path", args.model_path]
     try:
-        engine.start()  # meets the other nodes once every node has compiled its steps
-    except PeerFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        exit_now(1)
-    ranks = engine.local_ranks
-    log.info("node %d serves ranks %d-%d; health at http://%s:%d/health", args.node_rank, ranks.start,
-             ranks.stop - 1, args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            log_level="warning")
-    threading.Thread(target=uvicorn.Server(config).run, name="health", daemon=True).start()
-    try:
-        while engine.is_running:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        exit_now(130)
-    if engine.link.node_0_stopped:
-        log.info("node 0 shut down; node %d ends", args.node_rank)
-        try:
-            engine.hosts.barrier("stopped", engine.hosts.timeout_s)  # node 0 keeps the runtime up until here
-        except PeerFailure:
-            pass
-        exit_now(0)
-    print(f"error: node {args.node_rank}: {engine.failed or 'the engine loop ended'}", file=sys.stderr)
-    exit_now(1)
-    return 1
+        return ReplicaSet(EngineProcess(child_argv, tokenizer).engines, args.load_balance_method), tokenizer
+    except EngineProcessError as e:
+        raise SystemExit(e.code) from None  # the child said why, in one sentence
 
 
 def run_server(args, layout, backend, tokenizer) -> int:

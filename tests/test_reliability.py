@@ -29,10 +29,16 @@ SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda
 MAX_BYTES = 65536
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+# every test runs on the server as it is by default, and (-m slow) with its engine in a process of its own
+PROCESSES = [pytest.param([], id="one-process"),
+             pytest.param(["--engine-process"], id="engine-process", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=PROCESSES)
+def server(request, tmp_path_factory):
     s = Server(["--mesh", "dp=8", "--max-total-tokens", "512", "--max-request-bytes", str(MAX_BYTES),
-                "--max-queued-requests", "6", *SMALL], tmp_path_factory.mktemp("reliability") / "server.log")
+                "--max-queued-requests", "6", *SMALL, *request.param],
+               tmp_path_factory.mktemp("reliability") / "server.log")
     try:
         yield s.wait()
     finally:
@@ -368,9 +374,10 @@ def test_9_top_logprobs_hold_the_real_top_k(server):
 # ---- 7 (and 9's --request-timeout): a server of its own, which the test stops ------------------------------------
 
 
-def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path):
+@pytest.mark.parametrize("process", PROCESSES)
+def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path, process):
     s = Server(["--mesh", "dp=2", "--graceful-shutdown-timeout", "2", "--request-timeout", "6", *SMALL,
-                "--max-running-requests", "4"], tmp_path / "drain.log").wait()
+                "--max-running-requests", "4", *process], tmp_path / "drain.log").wait()
     try:  # the timeout: sixteen 500-token requests (eight rounds of rank 0's two slots) ahead of a seventeenth
         ahead = [threading.Thread(target=httpx.post, args=(s.url + "/generate",),
                                   kwargs={"json": greedy("1+1=", 500, routed_dp_rank=0), "timeout": 60})

@@ -147,7 +147,9 @@ class _StateCollector:
         for rank, value in enumerate(self.m.gen_throughput):
             g.add_metric([str(rank)], value)
         yield g
-        yield CounterMetricFamily(P + "compiles", "XLA compilations in this process", value=compiles_total())
+        # with --engine-process the child counts its own
+        compiles = max([compiles_total()] + [getattr(e, "compiles", 0) for e in backend.engines])
+        yield CounterMetricFamily(P + "compiles", "XLA compilations in the engines' process", value=compiles)
         c = CounterMetricFamily(P + "compiles_in_steps", "Compilations inside serving steps (after warm-up: a "
                                 "missing bucket)", labels=["replica"])
         for i, e in enumerate(backend.engines):

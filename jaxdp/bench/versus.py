@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from jaxdp.bench.cpu import child_pids, process_cpu_seconds, thread_cpu_seconds
+
 
 def _free_port() -> int:
     import socket
@@ -46,29 +48,6 @@ def _cpus(spec: str | None, default: set[int]) -> set[int]:
 
 def _pinned(cpus: set[int] | None):
     return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """A live process's CPU seconds by kind of thread (Linux /proc): its main thread (the server's event
-    loop: HTTP, SSE, the streams), its other Python threads (the engine's loop, the monitor) and the native
-    ones (XLA's)."""
-    out = {"event_loop": 0.0, "python_threads": 0.0, "native_threads": 0.0}
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-        kind = "event_loop" if int(tid) == pid else "python_threads" if name.startswith("python") else "native_threads"
-        out[kind] += (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def server_steps(port: int) -> dict[str, float]:
@@ -94,7 +73,7 @@ def shape(args) -> dict:
     return {"per_rank": per_rank, "pages": pages, "buckets": buckets, "context": ctx + args.page_size}
 
 
-def offline(args, cpus: set[int] | None) -> list[float]:
+def offline(args, cpus: set[int] | None) -> tuple[list[float], list[int], list[dict[str, float]]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "engine.json")
         cmd = [sys.executable, "-m", "jaxdp.bench.engine", "--model-path", args.model_path, "--meshes", args.mesh,
@@ -103,7 +82,8 @@ def offline(args, cpus: set[int] | None) -> list[float]:
                "--chunk-per-rank", str(args.chunk_per_rank), "--json", out]
         subprocess.run(cmd, check=True, preexec_fn=_pinned(cpus), stdout=subprocess.DEVNULL)
         results = json.loads(Path(out).read_text())["results"]
-        return [r["tokens_per_s"] for r in results], [r["steps"] for r in results]
+        return ([r["tokens_per_s"] for r in results], [r["steps"] for r in results],
+                [r["threads_cpu_us_per_token"] for r in results])
 
 
 def start_server(args, cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
@@ -139,12 +119,19 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
     reqs = serving.random_requests(client_args, np.random.default_rng(args.seed))
     asyncio.run(serving.run_point(client_args, reqs[:8], 8, float("inf")))  # warm the connections
     rounds = []
+    pids = [server.pid, *child_pids(server.pid)]  # with --engine-process, its engine's process too
+
+    def cpu() -> float:
+        return sum(process_cpu_seconds(p) for p in pids)
+
+    def threads() -> dict[str, float]:
+        per = [thread_cpu_seconds(p) for p in pids]
+        return {(f"engine_process_{k}" if i else k): v for i, t in enumerate(per) for k, v in t.items()}
+
     for _ in range(args.rounds):
-        c0, s0, k0 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
-        t0 = thread_cpu_seconds(server.pid)
+        c0, s0, k0, t0 = time.process_time(), cpu(), server_steps(port), threads()
         point = asyncio.run(serving.run_point(client_args, reqs, args.concurrency, float("inf")))
-        c1, s1, k1 = time.process_time(), _cpu_seconds(server.pid), server_steps(port)
-        t1 = thread_cpu_seconds(server.pid)
+        c1, s1, k1, t1 = time.process_time(), cpu(), server_steps(port), threads()
         tokens = max(1, point["total_output_tokens"])
         rounds.append({"tokens_per_s": point["output_throughput"], "failed": point["failed"],
                        "duration_s": point["duration_s"], "tpot_ms": point["tpot_ms"]["median"],
@@ -170,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
     ap.add_argument("--engine-cpus", help="CPUs of the engine and the server, e.g. 0 (default: all but the last)")
     ap.add_argument("--client-cpus", help="CPUs of the client (default: the last)")
+    ap.add_argument("--http-cpus", help="with --server-flag=--engine-process: CPUs of the server's HTTP process "
+                    "(default: the client's; its engine process keeps the engine's)")
     ap.add_argument("--no-pin", action="store_true", help="everything shares every CPU")
     ap.add_argument("--server-flag", action="append", default=[], help="one more flag for the server (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
@@ -182,23 +171,29 @@ def main(argv: list[str] | None = None) -> int:
     engine_cpus = client_cpus = None
     if not args.no_pin and len(every) > 1:
         engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
-    first, first_steps = offline(args, engine_cpus)
+    first, first_steps, first_threads = offline(args, engine_cpus)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args, engine_cpus, port, Path(tmp) / "server.log")
         try:
             if client_cpus is not None:
                 os.sched_setaffinity(0, client_cpus)
+                if "--engine-process" in args.server_flag:  # the engine runs in a child; its HTTP side moves
+                    http_cpus = _cpus(args.http_cpus, client_cpus)
+                    for tid in os.listdir(f"/proc/{server.pid}/task"):
+                        os.sched_setaffinity(int(tid), http_cpus)
             rounds = serve_rounds(args, port, server)
         finally:
             os.sched_setaffinity(0, set(every))
             server.terminate()
             server.wait(60)
-    last, last_steps = offline(args, engine_cpus)
+    last, last_steps, last_threads = offline(args, engine_cpus)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     served = med([r["tokens_per_s"] for r in rounds])
     engine = statistics.fmean([med(first), med(last)])
+    split = "--engine-process" in args.server_flag and client_cpus is not None
     result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
+              "http_cpus": sorted(_cpus(args.http_cpus, client_cpus)) if split else None,
               "client_cpus": sorted(client_cpus or every),
               "offline_first_tok_s": first, "offline_last_tok_s": last, "server_rounds": rounds,
               "offline_steps": first_steps + last_steps,
@@ -207,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
               "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
               "server_threads_cpu_us_per_token": {k: med([r["server_threads_cpu_us_per_token"][k] for r in rounds])
                                                   for k in rounds[0]["server_threads_cpu_us_per_token"]},
+              "offline_threads_cpu_us_per_token": {k: med([t[k] for t in first_threads + last_threads])
+                                                   for k in first_threads[0]},
               "load_average": os.getloadavg()}
-    print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine and "
-          f"server on CPUs {result['engine_cpus']}, client on {result['client_cpus']}")
+    where = (f"engine on CPUs {result['engine_cpus']}, the server's HTTP process on {result['http_cpus']}" if split
+             else f"engine and server on CPUs {result['engine_cpus']}")
+    print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; {where}, client "
+          f"on {result['client_cpus']}")
     print("| | offline, first | server | offline, after | server / mean offline |")
     print("|---|---|---|---|---|")
     print(f"| output tok/s (median of {args.rounds}) | {med(first):,.1f} | {served:,.1f} | {med(last):,.1f} | "
@@ -217,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"client CPU {result['client_cpu_us_per_token']:.1f} us per token, server process CPU "
           f"{result['server_cpu_us_per_token']:.1f} us per token; failed requests "
           f"{sum(r['failed'] for r in rounds)}; load average {result['load_average'][0]:.2f}")
-    print("server process CPU by thread, us per token: " + ", ".join(
-        f"{k.replace('_', ' ')} {v:.1f}" for k, v in result["server_threads_cpu_us_per_token"].items()))
+    for who in ("server", "offline"):
+        print(f"{who} process CPU by thread, us per token: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}" for k, v in result[f"{who}_threads_cpu_us_per_token"].items()))
     print(f"steps per run: offline {result['offline_steps']}, server {[r['steps'] for r in rounds]}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
