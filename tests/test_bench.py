@@ -98,10 +98,14 @@ def test_versus_runs_engine_and_server_at_the_same_load(tmp_path):
 
     out = tmp_path / "v.json"
     subprocess.run([sys.executable, "-m", "jaxdp.bench.versus", "--concurrency", "16", "--output-len", "8",
-                    "--rounds", "1", "--json", str(out)], check=True, timeout=600, capture_output=True)
+                    "--rounds", "1", "--with-engine-process", "--json", str(out)], check=True, timeout=900,
+                   capture_output=True)
     r = json.loads(out.read_text())
     assert r["server_rounds"][0]["failed"] == 0
     assert r["server_over_offline"] == r["server_tok_s"] / r["offline_tok_s"] > 0
+    split = r["engine_process"]  # the same load again, the engine in a process of its own, HTTP on the client's CPU
+    assert split["server_rounds"][0]["failed"] == 0 and split["http_cpus"] == r["client_cpus"]
+    assert split["server_threads_cpu_us_per_token"]["engine_process_other"] > 0
     assert len(r["offline_first_tok_s"]) == len(r["offline_last_tok_s"]) == 1
     assert r["client_cpu_us_per_token"] > 0 and r["server_cpu_us_per_token"] > 0
     assert set(r["engine_cpus"]).isdisjoint(r["client_cpus"])

@@ -11,8 +11,11 @@ and output lengths, greedy, the same pools and decode buckets):
 The client runs in this process. By default the engine and the server get the same CPUs (all but the last)
 and the client gets the last one (`--engine-cpus`, `--client-cpus`; `--no-pin` lets everything share every
 CPU), so what the client costs is not taken from the server: the ratio is what the server's own path (HTTP,
-SSE, the event loop, the hop from the loop thread) costs against the engine alone. The client's and the
-server's CPU seconds per output token are reported beside it.
+SSE, the event loop, the hop from the loop thread) costs against the engine alone. With `--engine-process`
+(or `--with-engine-process`, which measures the server both ways between the same two offline runs) the
+engine runs in a child process that keeps the engine's CPUs and the server's HTTP process moves to the
+client's (`--http-cpus`), as its own core would on a GPU node. The client's and the server's CPU seconds per
+output token (both processes) are reported beside it, by thread.
 """
 
 from __future__ import annotations
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the client's; its engine process keeps the engine's)")
     ap.add_argument("--no-pin", action="store_true", help="everything shares every CPU")
     ap.add_argument("--server-flag", action="append", default=[], help="one more flag for the server (repeatable)")
+    ap.add_argument("--with-engine-process", action="store_true",
+                    help="measure the server a second time with --engine-process, between the same offline runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_versus.json")
     args = ap.parse_args(argv)
@@ -171,58 +176,71 @@ def main(argv: list[str] | None = None) -> int:
     engine_cpus = client_cpus = None
     if not args.no_pin and len(every) > 1:
         engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
+    forms = [args.server_flag] + ([[*args.server_flag, "--engine-process"]] if args.with_engine_process else [])
     first, first_steps, first_threads = offline(args, engine_cpus)
+    servers = [serve_one(args, flags, engine_cpus, client_cpus, every) for flags in forms]
+    last, last_steps, last_threads = offline(args, engine_cpus)
+    med = statistics.median
+    engine = statistics.fmean([med(first), med(last)])
+    for srv in servers:
+        srv["server_over_offline"] = srv["server_tok_s"] / engine
+    result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
+              "client_cpus": sorted(client_cpus or every),
+              "offline_first_tok_s": first, "offline_last_tok_s": last, "offline_steps": first_steps + last_steps,
+              "offline_tok_s": engine,
+              "offline_threads_cpu_us_per_token": {k: med([t[k] for t in first_threads + last_threads])
+                                                   for k in first_threads[0]},
+              **servers[0],  # the server as given; with --with-engine-process the second form follows
+              "engine_process": servers[1] if len(servers) > 1 else None,
+              "load_average": os.getloadavg()}
+    print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine on CPUs "
+          f"{result['engine_cpus']}, client on {result['client_cpus']}")
+    print("| server | where its HTTP side runs | offline, first | server | offline, after | server / mean offline |")
+    print("|---|---|---|---|---|---|")
+    for flags, srv in zip(forms, servers, strict=True):
+        where = f"process of its own, CPUs {srv['http_cpus']}" if srv["http_cpus"] else "the engine's process"
+        print(f"| {' '.join(flags) or 'as is'} | {where} | {med(first):,.1f} | {srv['server_tok_s']:,.1f} | "
+              f"{med(last):,.1f} | **{100 * srv['server_over_offline']:.0f}%** |")
+    print(f"(output tok/s, medians of {args.rounds}; load average {result['load_average'][0]:.2f} at the end)")
+    for flags, srv in zip(forms, servers, strict=True):
+        print(f"{' '.join(flags) or 'as is'}: client CPU {srv['client_cpu_us_per_token']:.1f} us per token, server "
+              f"CPU {srv['server_cpu_us_per_token']:.1f} us per token; failed requests "
+              f"{sum(r['failed'] for r in srv['server_rounds'])}; by thread: " + ", ".join(
+                  f"{k.replace('_', ' ')} {v:.1f}" for k, v in srv["server_threads_cpu_us_per_token"].items()))
+        print(f"  steps per run {[r['steps'] for r in srv['server_rounds']]}")
+    print("offline: CPU by thread, us per token: " + ", ".join(
+        f"{k.replace('_', ' ')} {v:.1f}" for k, v in result["offline_threads_cpu_us_per_token"].items())
+        + f"; steps per run {result['offline_steps']}")
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]) -> dict:
+    """Start the server with these flags, run the rounds, stop it: its figures (medians over the rounds)."""
+    args.server_flag, split = flags, "--engine-process" in flags and client_cpus is not None
+    http_cpus = _cpus(args.http_cpus, client_cpus) if split else None
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args, engine_cpus, port, Path(tmp) / "server.log")
         try:
             if client_cpus is not None:
                 os.sched_setaffinity(0, client_cpus)
-                if "--engine-process" in args.server_flag:  # the engine runs in a child; its HTTP side moves
-                    http_cpus = _cpus(args.http_cpus, client_cpus)
-                    for tid in os.listdir(f"/proc/{server.pid}/task"):
-                        os.sched_setaffinity(int(tid), http_cpus)
+            if http_cpus is not None:  # the engine runs in a child that keeps the engine's CPUs; HTTP moves
+                for tid in os.listdir(f"/proc/{server.pid}/task"):
+                    os.sched_setaffinity(int(tid), http_cpus)
             rounds = serve_rounds(args, port, server)
         finally:
             os.sched_setaffinity(0, set(every))
             server.terminate()
             server.wait(60)
-    last, last_steps, last_threads = offline(args, engine_cpus)
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    served = med([r["tokens_per_s"] for r in rounds])
-    engine = statistics.fmean([med(first), med(last)])
-    split = "--engine-process" in args.server_flag and client_cpus is not None
-    result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
-              "http_cpus": sorted(_cpus(args.http_cpus, client_cpus)) if split else None,
-              "client_cpus": sorted(client_cpus or every),
-              "offline_first_tok_s": first, "offline_last_tok_s": last, "server_rounds": rounds,
-              "offline_steps": first_steps + last_steps,
-              "server_tok_s": served, "offline_tok_s": engine, "server_over_offline": served / engine,
-              "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
-              "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
-              "server_threads_cpu_us_per_token": {k: med([r["server_threads_cpu_us_per_token"][k] for r in rounds])
-                                                  for k in rounds[0]["server_threads_cpu_us_per_token"]},
-              "offline_threads_cpu_us_per_token": {k: med([t[k] for t in first_threads + last_threads])
-                                                   for k in first_threads[0]},
-              "load_average": os.getloadavg()}
-    where = (f"engine on CPUs {result['engine_cpus']}, the server's HTTP process on {result['http_cpus']}" if split
-             else f"engine and server on CPUs {result['engine_cpus']}")
-    print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; {where}, client "
-          f"on {result['client_cpus']}")
-    print("| | offline, first | server | offline, after | server / mean offline |")
-    print("|---|---|---|---|---|")
-    print(f"| output tok/s (median of {args.rounds}) | {med(first):,.1f} | {served:,.1f} | {med(last):,.1f} | "
-          f"**{100 * result['server_over_offline']:.0f}%** |")
-    print(f"client CPU {result['client_cpu_us_per_token']:.1f} us per token, server process CPU "
-          f"{result['server_cpu_us_per_token']:.1f} us per token; failed requests "
-          f"{sum(r['failed'] for r in rounds)}; load average {result['load_average'][0]:.2f}")
-    for who in ("server", "offline"):
-        print(f"{who} process CPU by thread, us per token: " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1f}" for k, v in result[f"{who}_threads_cpu_us_per_token"].items()))
-    print(f"steps per run: offline {result['offline_steps']}, server {[r['steps'] for r in rounds]}")
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
-    return 0
+    med = statistics.median
+    return {"server_flags": flags, "http_cpus": sorted(http_cpus) if http_cpus else None, "server_rounds": rounds,
+            "server_tok_s": med([r["tokens_per_s"] for r in rounds]),
+            "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
+            "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
+            "server_threads_cpu_us_per_token": {k: med([r["server_threads_cpu_us_per_token"][k] for r in rounds])
+                                                for k in rounds[0]["server_threads_cpu_us_per_token"]}}
 
 
 if __name__ == "__main__":
