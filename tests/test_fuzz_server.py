@@ -92,10 +92,12 @@ def cases(draw) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(["--mesh", "dp=8", "--max-total-tokens", "512", "--max-request-bytes", "65536", *SMALL],
-               tmp_path_factory.mktemp("fuzz") / "server.log")
+@pytest.fixture(scope="module", params=[pytest.param([], id="one-process"),  # and (-m slow) the engine apart
+                                        pytest.param(["--engine-process"], id="engine-process",
+                                                     marks=pytest.mark.slow)])
+def server(request, tmp_path_factory):
+    s = Server(["--mesh", "dp=8", "--max-total-tokens", "512", "--max-request-bytes", "65536", *SMALL,
+                *request.param], tmp_path_factory.mktemp("fuzz") / "server.log")
     try:
         yield s.wait()
     finally:

@@ -7,8 +7,8 @@ same flags; it builds the engines exactly as the server would (every start-up er
 and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a local
 path:
 
-- in: ("submit", engine, request fields), ("abort", engine, rid), ("call", id, what, engine) for the rare
-  questions (a rank's state, a prefix-cache flush), ("shutdown",);
+- in: ("submit", engine, request fields), ("abort", engine, rid), ("call", id, what, engine, args) for the
+  rare questions (the ranks' figures, a prefix-cache flush), ("shutdown",);
 - out: ("ready", facts per engine) once; after every step of an engine ("step", engine, token updates, its
   new step records, counters, failure) with the token updates of `jaxdp.engine.updates`, one message a step
   however many requests ran; ("reply", id, ok, value) for a call.
@@ -19,6 +19,7 @@ streams. This process ends when told to, or when the server's process is gone.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -71,7 +72,7 @@ class Outbox:
                     self.engine.requests.pop(rid, None)
             stats = self.engine.stats
             new = min(stats.steps - self._steps_sent, len(stats.records))
-            records = list(stats.records)[len(stats.records) - new:] if new > 0 else []
+            records = list(itertools.islice(reversed(stats.records), new))[::-1] if new > 0 else []
             self._steps_sent = stats.steps
             now = time.perf_counter()
             snapshot = None
@@ -147,8 +148,8 @@ def serve_engines(engines: list, addrs: str) -> int:
 
 
 def _call(engine, what: str, args: tuple):
-    if what == "rank_state":
-        return engine.rank_state(*args)
+    if what == "rank_states":
+        return {rank: engine.rank_state(rank) for rank in engine.local_ranks}
     if what == "flush_cache":
         return engine.flush_cache()
     raise ValueError(f"unknown call {what!r}")

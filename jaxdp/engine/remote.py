@@ -34,6 +34,7 @@ from jaxdp.engine.threads import start_thread
 log = logging.getLogger("jaxdp.serve")
 
 CALL_TIMEOUT_S = 40.0  # a flush waits up to 30 s for every node in the child
+STATES_FOR_S = 0.05  # how long the child's answer about its ranks' figures stands
 
 
 class EngineProcessError(RuntimeError):
@@ -185,6 +186,8 @@ class RemoteEngine:
         self.requests: dict[str, Request] = {}  # submitted and not finished
         self.wakeups = Wakeups()
         self._ids = itertools.count()
+        self._states: dict[int, dict] = {}
+        self._states_at = -1e9
 
     # ---- requests (the event loop) ----------------------------------------------------------------
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
@@ -207,6 +210,10 @@ class RemoteEngine:
             return req
         self.requests[req.rid] = req
         self.link.send(("submit", self.index, updates.sent(req)))
+        if (self.failed or self.link.failed) and not req.finished and self.requests.pop(req.rid, None):
+            req.error_status = 503  # the child died while this was sent: `fail` may have missed it
+            updates.end(req, "abort", self.failed or self.link.failed, time.perf_counter())
+            self.wakeups.deliver()
         return req
 
     def abort(self, rid: str) -> None:
@@ -245,11 +252,16 @@ class RemoteEngine:
 
     # ---- the rest of an Engine's surface ----------------------------------------------------------
     def rank_state(self, rank: int) -> dict:
+        """The rank's figures from the child: one question answers every rank, and answers for 50 ms (so
+        /metrics or /get_load over all ranks holds the event loop for one round trip, not one per rank)."""
         if not (self.failed or self.link.failed):
-            try:
-                return self.link.call("rank_state", self.index, rank)
-            except EngineFailed:  # it died meanwhile
-                pass
+            now = time.monotonic()
+            if now - self._states_at > STATES_FOR_S:
+                try:
+                    self._states, self._states_at = self.link.call("rank_states", self.index), now
+                except EngineFailed:  # it died meanwhile
+                    return self.schedulers[0].state()
+            return self._states[rank]
         return self.schedulers[0].state()  # nothing runs any more: the figures of an empty rank
 
     def flush_cache(self):
