@@ -20,9 +20,11 @@ from servers import Server
 
 from jaxdp.bench.cpu import child_pids
 
-ARGS = ["--engine-process", "--model-path", "tiny", "--mesh", "dp=2", "--chunked-prefill-size", "32",
+ARGS = ["--engine-process", "--model-path", "tiny", "--dp-size", "2", "--tp-size", "2", "--chunked-prefill-size", "32",
         "--max-running-requests", "8", "--cuda-graph-bs", "4", "--page-size", "16", "--max-total-tokens", "8192",
         "--context-length", "4096"]
+ONE_ENGINE = ["--engine-process", "--model-path", "tiny", "--mesh", "dp=2", "--cuda-graph-bs", "4",
+              "--chunked-prefill-size", "32", "--max-total-tokens", "2048"]
 PROMPTS = [[1 + i, 7, 3 + 2 * i, 11] * (1 + i) for i in range(6)]
 
 
@@ -53,6 +55,7 @@ def server(tmp_path_factory):
 
 
 def test_the_engine_process_gives_the_in_process_engines_tokens(server):
+    """Six requests at once over two replicas of tp=2 in the child; each gets what an in-process engine gives."""
     from jaxdp.engine import Engine, EngineConfig, SamplingParams
 
     out: dict[int, list[int]] = {}
@@ -70,7 +73,7 @@ def test_the_engine_process_gives_the_in_process_engines_tokens(server):
         t.start()
     for t in threads:
         t.join()
-    engine = Engine("tiny", "dp=2", EngineConfig(num_pages=64, page_size=16, max_running_requests=8,
+    engine = Engine("tiny", "tp=2", EngineConfig(num_pages=64, page_size=16, max_running_requests=8,
                                                    chunked_prefill_size=32, decode_buckets=[4]))
     try:
         want = [r.output_ids for r in engine.generate(PROMPTS, SamplingParams(12, temperature=0, ignore_eos=True))]
@@ -94,14 +97,15 @@ def test_refusals_aborts_and_the_admin_endpoints_answer_as_in_one_process(server
     t.join(30)
     assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
     assert events[-2]["meta_info"]["completion_tokens"] < 200
-    load = httpx.get(server.url + "/get_load", timeout=30).json()
+    load = httpx.get(server.url + "/get_load", timeout=30).json()  # two replicas of one rank each, in one child
     assert [s["dp_rank"] for s in load] == [0, 1] and all(s["num_reqs"] == 0 for s in load)
     flush = httpx.post(server.url + "/flush_cache", timeout=30)
-    assert flush.status_code == 200 and "flushed" in flush.text
+    assert flush.status_code == 200 and flush.text.count(": flushed") == 2  # each replica says what it did
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     compiles = [line for line in metrics.splitlines() if line.startswith("jaxdp:compiles_total")]
     assert compiles and float(compiles[0].split()[-1]) > 0  # the child's compiles, counted there
-    assert 'jaxdp:steps_total{gather_mode="max_len",kind="decode",replica="0"}' in metrics
+    for replica in (0, 1):  # both replicas ran steps, and the server counts them
+        assert f'jaxdp:steps_total{{gather_mode="max_len",kind="decode",replica="{replica}"}}' in metrics
 
 
 def test_a_dead_engine_process_ends_every_request_with_a_503_and_fails_health(server):
@@ -135,7 +139,7 @@ def test_a_start_up_error_in_the_engine_process_is_its_one_sentence(tmp_path):
 
 
 def test_sigterm_ends_the_server_and_its_engine_process(tmp_path):
-    s = Server(ARGS, tmp_path / "server.log").wait()
+    s = Server(ONE_ENGINE, tmp_path / "server.log").wait()
     try:
         (child,) = child_pids(s.proc.pid)
         assert generate(s.url, [1, 2, 3], 3).status_code == 200

@@ -186,8 +186,9 @@ class RemoteEngine:
         self.requests: dict[str, Request] = {}  # submitted and not finished
         self.wakeups = Wakeups()
         self._ids = itertools.count()
+        self._messages = 0  # step messages received
         self._states: dict[int, dict] = {}
-        self._states_at = -1e9
+        self._states_at, self._states_seen = -1e9, -1
 
     # ---- requests (the event loop) ----------------------------------------------------------------
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
@@ -237,6 +238,7 @@ class RemoteEngine:
                 self.delayer.wait_passes, self.delayer.outcomes = snapshot["delayer"]
         if failed and not self.failed:
             self.failed = failed
+        self._messages += 1  # a step ran: the ranks' figures are asked afresh
         self.wakeups.deliver()
 
     def fail(self, message: str) -> None:
@@ -252,15 +254,17 @@ class RemoteEngine:
 
     # ---- the rest of an Engine's surface ----------------------------------------------------------
     def rank_state(self, rank: int) -> dict:
-        """The rank's figures from the child: one question answers every rank, and answers for 50 ms (so
-        /metrics or /get_load over all ranks holds the event loop for one round trip, not one per rank)."""
+        """The rank's figures from the child: one question answers every rank, and stands for 50 ms unless a
+        step ran meanwhile (so /metrics or /get_load over all ranks holds the event loop for one round trip,
+        not one per rank, and never shows a request its client already has the end of)."""
         if not (self.failed or self.link.failed):
-            now = time.monotonic()
-            if now - self._states_at > STATES_FOR_S:
+            now, seen = time.monotonic(), self._messages
+            if now - self._states_at > STATES_FOR_S or seen != self._states_seen:
                 try:
-                    self._states, self._states_at = self.link.call("rank_states", self.index), now
+                    states = self.link.call("rank_states", self.index)
                 except EngineFailed:  # it died meanwhile
                     return self.schedulers[0].state()
+                self._states, self._states_at, self._states_seen = states, now, seen
             return self._states[rank]
         return self.schedulers[0].state()  # nothing runs any more: the figures of an empty rank
 
