@@ -172,7 +172,7 @@ def test_overlap_queues_the_next_step_before_reading_tokens(engine):
     pools_are_full(engine)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # (CI: the default)
 def test_retraction_keeps_outputs_and_frees_everything(overlap):
     cfg = small_config(num_pages=10, max_running_requests=8, chunked_prefill_size=16, decode_buckets=[1, 2, 4],
                        overlap=overlap)
@@ -239,14 +239,18 @@ def test_greedy_outputs_equal_one_batch_reference_with_cache_chunks_retraction_a
     pools_are_full(engine)
 
 
-def test_page_table_width_follows_the_longest_sequence_and_tokens_do_not_change(monkeypatch):
-    """Each step's page table is as wide as its longest sequence needs (a page bucket), not the whole
-    context: the same greedy tokens as one full-width table, and short steps run the narrow tables."""
-    import jaxdp.engine.buckets as buckets_mod
+def test_page_buckets_grow_by_four_up_to_the_context():
     from jaxdp.engine.buckets import page_buckets
 
     assert page_buckets(2560, 64) == [64, 256, 1024, 2560]  # DeepSeek-V3's context in pages of 64
     assert page_buckets(6, 16) == [6]  # a context under the smallest bucket: one width, as before
+
+
+@pytest.mark.slow  # two engines compile every bucket: 45 s on the 2-core CI machine
+def test_page_table_width_follows_the_longest_sequence_and_tokens_do_not_change(monkeypatch):
+    """Each step's page table is as wide as its longest sequence needs (a page bucket), not the whole
+    context: the same greedy tokens as one full-width table, and short steps run the narrow tables."""
+    import jaxdp.engine.buckets as buckets_mod
     cfg = small_config(num_pages=48, context_length=128, max_running_requests=8, chunked_prefill_size=32,
                        decode_buckets=[4], extend_buckets=[16])  # few buckets: two engines compile them all
     ps = [list(range(1, 3 + 9 * i)) for i in range(6)]  # 2 .. 47 tokens: 1 to 13 pages with the output

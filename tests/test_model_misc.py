@@ -78,6 +78,7 @@ def _decode_compile_seconds(num_layers: int, pages_per_seq: int) -> float:
     return time.perf_counter() - t0
 
 
+@pytest.mark.slow  # three compiles, one of 61 layers: 21-27 s
 def test_compile_time_does_not_grow_with_depth():
     """Layers run under lax.scan: a 61-layer decode step compiles within 2x of a 4-layer one."""
     # page-table widths never used before make every program new: no in-memory or persistent cache answers

@@ -269,6 +269,7 @@ def test_composed_flags_and_flush_reach_every_node(tmp_path, reference):
         check_flush(cluster.node0, [(range(4), "node 0 (ranks 0-3)"), (range(4, 8), "node 1 (ranks 4-7)")])
 
 
+@pytest.mark.slow  # the same two nodes as above, over ::1 (18 s)
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_two_nodes_over_ipv6(tmp_path, reference):
     with Cluster(tmp_path, "::1") as cluster:

@@ -40,8 +40,20 @@ def _socket(ctx, kind: int, addr: str):
 
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.SNDHWM, 0)  # queue while the server reads; `_send` never blocks
     sock.connect(addr)
     return sock
+
+
+def _send(sock, msg: tuple) -> None:
+    """Send without waiting: with the server's process gone there is nobody to wait for (this process then
+    ends at the next poll)."""
+    import zmq
+
+    try:
+        sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+    except zmq.Again:
+        pass
 
 
 class Outbox:
@@ -83,9 +95,8 @@ class Outbox:
                 self._snapshot_at = now
             if not out and not records and snapshot is None and not self.engine.failed:
                 return
-            msg = ("step", self.index, out, records, stats.steps, stats.compiles_in_steps, self.engine.failed,
-                   snapshot)
-            self.sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            _send(self.sock, ("step", self.index, out, records, stats.steps, stats.compiles_in_steps,
+                              self.engine.failed, snapshot))
 
 
 def facts(engine) -> dict:
@@ -98,12 +109,14 @@ def facts(engine) -> dict:
 
 
 def serve_engines(engines: list, addrs: str) -> int:
-    """Run the engines' loops for the server's process at `addrs` ("commands,events"); returns the exit
-    status once told to stop (0) or once that process is gone (1)."""
+    """Run the engines' loops for the server's process at `addrs` ("commands,events,its pid"); returns the
+    exit status once told to stop (0) or once that process is gone (1)."""
     import zmq
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains, then says
-    commands_addr, events_addr = addrs.split(",")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (or a stop) may reach the whole group: the server
+        signal.signal(sig, signal.SIG_IGN)  # drains first, then tells this process to stop
+    commands_addr, events_addr, parent = addrs.split(",")
+    parent = int(parent)  # (the server's pid from before the build: it may have gone meanwhile)
     ctx = zmq.Context()
     commands = _socket(ctx, zmq.PULL, commands_addr)
     replies = _socket(ctx, zmq.PUSH, events_addr)
@@ -112,10 +125,12 @@ def serve_engines(engines: list, addrs: str) -> int:
         outboxes.append(Outbox(i, engine, _socket(ctx, zmq.PUSH, events_addr)))
         engine.wakeups = outboxes[-1]  # the loop "wakes the streams" by sending their updates
         engine.start()
-    parent = os.getppid()
-    replies.send(pickle.dumps(("ready", [facts(e) for e in engines])))
     code = 1
     try:
+        if os.getppid() != parent:
+            log.warning("the server's process is gone; the engine process ends")
+            return code
+        _send(replies, ("ready", [facts(e) for e in engines]))
         while True:
             if not commands.poll(1000):
                 if os.getppid() != parent:
@@ -139,7 +154,7 @@ def serve_engines(engines: list, addrs: str) -> int:
                     value, ok = _call(engines[index], what, args), True
                 except Exception as e:  # an answer, not a dead engine process
                     value, ok = f"{type(e).__name__}: {e}", False
-                replies.send(pickle.dumps(("reply", call_id, ok, value)))
+                _send(replies, ("reply", call_id, ok, value))
     finally:
         for engine in engines:
             engine.shutdown()

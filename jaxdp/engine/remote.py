@@ -62,7 +62,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()  # the event loop, the monitor and /flush_cache all send
         self._calls: dict[int, Result] = {}
         self._call_ids = itertools.count()
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.serve", *argv, "--engine-child", ",".join(addrs)])
+        child = ",".join([*addrs, str(os.getpid())])  # the child ends if this pid is no longer its parent
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.serve", *argv, "--engine-child", child])
         self.engines = self._wait_ready(tokenizer, start_timeout_s)
         self.failed: str | None = None
         self._stopping = False
@@ -80,6 +81,7 @@ class EngineProcess:
                 raise EngineProcessError(code)  # it printed its one sentence already
         self.proc.kill()
         self._close()
+        print(f"error: the engine process was not ready within {timeout_s:.0f} s (see its log above)", file=sys.stderr)
         raise EngineProcessError(1)
 
     # ---- to the child ----------------------------------------------------------------------------
