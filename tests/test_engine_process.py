@@ -104,6 +104,11 @@ def test_refusals_aborts_and_the_admin_endpoints_answer_as_in_one_process(server
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     compiles = [line for line in metrics.splitlines() if line.startswith("jaxdp:compiles_total")]
     assert compiles and float(compiles[0].split()[-1]) > 0  # the child's compiles, counted there
+    pid = server.proc.pid  # the server's process never started a JAX backend (on a GPU it would take memory)
+    names = {open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")}
+    assert not any(n.startswith("tf_") for n in names), names  # (XLA:CPU's pool threads: tf_XLAEigen)
+    (child,) = child_pids(pid)
+    assert any(open(f"/proc/{child}/task/{t}/comm").read().startswith("tf_") for t in os.listdir(f"/proc/{child}/task"))
     for replica in (0, 1):  # both replicas ran steps, and the server counts them
         assert f'jaxdp:steps_total{{gather_mode="max_len",kind="decode",replica="{replica}"}}' in metrics
 
