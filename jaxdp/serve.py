@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
                    help="a Decode batch log line per rank every this many decode steps")
-    g.add_argument("--engine-process", action="store_true",
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine (its loop and the devices) in a process of its own, as SGLang's scheduler "
                         "and vLLM's engine core do: HTTP, tokenization and streaming then take no CPU or "
-                        "interpreter lock from the loop (one node)")
+                        "interpreter lock from the loop. The default on one node; --no-engine-process keeps it in "
+                        "the server's process, as node 0 of several always does")
     g.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # set by --engine-process itself
     g = ap.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=0.88, metavar="F",
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
         check_port(args.host, args.port)
         server_limits(args)
+        in_child = engine_in_child(args)
         layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
         if dist.multi:
             if layout.replicas > 1:
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             init_distributed(dist)  # before anything else starts JAX's backends
         else:
             ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
-        if args.engine_process:  # the devices are the child's: JAX starts there, not here
+        if in_child:  # the devices are the child's: JAX starts there, not here
             backend, tokenizer = start_engine_process(args, argv)
         else:
             import jax
@@ -371,14 +373,23 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def engine_in_child(args) -> bool:
+    """Whether this server runs its engines in a child process: by default on one node, never across nodes
+    (node 0's engine takes part in the model world's collectives from the server's own process)."""
+    if args.engine_child:
+        return False  # this process is that child
+    if args.engine_process and args.nnodes > 1:
+        raise UserError("--engine-process runs one node's engine in a child process; drop it with --nnodes > 1, "
+                        "where node 0 runs its engine in the server's process")
+    return args.nnodes == 1 if args.engine_process is None else args.engine_process
+
+
 def start_engine_process(args, argv: list[str]):
-    """--engine-process: a child (`jaxdp.engine.process`) builds and runs the engines with the same flags; this
-    process serves HTTP over them. Returns (backend, tokenizer); exits with the child's status if it fails."""
+    """A child (`jaxdp.engine.process`) builds and runs the engines with the same flags; this process serves
+    HTTP over them. Returns (backend, tokenizer); exits with the child's status if it fails."""
     from jaxdp.api.replicas import ReplicaSet
     from jaxdp.engine.remote import EngineProcess, EngineProcessError
 
-    if args.nnodes > 1:
-        raise UserError("--engine-process runs one node's engine in a child process; drop it with --nnodes > 1")
     tokenizer = resolve_model(args)  # (it finds the embedded model's path, which the child is told)
     child_argv = [a for a in argv if a != "--engine-process"] + ["--model-path", args.model_path]
     try:

@@ -98,14 +98,16 @@ def test_versus_runs_engine_and_server_at_the_same_load(tmp_path):
 
     out = tmp_path / "v.json"
     subprocess.run([sys.executable, "-m", "jaxdp.bench.versus", "--concurrency", "16", "--output-len", "8",
-                    "--rounds", "1", "--with-engine-process", "--json", str(out)], check=True, timeout=900,
+                    "--rounds", "1", "--with-in-process", "--json", str(out)], check=True, timeout=900,
                    capture_output=True)
     r = json.loads(out.read_text())
     assert r["server_rounds"][0]["failed"] == 0
     assert r["server_over_offline"] == r["server_tok_s"] / r["offline_tok_s"] > 0
-    split = r["engine_process"]  # the same load again, the engine in a process of its own, HTTP on the client's CPU
-    assert split["server_rounds"][0]["failed"] == 0 and split["http_cpus"] == r["client_cpus"]
-    assert split["server_threads_cpu_us_per_token"]["engine_process_other"] > 0
+    # the default server: the engine in a process of its own, its HTTP process on the client's CPU
+    assert r["http_cpus"] == r["client_cpus"] and r["server_threads_cpu_us_per_token"]["engine_process_other"] > 0
+    one = r["in_process"]  # the same load again, with --no-engine-process: one process on the engine's CPUs
+    assert one["server_rounds"][0]["failed"] == 0 and one["http_cpus"] is None
+    assert "engine_process_other" not in one["server_threads_cpu_us_per_token"]
     assert len(r["offline_first_tok_s"]) == len(r["offline_last_tok_s"]) == 1
     assert r["client_cpu_us_per_token"] > 0 and r["server_cpu_us_per_token"] > 0
     assert set(r["engine_cpus"]).isdisjoint(r["client_cpus"])

@@ -1,8 +1,9 @@
-"""`--engine-process`: the engine runs in a child process behind the same server (`jaxdp.engine.process` there,
-`jaxdp.engine.remote` here). The tokens are the in-process engine's; refusals, aborts and the admin endpoints
-answer as before; a dead engine process ends every request in flight with a 503 and fails /health, never a
-hang; a start-up error is the child's one sentence and exit status; SIGTERM ends both processes.
-(`python -m pytest -m slow tests/test_reliability.py tests/test_fuzz_server.py` runs those modules this way too.)"""
+"""`--engine-process` (the default on one node): the engine runs in a child process behind the same server
+(`jaxdp.engine.process` there, `jaxdp.engine.remote` here). The tokens are the in-process engine's; refusals, aborts
+and the admin endpoints answer as before; a dead engine process ends every request in flight with a 503 and fails
+/health, never a hang; a start-up error is the child's one sentence and exit status; SIGTERM ends both processes.
+(`python -m pytest -m slow tests/test_reliability.py tests/test_fuzz_server.py` runs those modules again with
+`--no-engine-process`, the engine in the server's process.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from jaxdp.bench.cpu import child_pids
 ARGS = ["--engine-process", "--model-path", "tiny", "--dp-size", "2", "--tp-size", "2", "--chunked-prefill-size", "32",
         "--max-running-requests", "8", "--cuda-graph-bs", "4", "--page-size", "16", "--max-total-tokens", "8192",
         "--context-length", "4096"]
-ONE_ENGINE = ["--engine-process", "--model-path", "tiny", "--mesh", "dp=2", "--cuda-graph-bs", "4",
+ONE_ENGINE = ["--model-path", "tiny", "--mesh", "dp=2", "--cuda-graph-bs", "4",
               "--chunked-prefill-size", "32", "--max-total-tokens", "2048"]
 PROMPTS = [[1 + i, 7, 3 + 2 * i, 11] * (1 + i) for i in range(6)]
 
@@ -156,3 +157,15 @@ def test_sigterm_ends_the_server_and_its_engine_process(tmp_path):
         assert not os.path.exists(f"/proc/{child}") or "(Z)" in open(f"/proc/{child}/stat").read()  # gone
     finally:
         s.stop()
+
+
+def test_engine_process_across_nodes_is_refused_in_one_sentence():
+    """Node 0 of several runs its engine in its own process (it takes part in the model world's collectives):
+    asked for explicitly, the flag is refused before anything waits for the other nodes."""
+    r = subprocess.run([sys.executable, "-m", "jaxdp.serve", "--engine-process", "--model-path", "tiny",
+                        "--mesh", "dp=2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("[")]
+    assert r.returncode == 2 and errors == [
+        "error: --engine-process runs one node's engine in a child process; drop it with --nnodes > 1, where node 0 "
+        "runs its engine in the server's process"], r.stderr

@@ -92,8 +92,8 @@ def cases(draw) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()
 
 
-@pytest.fixture(scope="module", params=[pytest.param([], id="one-process"),  # and (-m slow) the engine apart
-                                        pytest.param(["--engine-process"], id="engine-process",
+@pytest.fixture(scope="module", params=[pytest.param([], id="engine-process"),  # and (-m slow) in one process
+                                        pytest.param(["--no-engine-process"], id="one-process",
                                                      marks=pytest.mark.slow)])
 def server(request, tmp_path_factory):
     s = Server(["--mesh", "dp=8", "--max-total-tokens", "512", "--max-request-bytes", "65536", *SMALL,

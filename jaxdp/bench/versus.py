@@ -11,10 +11,11 @@ and output lengths, greedy, the same pools and decode buckets):
 The client runs in this process. By default the engine and the server get the same CPUs (all but the last)
 and the client gets the last one (`--engine-cpus`, `--client-cpus`; `--no-pin` lets everything share every
 CPU), so what the client costs is not taken from the server: the ratio is what the server's own path (HTTP,
-SSE, the event loop, the hop from the loop thread) costs against the engine alone. With `--engine-process`
-(or `--with-engine-process`, which measures the server both ways between the same two offline runs) the
-engine runs in a child process that keeps the engine's CPUs and the server's HTTP process moves to the
-client's (`--http-cpus`), as its own core would on a GPU node. The client's and the server's CPU seconds per
+SSE, the event loop, the hop from the loop thread) costs against the engine alone. The server runs its engine
+in a child process (the default on one node): that process keeps the engine's CPUs and the server's HTTP
+process moves to the client's (`--http-cpus`), as its own core would on a GPU node. `--with-in-process`
+measures the server a second time with `--no-engine-process` (HTTP and the engine in one process, on the
+engine's CPUs), between the same two offline runs. The client's and the server's CPU seconds per
 output token (both processes) are reported beside it, by thread.
 """
 
@@ -89,13 +90,13 @@ def offline(args, cpus: set[int] | None) -> tuple[list[float], list[int], list[d
                 [r["threads_cpu_us_per_token"] for r in results])
 
 
-def start_server(args, cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
+def start_server(args, flags: list[str], cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
     s = shape(args)
     cmd = [sys.executable, "-m", "jaxdp.serve", "--model-path", args.model_path, "--mesh", args.mesh,
            "--port", str(port), "--page-size", str(args.page_size),
            "--max-total-tokens", str(s["pages"] * args.page_size), "--max-running-requests", str(args.concurrency),
            "--chunked-prefill-size", str(args.chunk_per_rank * args.dp), "--context-length", str(s["context"]),
-           "--cuda-graph-bs", *map(str, s["buckets"]), *args.server_flag]
+           "--cuda-graph-bs", *map(str, s["buckets"]), *flags]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(cpus), stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -122,7 +123,7 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
     reqs = serving.random_requests(client_args, np.random.default_rng(args.seed))
     asyncio.run(serving.run_point(client_args, reqs[:8], 8, float("inf")))  # warm the connections
     rounds = []
-    pids = [server.pid, *child_pids(server.pid)]  # with --engine-process, its engine's process too
+    pids = [server.pid, *child_pids(server.pid)]  # its engine's process too (unless --no-engine-process)
 
     def cpu() -> float:
         return sum(process_cpu_seconds(p) for p in pids)
@@ -160,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
     ap.add_argument("--engine-cpus", help="CPUs of the engine and the server, e.g. 0 (default: all but the last)")
     ap.add_argument("--client-cpus", help="CPUs of the client (default: the last)")
-    ap.add_argument("--http-cpus", help="with --server-flag=--engine-process: CPUs of the server's HTTP process "
-                    "(default: the client's; its engine process keeps the engine's)")
+    ap.add_argument("--http-cpus", help="CPUs of the server's HTTP process when its engine runs in a process of "
+                    "its own (default: the client's; the engine process keeps the engine's)")
     ap.add_argument("--no-pin", action="store_true", help="everything shares every CPU")
     ap.add_argument("--server-flag", action="append", default=[], help="one more flag for the server (repeatable)")
-    ap.add_argument("--with-engine-process", action="store_true",
-                    help="measure the server a second time with --engine-process, between the same offline runs")
+    ap.add_argument("--with-in-process", action="store_true",
+                    help="measure the server a second time with --no-engine-process, between the same offline runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_versus.json")
     args = ap.parse_args(argv)
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_cpus = client_cpus = None
     if not args.no_pin and len(every) > 1:
         engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
-    forms = [args.server_flag] + ([[*args.server_flag, "--engine-process"]] if args.with_engine_process else [])
+    forms = [args.server_flag] + ([[*args.server_flag, "--no-engine-process"]] if args.with_in_process else [])
     first, first_steps, first_threads = offline(args, engine_cpus)
     servers = [serve_one(args, flags, engine_cpus, client_cpus, every) for flags in forms]
     last, last_steps, last_threads = offline(args, engine_cpus)
@@ -190,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
               "offline_tok_s": engine,
               "offline_threads_cpu_us_per_token": {k: med([t[k] for t in first_threads + last_threads])
                                                    for k in first_threads[0]},
-              **servers[0],  # the server as given; with --with-engine-process the second form follows
-              "engine_process": servers[1] if len(servers) > 1 else None,
+              **servers[0],  # the server as given; with --with-in-process the second form follows
+              "in_process": servers[1] if len(servers) > 1 else None,
               "load_average": os.getloadavg()}
     print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine on CPUs "
           f"{result['engine_cpus']}, client on {result['client_cpus']}")
@@ -218,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]) -> dict:
     """Start the server with these flags, run the rounds, stop it: its figures (medians over the rounds)."""
-    args.server_flag, split = flags, "--engine-process" in flags and client_cpus is not None
+    split = "--no-engine-process" not in flags and client_cpus is not None
     http_cpus = _cpus(args.http_cpus, client_cpus) if split else None
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(args, engine_cpus, port, Path(tmp) / "server.log")
+        server = start_server(args, flags, engine_cpus, port, Path(tmp) / "server.log")
         try:
             if client_cpus is not None:
                 os.sched_setaffinity(0, client_cpus)

@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 from jaxdp.engine import updates
 from jaxdp.engine.controller import Controller
-from jaxdp.engine.engine import EngineFailed
+from jaxdp.engine.engine import Engine, EngineFailed
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import Request, SamplingParams, new_request
+from jaxdp.engine.request import Request
 from jaxdp.engine.scheduler import Scheduler
 from jaxdp.engine.stats import StepStats
 from jaxdp.engine.streams import Result, Wakeups
@@ -193,29 +193,18 @@ class RemoteEngine:
         self._states_at, self._states_seen = -1e9, -1
 
     # ---- requests (the event loop) ----------------------------------------------------------------
-    def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
-                     rid: str | None = None, rank: int | None = None) -> Request:
-        if self.failed:
-            raise EngineFailed(self.failed)
-        rid = rid or f"req-{os.getpid()}-{next(self._ids)}"
-        self.controller.check_rid(rid)
-        req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
-                          check=self.schedulers[0].check)
-        req.rank = req.dp_rank = self.controller.choose(rank)
-        return req
+    # The engine's own: it reads `failed`, `_ids`, `controller`, `tokenizer`, `model_cfg` and the admission
+    # check of `schedulers[0]`, which this stand-in has too, so a request is refused here exactly as there.
+    make_request = Engine.make_request
 
     def submit(self, req: Request) -> Request:
         req.submitted = True
-        if self.failed:
-            req.error_status = 503
-            updates.end(req, "abort", self.failed, time.perf_counter())
-            self.wakeups.deliver()
-            return req
-        self.requests[req.rid] = req
-        self.link.send(("submit", self.index, updates.sent(req)))
-        if (self.failed or self.link.failed) and not req.finished and self.requests.pop(req.rid, None):
-            req.error_status = 503  # the child died while this was sent: `fail` may have missed it
-            updates.end(req, "abort", self.failed or self.link.failed, time.perf_counter())
+        if not self.failed:
+            self.requests[req.rid] = req
+            self.link.send(("submit", self.index, updates.sent(req)))
+        failed = self.failed or self.link.failed  # (the child may have died while this was sent)
+        if failed and not req.finished and self.requests.pop(req.rid, req) is req:
+            self._end(req, failed)
             self.wakeups.deliver()
         return req
 
@@ -246,13 +235,17 @@ class RemoteEngine:
     def fail(self, message: str) -> None:
         """The child is gone: every request in flight ends with the message (HTTP 503)."""
         self.failed = message
-        now = time.perf_counter()
         for req in list(self.requests.values()):
             if not req.finished:
-                req.error_status = 503
-                updates.end(req, "abort", message, now)
+                self._end(req, message)
         self.requests.clear()
         self.wakeups.deliver()
+
+    @staticmethod
+    def _end(req: Request, message: str) -> None:
+        """End a request the child will not finish, with the message (HTTP 503)."""
+        req.error_status = 503
+        updates.end(req, "abort", message, time.perf_counter())
 
     # ---- the rest of an Engine's surface ----------------------------------------------------------
     def rank_state(self, rank: int) -> dict:
