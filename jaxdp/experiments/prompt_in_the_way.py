@@ -18,7 +18,6 @@ import itertools
 import statistics
 import time
 
-import httpx
 import numpy as np
 
 from jaxdp.bench import serving as bench
@@ -117,8 +116,8 @@ async def _measure(url: str, load: Load, context: int) -> dict:
     def request(n_in: int, n_out: int, rank: int | None) -> bench.Request:
         return bench.Request(rng.integers(1, 512, size=n_in).tolist(), n_in, n_out, rank)
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    args.timeout = 600.0
+    async with bench.session(args) as client:
         dec = [bench.Outcome() for _ in load.decoder_ranks]
         tasks = [asyncio.create_task(bench.send(client, args, request(16, max_new, r), o))
                  for r, o in zip(load.decoder_ranks, dec, strict=True)]

@@ -117,8 +117,7 @@ class Context:
             req.rank = rank
 
         async def drive() -> list[bench.Outcome]:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+            async with bench.session(args) as client:
                 return await asyncio.gather(*(bench.send(client, args, r) for r in reqs))
 
         outs = asyncio.run(drive())
