@@ -101,13 +101,32 @@ def test_versus_runs_engine_and_server_at_the_same_load(tmp_path):
                     "--rounds", "1", "--with-in-process", "--json", str(out)], check=True, timeout=900,
                    capture_output=True)
     r = json.loads(out.read_text())
-    assert r["server_rounds"][0]["failed"] == 0
-    assert r["server_over_offline"] == r["server_tok_s"] / r["offline_tok_s"] > 0
+    (one_round,) = r["server_rounds"]  # between two offline rounds, against their mean
+    assert one_round["failed"] == 0 and len(r["offline_rounds_tok_s"]) == 2
+    assert one_round["offline_around_tok_s"] == pytest.approx(sum(r["offline_rounds_tok_s"]) / 2)
+    assert r["server_over_offline"] == one_round["tokens_per_s"] / one_round["offline_around_tok_s"] > 0
     # the default server: the engine in a process of its own, its HTTP process on the client's CPU
     assert r["http_cpus"] == r["client_cpus"] and r["server_threads_cpu_us_per_token"]["engine_process_other"] > 0
     one = r["in_process"]  # the same load again, with --no-engine-process: one process on the engine's CPUs
     assert one["server_rounds"][0]["failed"] == 0 and one["http_cpus"] is None
     assert "engine_process_other" not in one["server_threads_cpu_us_per_token"]
-    assert len(r["offline_first_tok_s"]) == len(r["offline_last_tok_s"]) == 1
     assert r["client_cpu_us_per_token"] > 0 and r["server_cpu_us_per_token"] > 0
     assert set(r["engine_cpus"]).isdisjoint(r["client_cpus"])
+
+
+def test_client_cost_against_a_null_server(tmp_path):
+    """`python -m jaxdp.bench.client_cost`: both clients read every event of every stream from the null server,
+    which sees every request arrive, and the figures are in order."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "c.json"
+    subprocess.run([sys.executable, "-m", "jaxdp.bench.client_cost", "--concurrency", "32", "--output-len", "8",
+                    "--rounds", "1", "--json", str(out)], check=True, timeout=120, capture_output=True)
+    r = json.loads(out.read_text())
+    assert [x["client"] for x in r["rounds"]] == ["aiohttp", "httpx"]
+    for x in r["rounds"]:
+        assert x["output_tokens"] == 32 * 8
+        assert 0 < x["first_arrival_ms"] <= x["median_arrival_ms"] <= x["last_arrival_ms"]
+        assert x["duration_ms"] > 0 and x["client_cpu_us_per_token"] > 0

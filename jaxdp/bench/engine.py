@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"concurrency {HOST_ONLY_CONCURRENCY}, 64-token prompts, 128 output tokens)")
     ap.add_argument("--plot", help="write a plot of host ms per step against concurrency to this PNG")
     ap.add_argument("--baseline", help="an earlier JSON of this benchmark to draw beside this run (--plot)")
+    ap.add_argument("--rounds-on-demand", action="store_true",
+                    help="build the engine for the first mesh and the largest concurrency, print 'ready', then run "
+                         "one round per line read from stdin, each printed as one JSON line (what "
+                         "`python -m jaxdp.bench.versus` alternates with the server's rounds)")
     args = ap.parse_args(argv)
     if args.host_only:
         defaults = {"meshes": "dp=8", "concurrency": HOST_ONLY_CONCURRENCY, "input_len": 64, "output_len": 128}
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         model = HostOnlyRunner(args.model_path, spec, pages, args.page_size) if args.host_only else args.model_path
         engine = Engine(model, spec, cfg, seed=args.seed)
         warm = time.perf_counter() - t0
+        if args.rounds_on_demand:
+            return rounds_on_demand(engine, max(conc), args)
         for c in conc:
             r = run_one(engine, c, args.input_len, args.output_len, args.seed) | {"mesh": spec, "warmup_s": warm}
             results.append(r)
@@ -157,6 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot, args.baseline)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def rounds_on_demand(engine, concurrency: int, args) -> int:
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        r = run_one(engine, concurrency, args.input_len, args.output_len, args.seed)
+        print(json.dumps(r), flush=True)
+    engine.shutdown()
     return 0
 
 

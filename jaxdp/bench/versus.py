@@ -1,12 +1,12 @@
 """`python -m jaxdp.bench.versus`: the server against the offline engine at the same load, side by side in one run.
 
-Three measurements, one after another, of the same load (C requests at once, random token ids, fixed prompt
-and output lengths, greedy, the same pools and decode buckets):
-
-1. the offline engine (`python -m jaxdp.bench.engine` in a child process: `Engine.generate`, no server);
-2. `python -m jaxdp.serve` driven by the streaming client of `python -m jaxdp.bench` (native `/generate`,
-   an SSE event per token), `--rounds` times;
-3. the offline engine again (the two offline runs bracket the server's, so drift shows).
+The same load (C requests at once, random token ids, fixed prompt and output lengths, greedy, the same pools
+and decode buckets) runs on the offline engine (`python -m jaxdp.bench.engine --rounds-on-demand` in a child
+process: `Engine.generate`, no server) and on `python -m jaxdp.serve` driven by the streaming client of
+`python -m jaxdp.bench` (native `/generate`, an SSE event per token), round for round: offline, server,
+offline, server, ..., offline. Each server round is set against the mean of the offline rounds just before
+and after it, and the ratio reported is the median of those, so the machine's drift over minutes (the
+offline engine alone moves by 10-20% between runs on a shared host) falls out of it.
 
 The client runs in this process. By default the engine and the server get the same CPUs (all but the last)
 and the client gets the last one (`--engine-cpus`, `--client-cpus`; `--no-pin` lets everything share every
@@ -15,8 +15,9 @@ SSE, the event loop, the hop from the loop thread) costs against the engine alon
 in a child process (the default on one node): that process keeps the engine's CPUs and the server's HTTP
 process moves to the client's (`--http-cpus`), as its own core would on a GPU node. `--with-in-process`
 measures the server a second time with `--no-engine-process` (HTTP and the engine in one process, on the
-engine's CPUs), between the same two offline runs. The client's and the server's CPU seconds per
-output token (both processes) are reported beside it, by thread.
+engine's CPUs), against the same offline engine. The client's and the server's CPU seconds per output token
+(both processes) are reported beside it, by thread; `python -m jaxdp.bench.client_cost` measures what the
+client alone costs.
 """
 
 from __future__ import annotations
@@ -77,17 +78,30 @@ def shape(args) -> dict:
     return {"per_rank": per_rank, "pages": pages, "buckets": buckets, "context": ctx + args.page_size}
 
 
-def offline(args, cpus: set[int] | None) -> tuple[list[float], list[int], list[dict[str, float]]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "engine.json")
+class Offline:
+    """The offline engine in a child process on the engine's CPUs, built once; `round()` runs the load once."""
+
+    def __init__(self, args, cpus: set[int] | None):
         cmd = [sys.executable, "-m", "jaxdp.bench.engine", "--model-path", args.model_path, "--meshes", args.mesh,
-               "--concurrency", ",".join([str(args.concurrency)] * args.rounds), "--input-len", str(args.input_len),
+               "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--page-size", str(args.page_size),
-               "--chunk-per-rank", str(args.chunk_per_rank), "--json", out]
-        subprocess.run(cmd, check=True, preexec_fn=_pinned(cpus), stdout=subprocess.DEVNULL)
-        results = json.loads(Path(out).read_text())["results"]
-        return ([r["tokens_per_s"] for r in results], [r["steps"] for r in results],
-                [r["threads_cpu_us_per_token"] for r in results])
+               "--chunk-per-rank", str(args.chunk_per_rank), "--rounds-on-demand"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=_pinned(cpus))
+        if not any(line.strip() == "ready" for line in self.proc.stdout):
+            raise SystemExit(f"error: the offline engine exited ({self.proc.wait()}) before it was ready")
+
+    def round(self) -> dict:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: the offline engine exited ({self.proc.wait()}) during a round")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def start_server(args, flags: list[str], cpus: set[int] | None, port: int, log: Path) -> subprocess.Popen:
@@ -112,7 +126,8 @@ def start_server(args, flags: list[str], cpus: set[int] | None, port: int, log: 
     raise SystemExit(f"error: the server was not ready within 600 s; see {log}")
 
 
-def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
+def serve_rounds(args, port: int, server: subprocess.Popen, offline: Offline) -> tuple[list[dict], list[dict]]:
+    """`--rounds` rounds of the load on the server, each between two offline rounds: (server's, offline's)."""
     from jaxdp.bench import serving
 
     client_args = serving.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts",
@@ -132,12 +147,16 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
         per = [thread_cpu_seconds(p) for p in pids]
         return {(f"engine_process_{k}" if i else k): v for i, t in enumerate(per) for k, v in t.items()}
 
+    offline_rounds = [offline.round()]
     for _ in range(args.rounds):
         c0, s0, k0, t0 = time.process_time(), cpu(), server_steps(port), threads()
         point = asyncio.run(serving.run_point(client_args, reqs, args.concurrency, float("inf")))
         c1, s1, k1, t1 = time.process_time(), cpu(), server_steps(port), threads()
+        offline_rounds.append(offline.round())
         tokens = max(1, point["total_output_tokens"])
-        rounds.append({"tokens_per_s": point["output_throughput"], "failed": point["failed"],
+        around = statistics.fmean(r["tokens_per_s"] for r in offline_rounds[-2:])
+        rounds.append({"tokens_per_s": point["output_throughput"], "offline_around_tok_s": around,
+                       "server_over_offline": point["output_throughput"] / around, "failed": point["failed"],
                        "duration_s": point["duration_s"], "tpot_ms": point["tpot_ms"]["median"],
                        "client_cpu_us_per_token": 1e6 * (c1 - c0) / tokens,
                        "server_cpu_us_per_token": 1e6 * (s1 - s0) / tokens,
@@ -145,7 +164,7 @@ def serve_rounds(args, port: int, server: subprocess.Popen) -> list[dict]:
                        "server_cpu_share": (s1 - s0) / point["duration_s"],
                        "server_threads_cpu_us_per_token": {k: 1e6 * (t1[k] - t0[k]) / tokens for k in t1},
                        "steps": {k: k1[k] - k0.get(k, 0) for k in k1}})
-    return rounds
+    return rounds, offline_rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-per-rank", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="runs of the load per measurement (medians reported)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="server rounds per form, each between two offline rounds (medians reported)")
     ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
     ap.add_argument("--engine-cpus", help="CPUs of the engine and the server, e.g. 0 (default: all but the last)")
     ap.add_argument("--client-cpus", help="CPUs of the client (default: the last)")
@@ -166,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pin", action="store_true", help="everything shares every CPU")
     ap.add_argument("--server-flag", action="append", default=[], help="one more flag for the server (repeatable)")
     ap.add_argument("--with-in-process", action="store_true",
-                    help="measure the server a second time with --no-engine-process, between the same offline runs")
+                    help="measure the server a second time with --no-engine-process, against the same offline engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_versus.json")
     args = ap.parse_args(argv)
@@ -178,47 +198,44 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pin and len(every) > 1:
         engine_cpus, client_cpus = _cpus(args.engine_cpus, set(every[:-1])), _cpus(args.client_cpus, {every[-1]})
     forms = [args.server_flag] + ([[*args.server_flag, "--no-engine-process"]] if args.with_in_process else [])
-    first, first_steps, first_threads = offline(args, engine_cpus)
-    servers = [serve_one(args, flags, engine_cpus, client_cpus, every) for flags in forms]
-    last, last_steps, last_threads = offline(args, engine_cpus)
-    med = statistics.median
-    engine = statistics.fmean([med(first), med(last)])
-    for srv in servers:
-        srv["server_over_offline"] = srv["server_tok_s"] / engine
+    offline = Offline(args, engine_cpus)
+    try:
+        servers = [serve_one(args, flags, engine_cpus, client_cpus, every, offline) for flags in forms]
+    finally:
+        offline.close()
     result = {"args": vars(args), "engine_cpus": sorted(engine_cpus or every),
               "client_cpus": sorted(client_cpus or every),
-              "offline_first_tok_s": first, "offline_last_tok_s": last, "offline_steps": first_steps + last_steps,
-              "offline_tok_s": engine,
-              "offline_threads_cpu_us_per_token": {k: med([t[k] for t in first_threads + last_threads])
-                                                   for k in first_threads[0]},
               **servers[0],  # the server as given; with --with-in-process the second form follows
               "in_process": servers[1] if len(servers) > 1 else None,
               "load_average": os.getloadavg()}
     print(f"{args.mesh}, {args.concurrency} requests, {args.input_len} in / {args.output_len} out; engine on CPUs "
           f"{result['engine_cpus']}, client on {result['client_cpus']}")
-    print("| server | where its HTTP side runs | offline, first | server | offline, after | server / mean offline |")
+    print("| server | where its HTTP side runs | offline (its rounds) | server | server / offline, round by round "
+          "| median |")
     print("|---|---|---|---|---|---|")
     for flags, srv in zip(forms, servers, strict=True):
         where = f"process of its own, CPUs {srv['http_cpus']}" if srv["http_cpus"] else "the engine's process"
-        print(f"| {' '.join(flags) or 'as is'} | {where} | {med(first):,.1f} | {srv['server_tok_s']:,.1f} | "
-              f"{med(last):,.1f} | **{100 * srv['server_over_offline']:.0f}%** |")
-    print(f"(output tok/s, medians of {args.rounds}; load average {result['load_average'][0]:.2f} at the end)")
+        ratios = ", ".join(f"{100 * r['server_over_offline']:.0f}%" for r in srv["server_rounds"])
+        print(f"| {' '.join(flags) or 'as is'} | {where} | {srv['offline_tok_s']:,.1f} | {srv['server_tok_s']:,.1f} | "
+              f"{ratios} | **{100 * srv['server_over_offline']:.0f}%** |")
+    print(f"(output tok/s, medians of {args.rounds} rounds, each server round against the mean of the offline rounds "
+          f"before and after it; load average {result['load_average'][0]:.2f} at the end)")
     for flags, srv in zip(forms, servers, strict=True):
         print(f"{' '.join(flags) or 'as is'}: client CPU {srv['client_cpu_us_per_token']:.1f} us per token, server "
               f"CPU {srv['server_cpu_us_per_token']:.1f} us per token; failed requests "
               f"{sum(r['failed'] for r in srv['server_rounds'])}; by thread: " + ", ".join(
                   f"{k.replace('_', ' ')} {v:.1f}" for k, v in srv["server_threads_cpu_us_per_token"].items()))
-        print(f"  steps per run {[r['steps'] for r in srv['server_rounds']]}")
-    print("offline: CPU by thread, us per token: " + ", ".join(
-        f"{k.replace('_', ' ')} {v:.1f}" for k, v in result["offline_threads_cpu_us_per_token"].items())
-        + f"; steps per run {result['offline_steps']}")
+        print(f"  steps per run {[r['steps'] for r in srv['server_rounds']]}; offline: CPU by thread, us per token: "
+              + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in srv["offline_threads_cpu_us_per_token"].items())
+              + f"; steps per run {srv['offline_steps']}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
     return 0
 
 
-def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]) -> dict:
-    """Start the server with these flags, run the rounds, stop it: its figures (medians over the rounds)."""
+def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int], offline: Offline) -> dict:
+    """Start the server with these flags, run its rounds between the offline engine's, stop it: the figures
+    (medians over the rounds)."""
     split = "--no-engine-process" not in flags and client_cpus is not None
     http_cpus = _cpus(args.http_cpus, client_cpus) if split else None
     port = _free_port()
@@ -230,7 +247,7 @@ def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]
             if http_cpus is not None:  # the engine runs in a child that keeps the engine's CPUs; HTTP moves
                 for tid in os.listdir(f"/proc/{server.pid}/task"):
                     os.sched_setaffinity(int(tid), http_cpus)
-            rounds = serve_rounds(args, port, server)
+            rounds, offline_rounds = serve_rounds(args, port, server, offline)
         finally:
             os.sched_setaffinity(0, set(every))
             server.terminate()
@@ -238,6 +255,12 @@ def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]
     med = statistics.median
     return {"server_flags": flags, "http_cpus": sorted(http_cpus) if http_cpus else None, "server_rounds": rounds,
             "server_tok_s": med([r["tokens_per_s"] for r in rounds]),
+            "server_over_offline": med([r["server_over_offline"] for r in rounds]),
+            "offline_rounds_tok_s": [r["tokens_per_s"] for r in offline_rounds],
+            "offline_tok_s": med([r["tokens_per_s"] for r in offline_rounds]),
+            "offline_steps": [r["steps"] for r in offline_rounds],
+            "offline_threads_cpu_us_per_token": {k: med([r["threads_cpu_us_per_token"][k] for r in offline_rounds])
+                                                 for k in offline_rounds[0]["threads_cpu_us_per_token"]},
             "client_cpu_us_per_token": med([r["client_cpu_us_per_token"] for r in rounds]),
             "server_cpu_us_per_token": med([r["server_cpu_us_per_token"] for r in rounds]),
             "server_threads_cpu_us_per_token": {k: med([r["server_threads_cpu_us_per_token"][k] for r in rounds])
