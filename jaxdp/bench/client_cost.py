@@ -15,6 +15,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -80,7 +81,10 @@ def measure(form: str, args, reqs, arrivals) -> dict:
     else:
         duration, tokens = asyncio.run(httpx_round(args, reqs))
     cpu = time.process_time() - c0
-    at = np.sort([arrivals.get(timeout=60) for _ in reqs]) - t0
+    try:
+        at = np.sort([arrivals.get(timeout=10) for _ in reqs]) - t0
+    except queue.Empty:
+        raise SystemExit(f"error: the null server did not see every request of the {form} client") from None
     return {"client": form, "first_arrival_ms": 1e3 * at[0], "median_arrival_ms": 1e3 * float(np.median(at)),
             "last_arrival_ms": 1e3 * at[-1], "duration_ms": 1e3 * duration,
             "client_cpu_us_per_token": 1e6 * cpu / max(1, tokens), "output_tokens": tokens}
