@@ -29,8 +29,7 @@ SMALL = ["--chunked-prefill-size", "64", "--max-running-requests", "32", "--cuda
 MAX_BYTES = 65536
 
 
-# every test runs on the server as it is by default (its engine in a process of its own), and (-m slow) with
-# the engine in the server's process, as node 0 of several runs it
+# every test runs on the default server (its engine in a process of its own), and (-m slow) on one process
 PROCESSES = [pytest.param([], id="engine-process"),
              pytest.param(["--no-engine-process"], id="one-process", marks=pytest.mark.slow)]
 
