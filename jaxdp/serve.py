@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and vLLM's engine core do: HTTP, tokenization and streaming then take no CPU or "
                         "interpreter lock from the loop. The default on one node; --no-engine-process keeps it in "
                         "the server's process, as node 0 of several always does")
-    g.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # set by --engine-process itself
+    g.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # set by the server for its engine process
     g = ap.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=0.88, metavar="F",
                    help="share of device memory for weights + KV cache (see the pool sizing above)")
