@@ -10,6 +10,7 @@ import threading
 
 import httpx
 import pytest
+from bad_values import BAD_VALUES, REQUEST, junk, outside, surrogate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servers import Server
@@ -19,25 +20,6 @@ from test_reliability_soak import run_soak
 pytestmark = pytest.mark.skipif(not HAVE_DEFAULT, reason="the tests read text through the default model")
 EXAMPLES = 200
 
-huge = st.integers(min_value=2**64, max_value=10**300) | st.integers(max_value=-(2**64), min_value=-(10**300))
-junk = st.text(max_size=8) | st.booleans() | st.lists(st.integers(), max_size=3) | st.dictionaries(
-    st.text(max_size=3), st.integers(), max_size=2)
-surrogate = st.text(alphabet=st.characters(categories=["Cs"]), min_size=1, max_size=3)
-# per field: values that are never valid for it
-BAD_VALUES = {
-    "temperature": st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False) | huge | junk,
-    "top_p": st.floats(min_value=1.0001, max_value=1e300) | st.just(0) | st.floats(max_value=-1e-9) | junk,
-    "top_k": st.integers(min_value=2**31, max_value=2**70) | st.integers(max_value=-2, min_value=-(2**70))
-    | st.just(0) | junk,
-    "min_p": st.floats(min_value=1.0001, max_value=1e300) | st.floats(max_value=-1e-9, min_value=-1e300) | junk,
-    "max_new_tokens": st.integers(max_value=0) | st.integers(min_value=10**6) | junk,
-    "seed": huge | junk | st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: x != int(x)),
-    "stop": st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=30) | st.just("")
-    | st.lists(st.integers(), min_size=1, max_size=3) | st.text(min_size=257, max_size=300),
-    "stop_token_ids": st.lists(st.integers(min_value=512, max_value=2**80) | st.integers(max_value=-1),
-                               min_size=1, max_size=4) | st.text(min_size=1),
-    "n": st.integers(min_value=17) | st.integers(max_value=0) | junk,
-}
 PROMPT_BAD = (st.just("") | st.just([]) | surrogate | st.lists(st.integers(min_value=512), min_size=1, max_size=4)
               | st.lists(st.integers(max_value=-1), min_size=1, max_size=4) | st.integers() | st.booleans()
               | st.lists(st.floats(allow_nan=False), min_size=1, max_size=3))
@@ -65,7 +47,7 @@ def cases(draw) -> tuple[str, bytes]:
         return "/abort_request", json.dumps(body).encode()
     name = draw(st.sampled_from([*BAD_VALUES, "prompt", "rank", "stream", "logprobs"]))
     value = draw({"prompt": PROMPT_BAD, "rank": st.integers(min_value=8) | st.integers(max_value=-1) | junk,
-                  "stream": st.integers() | st.text(), "logprobs": st.integers(min_value=6) | st.text(min_size=1),
+                  "stream": st.integers() | st.text(), "logprobs": outside(REQUEST["logprobs"]),
                   **BAD_VALUES}[name])
     if kind == "generate":
         body: dict = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}

@@ -7,12 +7,15 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from bad_values import BAD_VALUES, CONTEXT
 from fastapi import FastAPI, Request
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 
 from jaxdp.api.common import ApiError
 from jaxdp.api.context import Limits
-from jaxdp.api.fields import INT32_MAX, check_n, parse_json, sampling_params
+from jaxdp.api.fields import INT32_MAX, SAMPLING, check_length, check_n, parse_json, sampling_params
 from jaxdp.api.guard import Guard, allowed_hosts
 
 
@@ -51,6 +54,25 @@ def test_sampling_params_at_their_bounds():
     for body, prompts in (({"n": 17}, 1), ({"n": 0}, 1), ({}, 257), ({"n": 2}, 129)):
         with pytest.raises(ApiError):
             check_n(body, prompts)
+
+
+def test_a_huge_integer_is_a_number_where_a_float_is_asked():
+    """2**64 is a finite float temperature (served, as SGLang does); past float32's range it is refused."""
+    assert sampling_params({"temperature": 2**64}, max_new=1, vocab_size=512).temperature == 2.0**64
+    for value in (2**200, 10**400):
+        with pytest.raises(ApiError, match="temperature"):
+            sampling_params({"temperature": value}, max_new=1, vocab_size=512)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(case=st.sampled_from(sorted(SAMPLING)).flatmap(lambda name: st.tuples(st.just(name), BAD_VALUES[name])))
+def test_the_fuzz_generator_draws_only_what_the_parser_refuses(case):
+    """The fuzz test's bad values come from the parser's own table (SAMPLING), so the two cannot drift apart."""
+    name, value = case
+    with pytest.raises(ApiError) as e:
+        params = sampling_params({"max_new_tokens": 4} | {name: value}, max_new=None, vocab_size=512)
+        check_length(params, prompt_len=1, context_len=CONTEXT)  # the fuzz server's context
+    assert name in e.value.message or (name == "max_new_tokens" and "max_tokens" in e.value.message)
 
 
 def call(app, method: str, path: str, **kw) -> httpx.Response:

@@ -98,27 +98,75 @@ def field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = N
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """What a numeric field accepts: its JSON kind (`int`, or `float` for any number), the range [lo, hi]
+    ((lo, hi] with lo_open, where lo must not round to lo in the step's float32 array), and single values
+    allowed outside it (top_k's -1). `accepts` is the rule; `check` refuses what it does not accept."""
+
+    kind: type
+    lo: float
+    hi: float
+    lo_open: bool = False
+    also: tuple[int, ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(value, float) and (self.kind is int or not math.isfinite(value)):
+            return False
+        if value in self.also:
+            return True
+        if self.kind is float:
+            try:
+                value = float(value)  # a JSON integer is a number too, as long as a float can hold it
+            except OverflowError:
+                return False
+        if not (value > self.lo if self.lo_open else value >= self.lo) or value > self.hi:
+            return False
+        return not (self.lo_open and np.float32(value) <= self.lo)  # rounds to lo in the step's float32 array
+
+    def describe(self) -> str:
+        if self.kind is int:
+            text = f"an integer from {self.lo} to {self.hi}"
+            return " or ".join([*map(str, self.also), text]) if self.also else text
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+    def check(self, body: dict, name: str, default: Any, *, where: str = "", param: str | None = None) -> Any:
+        """body[name], or `default` when absent; a value of the wrong type, or outside the range, is refused."""
+        value = field(body, name, self.kind, default, where=where)
+        if value is not None and not self.accepts(value):
+            raise ApiError(f"{where}{name} must be {self.describe()}, got {_shown(value)}", param=param or name)
+        return value
+
+
+# What each numeric field of a request accepts, written once: the parsers read through these, and the fuzz test
+# (tests/test_fuzz_server.py) draws its invalid values from them.
+SAMPLING = {
+    "max_new_tokens": Range(int, 1, INT32_MAX),  # and at most the room its rank's context leaves (check_length)
+    "temperature": Range(float, 0.0, FLOAT32_MAX),
+    "top_p": Range(float, 0.0, 1.0, lo_open=True),
+    "top_k": Range(int, 1, INT32_MAX, also=(-1,)),  # -1: all tokens
+    "min_p": Range(float, 0.0, 1.0),
+    "seed": Range(int, -(2**63), 2**64 - 1),
+}
+REQUEST = {
+    "n": Range(int, 1, MAX_N),
+    "logprobs": Range(int, 0, 5),  # completions: alternatives per token (OpenAI's range)
+    "top_logprobs": Range(int, 0, MAX_TOP_LOGPROBS),  # chat
+}
+
+
 def integer(body: dict, name: str, default: int | None, lo: int, hi: int, *, where: str = "",
             param: str | None = None) -> int | None:
     """An integer field in [lo, hi] (the range of the array it fills, or a cap)."""
-    value = field(body, name, int, default, where=where)
-    if value is not None and not lo <= value <= hi:
-        raise ApiError(f"{where}{name} must be an integer from {lo} to {hi}, got {_shown(value)}",
-                       param=param or name)
-    return value
+    return Range(int, lo, hi).check(body, name, default, where=where, param=param)
 
 
 def number(body: dict, name: str, default: float, lo: float, hi: float = FLOAT32_MAX, *, where: str = "",
            lo_open: bool = False) -> float:
     """A float field in [lo, hi] ((lo, hi] with lo_open) that stays finite and nonzero-where-asked in float32."""
-    value = field(body, name, float, default, where=where)
-    low_ok = value > lo if lo_open else value >= lo
-    if lo_open and np.float32(value) <= lo:  # rounds to lo in the step's float32 array
-        low_ok = False
-    if not (low_ok and value <= hi):
-        bracket = "(" if lo_open else "["
-        raise ApiError(f"{where}{name} must be in {bracket}{lo:g}, {hi:g}], got {_shown(value)}", param=name)
-    return value
+    return Range(float, lo, hi, lo_open).check(body, name, default, where=where)
 
 
 def int_list(value: Any, name: str, hi: int, *, max_len: int, where: str = "") -> list[int]:
@@ -158,30 +206,22 @@ def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: st
     """SamplingParams from SGLang-style names; `max_new` is the default when the body gives none. The
     upper bound of max_new_tokens is the context length, which check_length applies once the rank is known."""
     stop_ids = field(sp, "stop_token_ids", list, where=where) or []
-    temperature = number(sp, "temperature", 1.0, 0.0, where=where)
     return SamplingParams(
-        max_new_tokens=integer(sp, "max_new_tokens", max_new, 1, INT32_MAX, where=where, param="max_tokens"),
-        temperature=temperature,
-        top_p=number(sp, "top_p", 1.0, 0.0, 1.0, where=where, lo_open=True),
-        top_k=_top_k(sp, where),
-        min_p=number(sp, "min_p", 0.0, 0.0, 1.0, where=where),
-        seed=integer(sp, "seed", None, -(2**63), 2**64 - 1, where=where),
+        max_new_tokens=SAMPLING["max_new_tokens"].check(sp, "max_new_tokens", max_new, where=where,
+                                                         param="max_tokens"),
+        temperature=SAMPLING["temperature"].check(sp, "temperature", 1.0, where=where),
+        top_p=SAMPLING["top_p"].check(sp, "top_p", 1.0, where=where),
+        top_k=SAMPLING["top_k"].check(sp, "top_k", -1, where=where),
+        min_p=SAMPLING["min_p"].check(sp, "min_p", 0.0, where=where),
+        seed=SAMPLING["seed"].check(sp, "seed", None, where=where),
         stop=stop_strings(sp, where=where),
         stop_token_ids=int_list(stop_ids, "stop_token_ids", vocab_size, max_len=MAX_STOP_TOKEN_IDS, where=where),
         ignore_eos=field(sp, "ignore_eos", bool, False, where=where),
     )
 
 
-def _top_k(sp: dict, where: str) -> int:
-    top_k = field(sp, "top_k", int, -1, where=where)
-    if top_k != -1 and not 1 <= top_k <= INT32_MAX:
-        raise ApiError(f"{where}top_k must be -1 (all tokens) or an integer from 1 to {INT32_MAX}, got "
-                       f"{_shown(top_k)}", param="top_k")
-    return top_k
-
-
 def check_n(body: dict, prompts: int) -> int:
-    n = integer(body, "n", 1, 1, MAX_N)
+    n = REQUEST["n"].check(body, "n", 1)
     if prompts > MAX_PROMPTS:
         raise ApiError(f"the request holds {prompts} prompts, more than the {MAX_PROMPTS} allowed; split it",
                        param="prompt")

@@ -29,12 +29,11 @@ from jaxdp.api.context import (
     run_jobs,
 )
 from jaxdp.api.fields import (
-    INT32_MAX,
     MAX_PROMPTS,
-    MAX_TOP_LOGPROBS,
+    REQUEST,
+    SAMPLING,
     check_n,
     field,
-    integer,
     sampling_params,
     token_ids,
 )
@@ -51,9 +50,9 @@ async def models(http: HttpRequest):
 
 
 def _params(ctx: ServerContext, body: dict, default_max: int | None):
-    max_tokens = integer(body, "max_tokens", None, 1, INT32_MAX)
+    max_tokens = SAMPLING["max_new_tokens"].check(body, "max_tokens", None)
     if max_tokens is None:
-        max_tokens = integer(body, "max_completion_tokens", default_max, 1, INT32_MAX, param="max_tokens")
+        max_tokens = SAMPLING["max_new_tokens"].check(body, "max_completion_tokens", default_max, param="max_tokens")
     sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                                "ignore_eos") if body.get(k) is not None}
     params = sampling_params(sp, max_new=None, vocab_size=ctx.vocab_size)
@@ -155,11 +154,11 @@ async def _handle(http: HttpRequest, chat: bool):
     params = _params(ctx, body, None if chat else 16)
     if chat:
         want_logprobs = field(body, "logprobs", bool, False)
-        top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        top = REQUEST["top_logprobs"].check(body, "top_logprobs", 0)
         if top and not want_logprobs:
             raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        top = integer(body, "logprobs", None, 0, 5)
+        top = REQUEST["logprobs"].check(body, "logprobs", None)
         want_logprobs = top is not None
     params.return_logprob, params.top_logprobs = want_logprobs, top or 0
     stream = field(body, "stream", bool, False)
