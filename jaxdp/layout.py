@@ -1,7 +1,7 @@
 """Layout: how the devices of one model world are cut for attention, the MoE, dense layers and the LM head.
 
 Two spellings give the same Layout: `--mesh dp=A,tp=B[,moe=tp|ep][,dense=tp|replicated]
-[,lm_head=split|a2a|dp][,replicas=R]` (or a preset in meshes/), and SGLang's flags, where --tp-size is the
+[,lm_head=split|a2a|dp][,replicas=R]` (or a preset in jaxdp/meshes/), and SGLang's flags, where --tp-size is the
 total and the others divide it (`--tp-size N --attn-dp-size A` is `dp=A,tp=N/A`). They compose: SGLang's
 modifier flags add to --mesh what it leaves unsaid, as they add to --tp-size (`--mesh dp=8
 --enable-dp-lm-head` is `dp=8,lm_head=dp`). Every mistake a user can make, a flag that contradicts the mesh
@@ -22,13 +22,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 from jax.sharding import AxisType, Mesh
 
 log = logging.getLogger("jaxdp.layout")
 
 AXES = ("dp", "tp")
-MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
+MESHES_DIR = Path(__file__).resolve().parent / "meshes"  # package data, so a wheel ships the presets too
 SPEC_KEYS = ("dp", "tp", "moe", "dense", "lm_head", "replicas")
 MOE_MODES = ("tp", "ep")
 DENSE_MODES = ("tp", "replicated")
@@ -152,16 +151,11 @@ def available_presets() -> list[str]:
 
 
 def parse_mesh_spec(text: str, num_devices: int | None = None) -> Layout:
-    """`dp=A,tp=B[,...]`, a preset name from meshes/, or a .toml path -> Layout.
+    """`dp=A,tp=B[,...]`, a preset name from jaxdp/meshes/, or a .toml path -> Layout.
 
     `num_devices` resolves `dp = "all"` (or `tp = "all"`) in presets; without it JAX's device count is used.
     """
     return _layout_from_items(*_read_mesh(text), num_devices)
-
-
-def load_preset(name: str, num_devices: int | None = None) -> Layout:
-    """A preset by name (`meshes/NAME.toml`) or by path to a .toml file."""
-    return _layout_from_items(*_read_preset(name), num_devices)
 
 
 def _read_mesh(text: str) -> tuple[dict[str, Any], str]:
@@ -373,27 +367,21 @@ def _flag_modifiers(args: argparse.Namespace, world: int) -> dict[str, tuple[str
     return out
 
 
-def _backends_initialized() -> bool:
-    return xla_bridge.backends_are_initialized()
-
-
 def ensure_host_devices(n: int) -> None:
-    """At least `n` JAX devices: before JAX initialises its backends, sets XLA_FLAGS' host device count (it
-    only affects the CPU platform, harmless elsewhere); afterwards only checks, raising LayoutError if short.
-    """
-    if _backends_initialized():
+    """At least `n` JAX devices: before JAX initialises its backends, sets the host platform's device count
+    (`jax_num_cpu_devices`; it only affects the CPU platform, harmless elsewhere; a larger count already asked
+    for through XLA_FLAGS is kept); afterwards only checks, raising LayoutError if short. The environment is
+    not touched."""
+    found = re.search(rf"{_HOST_COUNT_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    want = max(n, jax.config.jax_num_cpu_devices, int(found.group(1)) if found else 0)
+    try:
+        jax.config.update("jax_num_cpu_devices", want)
+    except RuntimeError:  # JAX has started its backends: the device count is what it is
         have = jax.device_count()
         if have < n:
             raise LayoutError(f"JAX has already started with {have} devices, fewer than the {n} this layout "
                               f"needs; call ensure_host_devices({n}) before JAX starts or set "
-                              f"XLA_FLAGS={_HOST_COUNT_FLAG}={n}.")
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    found = re.search(rf"{_HOST_COUNT_FLAG}=(\d+)", flags)
-    if found and int(found.group(1)) >= n:
-        return
-    flags = re.sub(rf"\s*{_HOST_COUNT_FLAG}=\d+", "", flags).strip()
-    os.environ["XLA_FLAGS"] = f"{flags} {_HOST_COUNT_FLAG}={n}".strip()
+                              f"XLA_FLAGS={_HOST_COUNT_FLAG}={n}.") from None
 
 
 def device_free_memory(devices: Sequence[Any]) -> dict[str, int] | None:
