@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
-from jaxdp.engine.stats import compiles_total
+from jaxdp.engine.stats import compiles_on_this_thread, compiles_total
 from jaxdp.one_batch import run_prompts
 
 pytestmark = pytest.mark.usefixtures("blocked_prompt_path")  # the form real sizes run (conftest)
@@ -144,6 +144,19 @@ def test_no_compile_after_warmup_over_a_mixed_workload(engine):
     assert all(r.finished for r in reqs)
     assert compiles_total() == before and engine.stats.compiles_in_steps == in_steps
     pools_are_full(engine)
+
+
+def test_compiles_are_counted_per_thread():
+    """An engine counts the compiles of its own loop thread: another thread's (another replica's) are not its."""
+    import threading
+
+    mine, total = compiles_on_this_thread(), compiles_total()
+    t = threading.Thread(target=lambda: jax.jit(lambda x: x * 3 + 1).lower(np.ones(5, np.int16)).compile())
+    t.start()
+    t.join()
+    assert compiles_total() == total + 1 and compiles_on_this_thread() == mine
+    jax.jit(lambda x: x * 5 - 2).lower(np.ones(7, np.int16)).compile()
+    assert compiles_on_this_thread() == mine + 1
 
 
 def test_async_streaming(engine):

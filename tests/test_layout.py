@@ -335,17 +335,24 @@ def test_ensure_host_devices_after_start_checks_only():
     ensure_host_devices(len(jax.devices()))  # enough: nothing happens
 
 
-def test_ensure_host_devices_before_start_sets_the_flag(monkeypatch):
-    monkeypatch.setattr(layout_mod, "_backends_initialized", lambda: False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
-    ensure_host_devices(8)
-    flags_now = layout_mod.os.environ["XLA_FLAGS"]
-    assert flags_now.split() == ["--xla_cpu_foo=1", "--xla_force_host_platform_device_count=8"]
-    ensure_host_devices(4)  # already enough: left alone
-    assert layout_mod.os.environ["XLA_FLAGS"] == flags_now
-    monkeypatch.delenv("XLA_FLAGS")
-    ensure_host_devices(16)
-    assert layout_mod.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=16"
+def test_ensure_host_devices_before_start_sets_the_count():
+    """In a fresh interpreter: the count is set through JAX's config (XLA_FLAGS is left as it was), a larger
+    count already in XLA_FLAGS is kept, and once JAX has started only a check is left."""
+    import subprocess
+    import sys
+
+    code = ("import os, jax; from jaxdp.layout import ensure_host_devices, LayoutError; ensure_host_devices({n}); "
+            "print(jax.device_count(), os.environ.get('XLA_FLAGS', ''));\n"
+            "try: ensure_host_devices(64)\n"
+            "except LayoutError as e: print('refused', 'ensure_host_devices(64)' in str(e))")
+    env = {k: v for k, v in layout_mod.os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    for n, flags, expect in ((6, None, "6 "), (4, "--xla_force_host_platform_device_count=8",
+                                               "8 --xla_force_host_platform_device_count=8")):
+        run_env = env if flags is None else env | {"XLA_FLAGS": flags}
+        out = subprocess.run([sys.executable, "-c", code.format(n=n)], env=run_env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == [expect, "refused True"], out.stdout
 
 
 # ----------------------------------------------------------------------------------------------- memory

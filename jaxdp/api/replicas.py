@@ -11,7 +11,6 @@ hold, instead of half of it (round_robin) or a queue it cannot drain.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -183,6 +182,3 @@ class ReplicaSet:
         loads = self.loads()
         return [self.rank_state(r, loads) for r in range(self.num_ranks)]
 
-
-async def wait_all(backend: ReplicaSet, reqs: list[Request]) -> list[Request]:
-    return list(await asyncio.gather(*(backend.generate(r) for r in reqs)))

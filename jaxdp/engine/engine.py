@@ -39,7 +39,7 @@ from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
 from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
-from jaxdp.engine.stats import InFlight, StepStats, compiles_total
+from jaxdp.engine.stats import InFlight, StepStats, compiles_on_this_thread, compiles_total
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.engine.threads import start_thread
 from jaxdp.engine.updates import end as end_request
@@ -218,7 +218,7 @@ class Engine:
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
         shape = self.buckets.shape_for(rows, agreement)
-        compiles_before = compiles_total()
+        compiles_before = compiles_on_this_thread()
         step = next(self._steps)
         try:
             current = self._queue(plans, shape, rows, agreement, t0, agree_s)
@@ -241,7 +241,7 @@ class Engine:
         if current is not None and not self.cfg.overlap:
             self._book(current, time.perf_counter())
             self._inflight = None
-        self.stats.compiles_in_steps += compiles_total() - compiles_before
+        self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before
         return True
 
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,

@@ -368,9 +368,6 @@ class HostExchange:
         node = self.node_rank if node is None else node
         return range(node * self.per_node, (node + 1) * self.per_node)
 
-    def owner(self, rank: int) -> int:
-        return rank // self.per_node
-
     def exchange(self, proposals: list, message: dict) -> tuple[list, list[dict]]:
         mine = self.local_ranks()
         payloads = self.gather(pickle.dumps((proposals[mine.start:mine.stop], message), pickle.HIGHEST_PROTOCOL))

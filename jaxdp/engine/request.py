@@ -94,15 +94,8 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def prefilling(self) -> bool:
-        return self.state == State.WAITING and self.scheduled > 0
-
-    @property
     def finished(self) -> bool:
         return self.state == State.FINISHED
-
-    def remaining_new_tokens(self) -> int:
-        return max(0, self.params.max_new_tokens - len(self.output_ids))
 
 
 def stop_string_check(tokenizer, stops: list[str]) -> Callable[[Request], bool]:

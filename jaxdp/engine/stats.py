@@ -14,12 +14,14 @@ from jaxdp.parallel.step import StepShape
 
 _compile_lock = threading.Lock()
 _compiles = [0]
+_on_thread = threading.local()  # compiles of the thread that asked for them: an engine's loop thread is its own
 
 
 def _on_event(name: str, _secs: float, **_kw) -> None:
-    if name == "/jax/core/compile/backend_compile_duration":
+    if name == "/jax/core/compile/backend_compile_duration":  # reported on the thread that compiled
         with _compile_lock:
             _compiles[0] += 1
+        _on_thread.count = getattr(_on_thread, "count", 0) + 1
 
 
 monitoring.register_event_duration_secs_listener(_on_event)
@@ -28,6 +30,12 @@ monitoring.register_event_duration_secs_listener(_on_event)
 def compiles_total() -> int:
     """XLA compilations in this process so far (every jit, not only the engine's)."""
     return _compiles[0]
+
+
+def compiles_on_this_thread() -> int:
+    """XLA compilations this thread asked for so far: an engine counts its own steps' compiles with it, so two
+    replicas in one process never count each other's."""
+    return getattr(_on_thread, "count", 0)
 
 
 @dataclasses.dataclass

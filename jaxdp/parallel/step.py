@@ -128,10 +128,6 @@ class StepRunner:
         make = jax.jit(lambda shape, dt: jnp.zeros(shape, dt), static_argnums=(0, 1), out_shardings=sharding)
         return {k: make(shape, dt) for k, (shape, dt) in shapes.items()}
 
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P("dp"))
-
     def put(self, x: np.ndarray, spec: P | None = None) -> jax.Array:
         """A host array onto the mesh. Across processes each one supplies only its own devices' part (the
         rows of its DP ranks; the other ranks' rows of `x` are never read)."""
