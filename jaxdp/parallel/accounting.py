@@ -254,7 +254,7 @@ def account_step(
     A prompt step under moe=ep is never recorded: SGLang refuses the relabeling with its EP backends.
     """
     if lm_head_a2a is None:
-        lm_head_a2a = bool(getattr(layout, "lm_head_a2a", False))
+        lm_head_a2a = layout.lm_head_a2a
     rows = tuple(int(r) for r in rows_per_rank)
     if len(rows) != layout.dp or any(r < 0 for r in rows):
         raise ValueError(f"need {layout.dp} non-negative row counts (one per DP rank), got {rows}")

@@ -60,7 +60,7 @@ def lm_head_mode(layout: Layout) -> str:
     """'replicated' (dp_lm_head, or one device), 'a2a' when asked for, else 'split'."""
     if layout.dp_lm_head or layout.world == 1:
         return "replicated"
-    return "a2a" if getattr(layout, "lm_head_a2a", False) else "split"
+    return "a2a" if layout.lm_head_a2a else "split"
 
 
 def state_specs(state, layout: Layout):
