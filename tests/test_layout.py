@@ -416,3 +416,15 @@ def test_device_free_memory_and_layout_check_with_stats():
     with pytest.raises(LayoutError, match="cuda:3"):
         parse_mesh_spec("tp=2,replicas=2").check_memory(devices)
     parse_mesh_spec("tp=3").check_memory(devices)  # cuda:3 is not used
+
+
+def test_a_parameter_without_a_sharding_rule_fails_loudly():
+    """A new weight must say where it lives: an unknown name is refused, never silently replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.parallel.sharding import param_spec
+
+    with pytest.raises(ValueError, match=r"no sharding rule for the parameter .*w_new_XY"):
+        param_spec("['moe_layers']['mlp']['w_new_XY']", 3, Layout(dp=8))
+    assert param_spec("['embed_VD']", 2, Layout(dp=8)) == P()
+    assert param_spec("['lm_head_DV']", 2, Layout(dp=8)) == P(None, ("dp", "tp"))

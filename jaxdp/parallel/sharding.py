@@ -30,8 +30,17 @@ EXPERT_I_AXIS = {
 }
 
 
+# Whole on every device: embedding, norms, router, the attention's down-projections (q_a, kv_a: their outputs
+# are LoRA latents every head needs), the DSA indexer's weights.
+REPLICATED = frozenset({
+    "embed_VD", "attn_norm", "ffn_norm", "final_norm", "weight", "q_a_norm", "kv_a_norm", "k_norm", "k_norm_bias",
+    "router_DE", "router_bias_E", "w_q_a_DQ", "w_kv_a_DK", "w_q_QIE", "w_k_DE", "w_weights_DI",
+})
+
+
 def param_spec(path: str, ndim: int, layout: Layout) -> P:
-    """PartitionSpec of the parameter at `path` (jax keystr of the model state)."""
+    """PartitionSpec of the parameter at `path` (jax keystr of the model state); a name this module does not
+    know is an error (a new weight must say where it lives), never silently replicated."""
     name = path.split("['")[-1].split("']")[0].removesuffix("_bscale")  # FP8 block scales: as their weight
     in_dense = "dense_layers" in path
     in_shared = "['shared']" in path
@@ -53,7 +62,9 @@ def param_spec(path: str, ndim: int, layout: Layout) -> P:
         return P(None, None, None, ALL) if name == "w_gate_up_D2F" else P(None, ALL, None)
     if name == "lm_head_DV":
         return P() if lm_head_mode(layout) == "replicated" else P(None, ALL)
-    return P()
+    if name in REPLICATED:
+        return P()
+    raise ValueError(f"no sharding rule for the parameter {path}; add its name to jaxdp.parallel.sharding")
 
 
 def lm_head_mode(layout: Layout) -> str:
