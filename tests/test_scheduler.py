@@ -166,3 +166,10 @@ def test_extend_buckets_for_a_chunk_under_eight_rows():
 
     assert Buckets.make(max_running=2, chunk=4, dp=2).extend == [4]
     assert Buckets.make(max_running=64, chunk=256, dp=8).extend[:2] == [8, 16]
+
+
+def test_a_runner_with_another_page_size_is_refused():
+    """The runner's pool and the engine's page table must agree on the page size, or every slot is wrong."""
+    cfg = EngineConfig(page_size=4, num_pages=16, decode_buckets=[1], extend_buckets=[8])
+    with pytest.raises(ValueError, match="page_size 4 differs from the step runner's 8"):
+        Engine(HostOnlyRunner("tiny", "dp=2", cfg.num_pages, 8), "dp=2", cfg)

@@ -72,6 +72,9 @@ class Engine:
         dp, c = self.layout.dp, self.cfg
         if c.num_pages > runner.num_pages:
             raise ValueError(f"num_pages {c.num_pages} exceeds the step runner's pool of {runner.num_pages}")
+        if c.page_size != runner.page_size:  # the slots the host computes would land in the wrong places
+            raise ValueError(f"page_size {c.page_size} differs from the step runner's {runner.page_size}; build "
+                             "both from one EngineConfig")
         self.max_running_per_rank = max(1, c.max_running_requests // dp)
         chunk = max(1, c.chunked_prefill_size // dp)
         if dp > 1:
