@@ -63,6 +63,9 @@ class ModelConfig:
     indexer_types: tuple[str, ...] | None = None
     # FP8 block quantization of the checkpoint (dequantized on load): block size (rows, cols) or None
     fp8_block: tuple[int, int] | None = None
+    # multi-token-prediction (NextN) layers the checkpoint declares, stored as layers num_layers.. (see
+    # jaxdp.model.mtp); the main model never reads them
+    num_nextn_predict_layers: int = 0
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -228,6 +231,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=eos,
         **dsa,
         fp8_block=fp8_block,
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 
@@ -318,6 +322,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=163840,
         bos_token_id=0,
         eos_token_id=1,
+        num_nextn_predict_layers=1,
     ),
     # GLM-5 (and the article's GLM-5.3): MLA plus the DSA indexer (index_topk 2,048 of up to 202,752).
     "glm-5": ModelConfig(
@@ -348,6 +353,7 @@ PRESETS: dict[str, ModelConfig] = {
         index_topk=2048,
         index_n_heads=32,
         index_head_dim=128,
+        num_nextn_predict_layers=1,
     ),
 }
 # GLM-5 at CPU size (the sparse-attention benchmark): 16 heads reading a 256 + 32 latent, an indexer of
@@ -388,7 +394,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "rope_interleave": cfg.rope_interleave, "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers, "torch_dtype": "float32",
     }
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)

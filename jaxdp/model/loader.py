@@ -22,16 +22,26 @@ from safetensors.numpy import save_file
 
 from jaxdp.config import ModelConfig, hf_config_dict
 from jaxdp.layout import Layout
+from jaxdp.model.checkpoint import Checkpoint
 from jaxdp.model.converted import MARKER, is_converted, load_converted
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.fp8 import dequantize_fp8_blocks, weight
+from jaxdp.model.mtp import MTPLayer, mtp_prefix
 from jaxdp.model.quant import expert_quantization, quantize_experts
-from jaxdp.model.sharded import ShardedModel, init_sharded, load_sharded, shard_model
+from jaxdp.model.sharded import (
+    ShardedModel,
+    check_mtp,
+    init_mtp_sharded,
+    init_sharded,
+    load_mtp_sharded,
+    load_sharded,
+    shard_model,
+)
 
 log = logging.getLogger("jaxdp.loader")
 
 __all__ = ["build_model", "load_model", "load_checkpoint", "save_hf_checkpoint", "hf_state_dict",
-           "default_model_path", "dequantize_fp8_blocks"]
+           "default_model_path", "dequantize_fp8_blocks", "build_mtp", "load_mtp", "check_mtp_checkpoint"]
 
 
 def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
@@ -50,6 +60,37 @@ def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, see
         _, model = load_converted(path, dt)
         return shard_model(quantize_experts(model, quantization), layout, mesh)
     return load_sharded(path, layout, mesh, dt, quantization)
+
+
+def build_mtp(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
+              quantization: str | None = None, num_layers: int | None = None, tiny_width: bool = False,
+              k: int = 0) -> ShardedModel:
+    """The MTP layer k of the model `build_model` builds for the same arguments, in its final sharding:
+    read from a checkpoint directory (refused in one sentence when it has none), random for a preset (seeded
+    apart from the main model's weights)."""
+    from jaxdp.config import PRESETS
+
+    if path is None or path == "default":
+        path = str(default_model_path())
+    dt = jnp.dtype(dtype)
+    if path in PRESETS:
+        cfg = preset_config(path, num_layers, tiny_width)
+        return init_mtp_sharded(cfg, layout, mesh, dt, seed + 1, quantization)
+    if is_converted(path):
+        raise ValueError(f"{path} is an orbax conversion (python -m jaxdp.quantize), which holds no MTP layer; "
+                         "point --model-path at the Hugging Face checkpoint to use its MTP layer")
+    return load_mtp_sharded(path, layout, mesh, dt, quantization, k=k)
+
+
+def check_mtp_checkpoint(path: str, k: int = 0) -> None:
+    """Refuse, in one sentence and reading only the tensor headers, a checkpoint directory whose MTP layer k
+    is missing (what a speculative-decoding flag should check before anything loads). Presets pass."""
+    from jaxdp.config import PRESETS
+
+    if path in PRESETS:
+        return
+    with Checkpoint(path) as ck:
+        check_mtp(ck, model_config(path), k)
 
 
 def preset_config(name: str, num_layers: int | None = None, tiny_width: bool = False) -> ModelConfig:
@@ -91,59 +132,72 @@ def load_checkpoint(model_dir: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig 
 # ---- saving ------------------------------------------------------------------------------------
 
 
-def hf_state_dict(model: DeepseekV3) -> dict[str, np.ndarray]:
-    """The model's weights under Hugging Face DeepSeek-V3 names, torch layout, float32."""
+def hf_state_dict(model: DeepseekV3, mtp: MTPLayer | None = None) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face DeepSeek-V3 names, torch layout, float32; with `mtp`, its MTP
+    layer as DeepSeek-V3 stores it (layer num_hidden_layers, with copies of the embedding and the LM head)."""
     cfg = model.cfg
-    if expert_quantization(model):
+    if expert_quantization(model) or (mtp is not None and expert_quantization(mtp)):
         raise ValueError("a model with NVFP4 experts is not written as a Hugging Face checkpoint; save it with "
                          "python -m jaxdp.quantize (orbax)")
-
-    def a(x) -> np.ndarray:
-        return np.asarray(jax.device_get(x[...]), np.float32)
-
-    def w(module, name: str) -> np.ndarray:  # FP8 weights come out dequantized
-        return np.asarray(jax.device_get(weight(module, name)), np.float32)
-
-    out = {"model.embed_tokens.weight": a(model.embed_VD), "model.norm.weight": a(model.final_norm)}
+    out = {"model.embed_tokens.weight": _a(model.embed_VD), "model.norm.weight": _a(model.final_norm)}
     if model.lm_head_DV is not None:
-        out["lm_head.weight"] = a(model.lm_head_DV).T
+        out["lm_head.weight"] = _a(model.lm_head_DV).T
     for stack, first in ((model.dense_layers, 0), (model.moe_layers, cfg.num_dense_layers)):
-        if stack is None:
-            continue
-        n = stack.attn_norm.get_value().shape[0]
-        for j in range(n):
-            pre = f"model.layers.{first + j}"
-            at = stack.attn
-            out[f"{pre}.input_layernorm.weight"] = a(stack.attn_norm)[j]
-            out[f"{pre}.post_attention_layernorm.weight"] = a(stack.ffn_norm)[j]
-            out[f"{pre}.self_attn.kv_a_proj_with_mqa.weight"] = w(at, "w_kv_a_DK")[j].T
-            out[f"{pre}.self_attn.kv_a_layernorm.weight"] = a(at.kv_a_norm)[j]
-            kvb = w(at, "w_kv_b_LHX")[j]
-            out[f"{pre}.self_attn.kv_b_proj.weight"] = kvb.reshape(kvb.shape[0], -1).T
-            o = w(at, "w_o_HVD")[j]
-            out[f"{pre}.self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
-            if cfg.q_lora_rank is not None:
-                out[f"{pre}.self_attn.q_a_proj.weight"] = w(at, "w_q_a_DQ")[j].T
-                out[f"{pre}.self_attn.q_a_layernorm.weight"] = a(at.q_a_norm)[j]
-                qb = w(at, "w_q_b_QHK")[j]
-                out[f"{pre}.self_attn.q_b_proj.weight"] = qb.reshape(qb.shape[0], -1).T
-            else:
-                q = w(at, "w_q_DHK")[j]
-                out[f"{pre}.self_attn.q_proj.weight"] = q.reshape(q.shape[0], -1).T
-            ffn = stack.ffn
-            if first == 0:
-                _put_mlp(out, f"{pre}.mlp", w(ffn, "w_gate_up_D2F")[j], w(ffn, "w_down_FD")[j])
-                continue
-            out[f"{pre}.mlp.gate.weight"] = a(ffn.router_DE)[j].T
-            out[f"{pre}.mlp.gate.e_score_correction_bias"] = a(ffn.router_bias_E)[j]
-            gu, dn = w(ffn, "w_gate_up_ED2I")[j], w(ffn, "w_down_EID")[j]
-            for e in range(gu.shape[0]):
-                _put_mlp(out, f"{pre}.mlp.experts.{e}", gu[e], dn[e])
-            if ffn.shared is not None:
-                _put_mlp(out, f"{pre}.mlp.shared_experts", w(ffn.shared, "w_gate_up_D2F")[j],
-                         w(ffn.shared, "w_down_FD")[j])
+        if stack is not None:
+            for j in range(stack.attn_norm.get_value().shape[0]):
+                _put_layer(out, stack, j, f"model.layers.{first + j}", dense=first == 0)
+    if mtp is not None:
+        pre = mtp_prefix(cfg)
+        out[f"{pre}.enorm.weight"], out[f"{pre}.hnorm.weight"] = _a(mtp.enorm), _a(mtp.hnorm)
+        out[f"{pre}.eh_proj.weight"] = _a(mtp.w_eh_XD).T
+        out[f"{pre}.shared_head.norm.weight"] = _a(mtp.shared_head_norm)
+        out[f"{pre}.embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[f"{pre}.shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+        dense = mtp.moe_layers is None
+        _put_layer(out, mtp.dense_layers if dense else mtp.moe_layers, 0, pre, dense=dense)
     # contiguous: safetensors writes an array's buffer as it lies in memory
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _a(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x[...]), np.float32)
+
+
+def _w(module, name: str) -> np.ndarray:  # FP8 weights come out dequantized
+    return np.asarray(jax.device_get(weight(module, name)), np.float32)
+
+
+def _put_layer(out: dict, stack, j: int, pre: str, dense: bool) -> None:
+    """Layer j of a layer stack under the checkpoint prefix `pre` (model.layers.{i})."""
+    a, w = _a, _w
+    at = stack.attn
+    out[f"{pre}.input_layernorm.weight"] = a(stack.attn_norm)[j]
+    out[f"{pre}.post_attention_layernorm.weight"] = a(stack.ffn_norm)[j]
+    out[f"{pre}.self_attn.kv_a_proj_with_mqa.weight"] = w(at, "w_kv_a_DK")[j].T
+    out[f"{pre}.self_attn.kv_a_layernorm.weight"] = a(at.kv_a_norm)[j]
+    kvb = w(at, "w_kv_b_LHX")[j]
+    out[f"{pre}.self_attn.kv_b_proj.weight"] = kvb.reshape(kvb.shape[0], -1).T
+    o = w(at, "w_o_HVD")[j]
+    out[f"{pre}.self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+    if at.cfg.q_lora_rank is not None:
+        out[f"{pre}.self_attn.q_a_proj.weight"] = w(at, "w_q_a_DQ")[j].T
+        out[f"{pre}.self_attn.q_a_layernorm.weight"] = a(at.q_a_norm)[j]
+        qb = w(at, "w_q_b_QHK")[j]
+        out[f"{pre}.self_attn.q_b_proj.weight"] = qb.reshape(qb.shape[0], -1).T
+    else:
+        q = w(at, "w_q_DHK")[j]
+        out[f"{pre}.self_attn.q_proj.weight"] = q.reshape(q.shape[0], -1).T
+    ffn = stack.ffn
+    if dense:
+        _put_mlp(out, f"{pre}.mlp", w(ffn, "w_gate_up_D2F")[j], w(ffn, "w_down_FD")[j])
+        return
+    out[f"{pre}.mlp.gate.weight"] = a(ffn.router_DE)[j].T
+    out[f"{pre}.mlp.gate.e_score_correction_bias"] = a(ffn.router_bias_E)[j]
+    gu, dn = w(ffn, "w_gate_up_ED2I")[j], w(ffn, "w_down_EID")[j]
+    for e in range(gu.shape[0]):
+        _put_mlp(out, f"{pre}.mlp.experts.{e}", gu[e], dn[e])
+    if ffn.shared is not None:
+        _put_mlp(out, f"{pre}.mlp.shared_experts", w(ffn.shared, "w_gate_up_D2F")[j], w(ffn.shared, "w_down_FD")[j])
 
 
 def _put_mlp(out: dict, pre: str, gate_up_D2F: np.ndarray, down_FD: np.ndarray) -> None:
@@ -152,13 +206,25 @@ def _put_mlp(out: dict, pre: str, gate_up_D2F: np.ndarray, down_FD: np.ndarray) 
     out[f"{pre}.down_proj.weight"] = np.ascontiguousarray(down_FD.T)
 
 
-def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32) -> None:
+def save_hf_checkpoint(model: DeepseekV3, out_dir: str | Path, dtype=np.float32, mtp: MTPLayer | None = None) -> None:
+    """Write `model` (and its MTP layer `mtp`) as a Hugging Face checkpoint; config.json declares
+    num_nextn_predict_layers as written (1 with `mtp`, else 0)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in hf_state_dict(model).items()}
+    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in hf_state_dict(model, mtp).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_dict(model.cfg), indent=2) + "\n")
+    cfg = model.cfg.with_(num_nextn_predict_layers=int(mtp is not None))
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
     log.info("saved %d tensors to %s", len(tensors), out)
+
+
+def load_mtp(path: str, dtype="bfloat16", *, seed: int = 0, quantization: str | None = None,
+             k: int = 0) -> tuple[ModelConfig, MTPLayer]:
+    """(ModelConfig, MTP layer k on one device) for a checkpoint directory or a preset; see `build_mtp`."""
+    layout = Layout()
+    sharded = build_mtp(path, layout, layout.make_mesh(jax.devices()[:1]), dtype, seed=seed,
+                        quantization=quantization, k=k)
+    return sharded.cfg, sharded.merge()
 
 
 def load_model(path: str, dtype="bfloat16", *, seed: int = 0, num_layers: int | None = None,

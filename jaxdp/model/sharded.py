@@ -35,10 +35,11 @@ from tqdm import tqdm
 from jaxdp.config import ModelConfig, load_hf_config
 from jaxdp.layout import Layout
 from jaxdp.model import fp8, modelopt
-from jaxdp.model.checkpoint import Checkpoint, Tiled, aligned_copy, aligned_empty, fill, memory_order
+from jaxdp.model.checkpoint import Checkpoint, CheckpointError, Tiled, aligned_copy, aligned_empty, fill, memory_order
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.mtp import MTPLayer, apply_mtp_quantization, mtp_prefix
 from jaxdp.model.quant import apply_quantization, resolve_quantization
-from jaxdp.model.sources import Box, sources
+from jaxdp.model.sources import Box, mtp_sources, sources
 from jaxdp.parallel.sharding import check_divisible, state_specs
 
 log = logging.getLogger("jaxdp.loader")
@@ -77,11 +78,22 @@ def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None) -> 
 
 def param_table(cfg: ModelConfig, layout: Layout, dtype, quantization: str | None = None) -> dict[str, ParamInfo]:
     """{dotted path: shape, dtype, PartitionSpec} of every parameter (stacks with their layer axis)."""
-    _, state = nnx.split(abstract_model(cfg, dtype, quantization))
+    return table_of(abstract_model(cfg, dtype, quantization), layout)
+
+
+def table_of(abstract, layout: Layout) -> dict[str, ParamInfo]:
+    """`param_table` of an abstract module (the model, or its MTP layer)."""
+    _, state = nnx.split(abstract)
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     specs = jax.tree.leaves(state_specs(state, layout), is_leaf=lambda x: isinstance(x, P))
     return {_dotted(p): ParamInfo(tuple(x.shape), np.dtype(x.dtype), s)
             for (p, x), s in zip(leaves, specs, strict=True)}
+
+
+def abstract_mtp(cfg: ModelConfig, dtype, quantization: str | None = None) -> MTPLayer:
+    """An MTP layer's structure (shapes and dtypes, no values) with its quantization applied."""
+    cfg, method = resolve_quantization(cfg, quantization)
+    return nnx.eval_shape(lambda: apply_mtp_quantization(MTPLayer(cfg, nnx.Rngs(0), dtype), method))
 
 
 def abstract_state(cfg: ModelConfig, layout: Layout, mesh, dtype, quantization: str | None = None):
@@ -182,34 +194,113 @@ def load_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16
     straight into its sharding on `mesh`. Every tensor is checked against the config before anything
     is allocated."""
     dtype = jnp.dtype(dtype)
-    mo_config = modelopt.read_quant_config(model_dir)
-    cfg = cfg or (modelopt.load_config(model_dir) if mo_config else load_hf_config(model_dir))
-    if cfg.fp8_block and cfg.fp8_block[0] != cfg.fp8_block[1]:
-        raise ValueError(f"{model_dir}/config.json declares FP8 blocks of {list(cfg.fp8_block)}; jaxdp reads square "
-                         "blocks (DeepSeek's [128, 128])")
+    mo_config, cfg = _checkpoint_config(model_dir, cfg)
     with Checkpoint(model_dir) as ck:
         stored_nvfp4 = mo_config is not None and modelopt.experts_are_nvfp4(ck.__contains__, cfg)
         quantization = "nvfp4" if stored_nvfp4 else quantization
         cfg, method = resolve_quantization(cfg, quantization)
         check_divisible(cfg, layout, method)
-        graphdef, astate = nnx.split(abstract_model(cfg, dtype, quantization))
-        table = param_table(cfg, layout, dtype, quantization)
-        shapes = {p: i.shape[1:] if p.split(".")[0] in STACKS else i.shape for p, i in table.items()}
+        abstract = abstract_model(cfg, dtype, quantization)
+        table = table_of(abstract, layout)
         input_scales: list[np.ndarray] = []
-        top, stacks = sources(cfg, shapes, nvfp4_stored=stored_nvfp4, input_scales=input_scales)
+        top, stacks = sources(cfg, _layer_shapes(table), nvfp4_stored=stored_nvfp4, input_scales=input_scales)
         first = {"dense_layers": 0, "moe_layers": cfg.num_dense_layers}
         counts = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
-        for src in top:
-            src.check(ck, "")
-        for stack, srcs in stacks.items():
-            for i in range(first[stack], first[stack] + counts[stack]):
-                for src in srcs:
-                    src.check(ck, f"model.layers.{i}")
-        check_fp8_split(table, mesh, layout, cfg.fp8_block[0] if cfg.fp8_block else None)
-        on_devices = mesh.devices.flat[0].platform != "cpu" if transpose_on_devices is None else transpose_on_devices
-        arrays = _read_all(ck, table, top, stacks, mesh, first, counts, on_devices)
+        arrays = _check_and_read(ck, cfg, table, top, stacks, first, counts, layout, mesh, transpose_on_devices)
+    return _finish(cfg, abstract, arrays, input_scales)
+
+
+def load_mtp_sharded(model_dir: str | Path, layout: Layout, mesh, dtype=jnp.bfloat16, quantization: str | None = None,
+                     cfg: ModelConfig | None = None, k: int = 0,
+                     transpose_on_devices: bool | None = None) -> ShardedModel:
+    """MTP layer k of a checkpoint (`jaxdp.model.mtp.MTPLayer`, stored as layer num_hidden_layers + k) read
+    like the main layers: block-FP8 kept FP8; its experts NVFP4 when the checkpoint stores them so, else as
+    `quantization` asks (ModelOpt exports usually leave the MTP layer unquantized). A checkpoint that lacks
+    the layer is refused in one sentence (`check_mtp`)."""
+    dtype = jnp.dtype(dtype)
+    mo_config, cfg = _checkpoint_config(model_dir, cfg)
+    with Checkpoint(model_dir) as ck:
+        check_mtp(ck, cfg, k)
+        prefix = mtp_prefix(cfg, k)
+        stored_nvfp4 = mo_config is not None and f"{prefix}.mlp.experts.0.gate_proj.weight_scale_2" in ck
+        quantization = "nvfp4" if stored_nvfp4 else quantization
+        cfg, method = resolve_quantization(cfg, quantization)
+        check_divisible(cfg, layout, method)
+        abstract = abstract_mtp(cfg, dtype, quantization)
+        table = table_of(abstract, layout)
+        input_scales: list[np.ndarray] = []
+        top, stacks = mtp_sources(cfg, _layer_shapes(table), prefix, nvfp4_stored=stored_nvfp4,
+                                  input_scales=input_scales)
+        first, counts = {s: cfg.num_layers + k for s in stacks}, {s: 1 for s in stacks}
+        arrays = _check_and_read(ck, cfg, table, top, stacks, first, counts, layout, mesh, transpose_on_devices)
+    return _finish(cfg, abstract, arrays, input_scales)
+
+
+def check_mtp(ck: Checkpoint, cfg: ModelConfig, k: int = 0) -> None:
+    """Refuse, in one sentence, a checkpoint without MTP layer k; and one whose MTP layer stores an embedding
+    or head that differs from the main model's (the MTP layer uses the main model's, see jaxdp.model.mtp)."""
+    n, prefix = cfg.num_nextn_predict_layers, mtp_prefix(cfg, k)
+    if k >= n:
+        raise CheckpointError(f"{ck.dir}/config.json declares num_nextn_predict_layers={n}, so the checkpoint has "
+                              f"no MTP layer {k}; use a checkpoint that ships its MTP (NextN) layer")
+    names = [f"{prefix}.{t}.weight" for t in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "input_layernorm")]
+    missing = [name for name in names if name not in ck]
+    if missing:
+        raise CheckpointError(f"{ck.dir}/config.json declares num_nextn_predict_layers={n}, but the checkpoint lacks "
+                              f"the MTP layer's tensors ({missing[0]!r} among {len(missing)} of {len(names)} looked "
+                              "for); use a checkpoint that ships its MTP layer (many quantized re-uploads drop it), "
+                              "or serve without speculative decoding")
+    main_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    for own, main in ((f"{prefix}.embed_tokens.weight", "model.embed_tokens.weight"),
+                      (f"{prefix}.shared_head.head.weight", main_head)):
+        if own in ck and main in ck and not _same_rows(ck, own, main):
+            raise CheckpointError(f"{own!r} in {ck.where(own)} differs from the main model's {main!r}; jaxdp's MTP "
+                                  "layer uses the main model's embedding and LM head (as DeepSeek-V3 defines them and "
+                                  "SGLang serves them), so it cannot serve this MTP layer")
+
+
+def _same_rows(ck: Checkpoint, a: str, b: str, rows: int = 8) -> bool:
+    """Whether two [V, D] tensors have the same shape and the same first and last rows (a cheap identity check:
+    two full copies of a vocab x hidden matrix are not read for it)."""
+    if ck.shape(a) != ck.shape(b):
+        return False
+    V = ck.shape(a)[0]
+    boxes = [(slice(0, min(rows, V)),), (slice(max(V - rows, 0), V),)]
+    return all(np.array_equal(ck.read(a, box).astype(np.float32), ck.read(b, box).astype(np.float32))
+               for box in boxes)
+
+
+def _checkpoint_config(model_dir, cfg: ModelConfig | None):
+    mo_config = modelopt.read_quant_config(model_dir)
+    cfg = cfg or (modelopt.load_config(model_dir) if mo_config else load_hf_config(model_dir))
+    if cfg.fp8_block and cfg.fp8_block[0] != cfg.fp8_block[1]:
+        raise ValueError(f"{model_dir}/config.json declares FP8 blocks of {list(cfg.fp8_block)}; jaxdp reads square "
+                         "blocks (DeepSeek's [128, 128])")
+    return mo_config, cfg
+
+
+def _layer_shapes(table: dict[str, ParamInfo]) -> dict[str, tuple[int, ...]]:
+    """Per parameter its shape, the stacks' per layer (stack axis dropped)."""
+    return {p: i.shape[1:] if p.split(".")[0] in STACKS else i.shape for p, i in table.items()}
+
+
+def _check_and_read(ck, cfg, table, top, stacks, first, counts, layout, mesh, transpose_on_devices):
+    """Check every source's tensors against the config, then read and place them all."""
+    for src in top:
+        src.check(ck, "")
+    for stack, srcs in stacks.items():
+        for i in range(first[stack], first[stack] + counts[stack]):
+            for src in srcs:
+                src.check(ck, f"model.layers.{i}")
+    check_fp8_split(table, mesh, layout, cfg.fp8_block[0] if cfg.fp8_block else None)
+    on_devices = mesh.devices.flat[0].platform != "cpu" if transpose_on_devices is None else transpose_on_devices
+    return _read_all(ck, table, top, stacks, mesh, first, counts, on_devices)
+
+
+def _finish(cfg: ModelConfig, abstract, arrays: dict[str, jax.Array], input_scales: list) -> ShardedModel:
     if input_scales:
         log.info(modelopt.describe_input_scales(input_scales))
+    graphdef, astate = nnx.split(abstract)
     state = jax.tree_util.tree_map_with_path(lambda p, x: arrays[_dotted(p)], astate)
     return ShardedModel(cfg, graphdef, state)
 
@@ -322,6 +413,22 @@ def init_sharded(cfg: ModelConfig, layout: Layout, mesh, dtype=jnp.float32, seed
 
     def build():
         return nnx.split(apply_quantization(DeepseekV3(rcfg, nnx.Rngs(seed), dtype), method))[1]
+
+    return ShardedModel(rcfg, graphdef, jax.jit(build, out_shardings=shardings)())
+
+
+def init_mtp_sharded(cfg: ModelConfig, layout: Layout, mesh, dtype=jnp.float32, seed: int = 0,
+                     quantization: str | None = None) -> ShardedModel:
+    """An MTP layer with random weights (seeded), created by the devices in its final sharding."""
+    rcfg, method = resolve_quantization(cfg, quantization)
+    check_divisible(rcfg, layout, method)
+    abstract = abstract_mtp(cfg, dtype, quantization)
+    graphdef, astate = nnx.split(abstract)
+    table = table_of(abstract, layout)
+    shardings = jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, table[_dotted(p)].spec), astate)
+
+    def build():
+        return nnx.split(apply_mtp_quantization(MTPLayer(rcfg, nnx.Rngs(seed), dtype), method))[1]
 
     return ShardedModel(rcfg, graphdef, jax.jit(build, out_shardings=shardings)())
 

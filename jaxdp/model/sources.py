@@ -237,8 +237,9 @@ class Builder:
     def _indexer_one(self, path: str, hf: str, how: str | None) -> Source:
         shape = self.shapes[path]
 
-        def full(pre: str) -> bool:
-            return self.cfg.indexer_full[int(pre.rsplit(".", 1)[1])]
+        def full(pre: str) -> bool:  # an MTP layer (past the model's layers) always runs its own indexer
+            layer = int(pre.rsplit(".", 1)[1])
+            return layer >= self.cfg.num_layers or self.cfg.indexer_full[layer]
 
         def read(ck, pre, boxes):
             if not full(pre):
@@ -310,6 +311,22 @@ def sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, nvfp4_store
            b.vector("final_norm", "model.norm.weight")]
     if "lm_head_DV" in shapes:
         top.append(b.linear("lm_head_DV", "lm_head.weight", 1))
+    return top, _stack_sources(b, shapes)
+
+
+def mtp_sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], prefix: str, *, nvfp4_stored: bool,
+                input_scales: list) -> tuple[list[Source], dict[str, list[Source]]]:
+    """`sources` of an MTP layer (`jaxdp.model.mtp.MTPLayer`) stored under `prefix` (model.layers.{L}): its
+    own norms and eh_proj (dense; dequantized if stored quantized), and its decoder layer read as a stack of
+    one, exactly as the main model's layers are."""
+    b = Builder(cfg, shapes, nvfp4_stored, input_scales)
+    top = [b.vector("enorm", f"{prefix}.enorm.weight"), b.vector("hnorm", f"{prefix}.hnorm.weight"),
+           b.linear("w_eh_XD", f"{prefix}.eh_proj.weight", 1),
+           b.vector("shared_head_norm", f"{prefix}.shared_head.norm.weight")]
+    return top, _stack_sources(b, shapes)
+
+
+def _stack_sources(b: Builder, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
     stacks: dict[str, list[Source]] = {}
     for stack in ("dense_layers", "moe_layers"):
         if f"{stack}.attn_norm" not in shapes:
@@ -341,7 +358,7 @@ def sources(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, nvfp4_store
             if f + "shared.w_gate_up_D2F" in shapes:
                 srcs += [b.gate_up(f + "shared.w_gate_up_D2F", False), b.down(f + "shared.w_down_FD", False)]
         stacks[stack] = srcs
-    return top, stacks
+    return stacks
 
 
 def full_box(shape: tuple[int, ...]) -> Box:

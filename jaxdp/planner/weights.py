@@ -94,8 +94,13 @@ def indexer_params(cfg: ModelConfig) -> int:
 
 
 def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf16",
-                       absorbed_copy: bool | None = None, placement: str = "sglang") -> list[Component]:
-    """The weights one device of one model copy holds, component by component."""
+                       absorbed_copy: bool | None = None, placement: str = "sglang",
+                       include_mtp: bool = False) -> list[Component]:
+    """The weights one device of one model copy holds, component by component; `include_mtp` adds the
+    model's MTP layer (speculative decoding's draft model, `mtp_component`)."""
+    if include_mtp and cfg.num_nextn_predict_layers:
+        return [*weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement),
+                mtp_component(cfg, layout, expert_dtype, absorbed_copy, placement)]
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert dtype {expert_dtype!r} is unknown; use one of {', '.join(EXPERT_DTYPES)}")
     if placement not in PLACEMENTS:
@@ -155,6 +160,24 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
     norms = L * (2 * h + (cfg.q_lora_rank or 0) + cfg.kv_lora_rank) + h
     add("norms", norms, BF16 * norms, 1.0, "whole on every device")
     return out
+
+
+def mtp_component(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf16", absorbed_copy: bool | None = None,
+                  placement: str = "sglang") -> Component:
+    """The first MTP layer (`jaxdp.model.mtp`): one MoE decoder layer placed like the model's (with its DSA
+    indexer), plus enorm, hnorm, shared_head.norm and eh_proj (bf16 [2h, h], whole on every device); the
+    embedding and the head are the main model's. NVFP4 exports leave the MTP layer unquantized (SGLang drops
+    the quantization of DeepSeek's NextN layer for them), so its experts count bf16 there."""
+    h = cfg.hidden_size
+    one = cfg.with_(num_layers=1, first_k_dense_replace=0, tie_word_embeddings=True, num_nextn_predict_layers=0)
+    layer = [c for c in weights_per_device(one, layout, "bf16" if expert_dtype == "nvfp4" else expert_dtype,
+                                           absorbed_copy, placement) if c.name != "embedding"]
+    extra = 2 * h * h + 2 * h  # eh_proj; enorm and hnorm (the layer's "norms" count one more: shared_head.norm)
+    params = sum(c.params for c in layer if not c.name.startswith("absorbed")) + extra + cfg.n_routed_experts
+    return Component("MTP layer (NextN)", params, sum(c.bytes_total for c in layer) + BF16 * extra,
+                     sum(c.bytes_per_device for c in layer) + BF16 * extra,
+                     "one MoE layer placed as the model's; eh_proj and norms whole on every device",
+                     read_per_step=False)
 
 
 def total_bytes(components: list[Component], per_device: bool = True) -> float:

@@ -1,0 +1,388 @@
+"""The MTP (NextN) layer (`jaxdp.model.mtp`) against an independent reference, and its loading.
+
+The reference follows vLLM's `DeepSeekMultiTokenPredictorLayer` / SGLang's `DeepseekModelNextN`, written here
+in torch: `eh_proj(cat([enorm(embed(next tokens)), hnorm(target's normed hidden)]))`, then one decoder layer,
+`shared_head.norm` and the main model's head. The decoder layer (MLA + MoE; with GLM-5's DSA indexer) is
+transformers' own: a one-layer DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM fed `inputs_embeds`, whose final
+norm is the MTP's shared_head.norm and whose head is the main model's. Its weights are written into the
+main checkpoint under DeepSeek's names (`model.layers.{num_hidden_layers}.*`), as DeepSeek-V3 ships them.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxdp.batch import Piece, build_rank_batch  # noqa: E402
+from jaxdp.config import PRESETS  # noqa: E402
+from jaxdp.model.checkpoint import CheckpointError  # noqa: E402
+from jaxdp.model.loader import (  # noqa: E402
+    check_mtp_checkpoint,
+    hf_state_dict,
+    load_checkpoint,
+    load_model,
+    load_mtp,
+    save_hf_checkpoint,
+)
+from jaxdp.model.mla import AttnBatch  # noqa: E402
+from jaxdp.model.mtp import MTPLayer, empty_draft_cache  # noqa: E402
+from jaxdp.parallel.local import LocalComm  # noqa: E402
+
+PROMPTS = [[5, 7, 9, 11, 3, 2, 8, 60, 61, 17, 4, 30], [1, 2, 3, 4, 99, 98, 97, 96, 95, 12, 13, 14, 15, 16, 17, 18, 19]]
+NEXT = [77, 33]  # the token the target "sampled" after each prompt: the last MTP row's input
+DECODED = 4  # rows of each sequence the decode path runs one at a time (the rest as one prompt step)
+PAGE, PAGES = 4, 16
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=8,
+              num_key_value_heads=8, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+              topk_group=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+              routed_scaling_factor=2.5, max_position_embeddings=256, rms_norm_eps=1e-6)
+KINDS = {  # DeepSeek-V3 with YaRN; GLM-5 with a DSA indexer selecting 6 of up to 19 tokens
+    "v3": dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "glm": dict(index_topk=6, index_n_heads=16, index_head_dim=16),
+}
+
+
+def _classes(kind):
+    if kind == "glm":
+        return transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM
+    return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+
+
+def _randomize(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():  # weights large enough that every term matters, non-zero correction biases
+        for name, p in model.named_parameters():
+            if "norm" in name and not name.endswith("bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1))
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
+
+
+def rms(x, w, eps=1e-6):
+    return w * x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+class Reference:
+    """The target (transformers, 3 layers) and its MTP layer (eh_proj etc. in torch, the decoder layer a
+    one-layer transformers model sharing the target's embedding and head)."""
+
+    def __init__(self, kind, path):
+        Config, Model = _classes(kind)
+        extra = KINDS[kind] | ({"index_topk_pattern": "FSF"} if kind == "glm" else {})
+        self.target = Model(Config(**COMMON, **extra, num_hidden_layers=3, first_k_dense_replace=1)).eval()
+        _randomize(self.target, 0)
+        self.target.save_pretrained(path)
+        extra = KINDS[kind] | ({"index_topk_pattern": "F"} if kind == "glm" else {})
+        self.block = Model(Config(**COMMON, **extra, num_hidden_layers=1, first_k_dense_replace=0)).eval()
+        _randomize(self.block, 1)
+        g = torch.Generator().manual_seed(2)
+        D = COMMON["hidden_size"]
+        self.enorm = 1.0 + 0.1 * torch.randn(D, generator=g)
+        self.hnorm = 1.0 + 0.1 * torch.randn(D, generator=g)
+        self.eh_proj = torch.randn(D, 2 * D, generator=g) * 0.15  # torch's [out, in]
+        with torch.no_grad():  # DeepSeek-V3's MTP shares the embedding and the output head
+            self.block.model.embed_tokens.weight.copy_(self.target.model.embed_tokens.weight)
+            self.block.lm_head.weight.copy_(self.target.lm_head.weight)
+        self._write_mtp(path)
+
+    def _write_mtp(self, path):
+        """The MTP layer under DeepSeek's names, in a second safetensors file; config.json declares it."""
+        tmp = path / "block"
+        self.block.save_pretrained(tmp)
+        pre = "model.layers.3"
+        rename = {"model.norm.weight": f"{pre}.shared_head.norm.weight",
+                  "lm_head.weight": f"{pre}.shared_head.head.weight",
+                  "model.embed_tokens.weight": f"{pre}.embed_tokens.weight"}
+        stored = load_file(tmp / "model.safetensors")
+        out = {rename.get(k, k.replace("model.layers.0.", f"{pre}.")): v for k, v in stored.items()}
+        out |= {f"{pre}.enorm.weight": self.enorm.numpy(), f"{pre}.hnorm.weight": self.hnorm.numpy(),
+                f"{pre}.eh_proj.weight": self.eh_proj.numpy()}
+        save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(path / "mtp.safetensors"))
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+    @torch.no_grad()
+    def hidden(self, prompt, nxt):
+        """The target's final normed hidden state at every position of the prompt (what the MTP reads)."""
+        return self.target.model(torch.tensor([prompt])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def mtp(self, prompt, nxt, mask_position0=False):
+        """(logits [n, V], pre-norm output [n, D]) of the MTP rows of a prompt: row i reads the target's
+        hidden at i and the token at i + 1 (the sampled `nxt` for the last), at position i."""
+        h = self.hidden(prompt, nxt)
+        e = self.target.model.embed_tokens(torch.tensor(prompt[1:] + [nxt]))
+        if mask_position0:
+            e[0] = 0
+        x = torch.cat([rms(e, self.enorm), rms(h, self.hnorm)], -1) @ self.eh_proj.T
+        seen = []
+        layer = self.block.model.layers[0]
+        hook = layer.register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+        logits = self.block(inputs_embeds=x[None], position_ids=torch.arange(len(prompt))[None]).logits[0]
+        hook.remove()
+        return logits.numpy(), seen[0][0].numpy(), h.numpy()
+
+
+@pytest.fixture(scope="module", params=["v3", "glm"])
+def case(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"mtp_{request.param}")
+    ref = Reference(request.param, path)
+    with jax.default_matmul_precision("highest"):
+        cfg, target = load_checkpoint(path, jnp.float32)
+        _, mtp = load_mtp(str(path), "float32")
+    return request.param, path, ref, cfg, target, mtp
+
+
+def _batch(pieces, rows, seqs):
+    b = build_rank_batch(pieces, num_rows=rows, num_seqs=seqs, pages_per_seq=PAGES // 2, page_size=PAGE,
+                         num_pages=PAGES)
+    attn = AttnBatch(*(jnp.asarray(getattr(b, f)) for f in ("positions_T", "seq_T", "slots_T", "page_table_BN",
+                                                            "seq_lens_B")))
+    return b, attn
+
+
+def _jitted(mtp):
+    """The MTP call compiled (one executable per step shape), as a step runs it."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(mtp)
+
+    @functools.partial(jax.jit, static_argnames=("absorbed", "mask_position0"))
+    def call(state, tokens, hidden, valid, attn, cache, idx, embed, head, absorbed, mask_position0):
+        return nnx.merge(graphdef, state)(tokens, hidden, valid, attn, cache, idx, LocalComm(), embed, head,
+                                          absorbed=absorbed, mask_position0=mask_position0)
+
+    return lambda *a, **k: call(state, *a, **k)
+
+
+def run_mtp(target, mtp, hiddens, decoded, mask_position0=False):
+    """The MTP rows of PROMPTS: all but the last `decoded` rows of each sequence in one prompt step (expanded
+    MLA), then one decode step (absorbed) per remaining row. Returns per sequence (logits [n, V], hidden [n, D])."""
+    cfg = mtp.cfg
+    embed, head = target.embed_VD[...], target.lm_head_weight()
+    pages = [list(range(0, PAGES // 2)), list(range(PAGES // 2, PAGES))]
+    inputs = [p[1:] + [n] for p, n in zip(PROMPTS, NEXT, strict=True)]
+    cache = empty_draft_cache(cfg, PAGES, PAGE)
+    step = _jitted(mtp)
+    logits = [[] for _ in PROMPTS]
+    hidden = [[] for _ in PROMPTS]
+    with jax.default_matmul_precision("highest"):
+        split = [len(t) - decoded for t in inputs]
+        rows = 32
+        b, attn = _batch([Piece(t[:s], 0, pg) for t, s, pg in zip(inputs, split, pages, strict=True)], rows, 2)
+        h_TD = np.zeros((rows, cfg.hidden_size), np.float32)
+        h_TD[:split[0]], h_TD[split[0]:sum(split)] = hiddens[0][:split[0]], hiddens[1][:split[1]]
+        out, x_TD, cache, _ = step(jnp.asarray(b.tokens_T), jnp.asarray(h_TD), jnp.asarray(b.valid_T), attn, cache,
+                                   jnp.arange(rows), embed, head, absorbed=False, mask_position0=mask_position0)
+        out, x_TD = np.asarray(out), np.asarray(x_TD)
+        for i, (a, z) in enumerate(((0, split[0]), (split[0], sum(split)))):
+            logits[i].append(out[a:z])
+            hidden[i].append(x_TD[a:z])
+        for j in range(decoded):
+            pos = [s + j for s in split]
+            b, attn = _batch([Piece([t[p]], p, pg) for t, p, pg in zip(inputs, pos, pages, strict=True)], 2, 2)
+            h_TD = np.stack([hiddens[i][p] for i, p in enumerate(pos)])
+            out, x_TD, cache, _ = step(jnp.asarray(b.tokens_T), jnp.asarray(h_TD), jnp.asarray(b.valid_T), attn,
+                                       cache, jnp.asarray(b.logits_idx_B), embed, head, absorbed=True,
+                                       mask_position0=mask_position0)
+            for i in range(2):
+                logits[i].append(np.asarray(out)[i:i + 1])
+                hidden[i].append(np.asarray(x_TD)[i:i + 1])
+    return [np.concatenate(x) for x in logits], [np.concatenate(x) for x in hidden]
+
+
+def _refs(ref, mask_position0=False):
+    return [ref.mtp(p, n, mask_position0) for p, n in zip(PROMPTS, NEXT, strict=True)]
+
+
+@pytest.mark.parametrize("mask_position0", [False, True], ids=["sglang", "vllm-masks-position-0"])
+def test_prompt_and_decode_match_the_reference(case, mask_position0):
+    kind, _, ref, _, target, mtp = case
+    refs = _refs(ref, mask_position0)
+    logits, hidden = run_mtp(target, mtp, [h for _, _, h in refs], DECODED, mask_position0)
+    for i, (ref_logits, ref_hidden, _) in enumerate(refs):
+        assert np.abs(ref_logits).max() > 1.0
+        np.testing.assert_allclose(logits[i], ref_logits, atol=1e-4, rtol=0, err_msg=f"{kind} sequence {i}")
+        np.testing.assert_allclose(hidden[i], ref_hidden, atol=1e-4, rtol=0, err_msg=f"{kind} sequence {i}")
+    if not mask_position0:  # the mask changes row 0 only (and, through attention, nothing before it)
+        masked = _refs(ref, True)
+        assert np.abs(masked[0][0][0] - refs[0][0][0]).max() > 1e-2
+
+
+def test_prompt_path_and_decode_path_agree(case):
+    """The same rows through the prompt path only, and through the decode path for most of them."""
+    _, _, ref, _, target, mtp = case
+    hiddens = [ref.hidden(p, n).numpy() for p, n in zip(PROMPTS, NEXT, strict=True)]
+    prompt_only, _ = run_mtp(target, mtp, hiddens, 0)
+    mostly_decoded, _ = run_mtp(target, mtp, hiddens, 9)
+    for a, b in zip(prompt_only, mostly_decoded, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_config_and_glm_indexer(case):
+    kind, _, _, cfg, _, mtp = case
+    assert cfg.num_nextn_predict_layers == 1
+    assert (mtp.moe_layers.attn.indexer is not None) == (kind == "glm")
+    if kind == "glm":  # layer 3 is past the model's layer types: the MTP layer runs its own indexer (read)
+        assert np.asarray(mtp.moe_layers.attn.indexer.w_k_DE[...]).any()
+
+
+# ---- loading and writing --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random tiny model and MTP layer (jaxdp's own, the preset path), for the writer and the formats."""
+    _, model = load_model("tiny", "float32", seed=3)
+    cfg, mtp = load_mtp("tiny", "float32", seed=3)
+    assert isinstance(mtp, MTPLayer) and cfg == model.cfg
+    return model, mtp
+
+
+def test_bf16_checkpoint_round_trips_through_the_writer(tiny, tmp_path):
+    model, mtp = tiny
+    save_hf_checkpoint(model, tmp_path, ml_dtypes.bfloat16, mtp=mtp)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    _, loaded = load_mtp(str(tmp_path), "float32")
+    want, got = hf_state_dict(model, mtp), hf_state_dict(model, loaded)
+    mtp_names = [k for k in want if k.startswith("model.layers.3.")]
+    assert len(mtp_names) > 40 and "model.layers.3.eh_proj.weight" in mtp_names
+    # the copies of the embedding and the head that DeepSeek-V3 stores with its MTP layer
+    np.testing.assert_array_equal(want["model.layers.3.embed_tokens.weight"], want["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(want["model.layers.3.shared_head.head.weight"], want["lm_head.weight"])
+    for name in (n for n in mtp_names if "embed_tokens" not in n and "shared_head.head" not in n):
+        np.testing.assert_array_equal(got[name], want[name].astype(ml_dtypes.bfloat16).astype(np.float32), name)
+
+
+def _fp8_checkpoint(tensors, cfg, path, block=16):
+    """DeepSeek's block FP8: every Linear of the layers e4m3 with a float32 scale per block; eh_proj, the
+    router, embeddings and heads stay as they are (as DeepSeek-V3's checkpoint stores them)."""
+    from jaxdp.config import hf_config_dict
+    from jaxdp.model.fp8 import quantize
+
+    out, expected = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and "proj" in name and "eh_proj" not in name:
+            values, scale = quantize(w, (block, block))
+            out[name], out[name.replace(".weight", ".weight_scale_inv")] = values, scale
+            s_full = np.repeat(np.repeat(scale, block, 0), block, 1)[: w.shape[0], : w.shape[1]]
+            expected[name] = values.astype(np.float32) * s_full
+        else:
+            out[name] = expected[name] = w
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(path / "model.safetensors"))
+    raw = hf_config_dict(cfg) | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [block, block]}}
+    (path / "config.json").write_text(json.dumps(raw))
+    return expected
+
+
+def test_fp8_checkpoint_keeps_the_mtp_layer_fp8(tiny, tmp_path):
+    model, mtp = tiny
+    expected = _fp8_checkpoint(hf_state_dict(model, mtp), model.cfg.with_(num_nextn_predict_layers=1), tmp_path)
+    cfg, loaded = load_mtp(str(tmp_path), "float32")
+    assert cfg.fp8_block == (16, 16)
+    attn = loaded.moe_layers.attn
+    assert attn.w_kv_b_LHX[...].dtype == jnp.float8_e4m3fn and hasattr(attn, "w_kv_b_LHX_bscale")
+    assert loaded.moe_layers.ffn.w_gate_up_ED2I[...].dtype == jnp.float8_e4m3fn
+    assert loaded.w_eh_XD[...].dtype == jnp.float32  # as stored: dense
+    got = hf_state_dict(model, loaded)
+    for name in (k for k in expected if k.startswith("model.layers.3.") and "head" not in k and "embed" not in k):
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_nvfp4_experts_of_the_mtp_layer_as_stored(tiny, tmp_path):
+    """A ModelOpt export: the MTP layer's experts NVFP4 load as NVFP4 (equal to quantizing at load); an
+    export that leaves the MTP layer unquantized loads it dense."""
+    from kernels_pallas.nvfp4 import quantize_nvfp4, quantize_nvfp4_gate_up
+
+    model, mtp = tiny
+    dense_dir, q_dir = tmp_path / "dense", tmp_path / "nvfp4"
+    save_hf_checkpoint(model, dense_dir, mtp=mtp)
+    tensors = hf_state_dict(model, mtp)
+    for e in range(model.cfg.n_routed_experts):
+        pre = f"model.layers.3.mlp.experts.{e}"
+        gate, up, down = (tensors.pop(f"{pre}.{p}_proj.weight") for p in ("gate", "up", "down"))
+        for name, (packed, scale, scale_2) in zip(("gate", "up", "down"),
+                                                   (*quantize_nvfp4_gate_up(gate, up), quantize_nvfp4(down)),
+                                                   strict=True):
+            tensors |= {f"{pre}.{name}_proj.weight": np.asarray(packed),
+                        f"{pre}.{name}_proj.weight_scale": np.asarray(scale),
+                        f"{pre}.{name}_proj.weight_scale_2": np.asarray(scale_2, np.float32)}
+    q_dir.mkdir()
+    save_file({k: np.array(v, order="C") for k, v in tensors.items()}, str(q_dir / "model.safetensors"))
+    quant = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    config = json.loads((dense_dir / "config.json").read_text())
+    config |= {"quantization_config": {"quant_method": "modelopt", **quant}}
+    (q_dir / "config.json").write_text(json.dumps(config))
+    _, stored = load_mtp(str(q_dir), "float32")
+    _, at_load = load_mtp(str(dense_dir), "float32", quantization="nvfp4")
+    assert stored.moe_layers.ffn.quantization == "nvfp4"
+    for name in ("w_gate_up_packed", "w_gate_up_scale", "w_down_packed", "w_down_gscale"):
+        a, b = (np.asarray(getattr(m.moe_layers.ffn, name)[...]) for m in (stored, at_load))
+        np.testing.assert_array_equal(a.view(np.uint8) if a.dtype.itemsize == 1 else a,
+                                      b.view(np.uint8) if b.dtype.itemsize == 1 else b, err_msg=name)
+    (q_dir / "model.safetensors").unlink()  # the same export with the MTP layer left in bf16
+    save_file(hf_state_dict(model, mtp), str(q_dir / "model.safetensors"))
+    _, unquantized = load_mtp(str(q_dir), "float32")
+    assert unquantized.moe_layers.ffn.quantization is None
+
+
+def test_a_checkpoint_without_its_mtp_layer_is_refused_in_one_sentence(tiny, tmp_path):
+    model, mtp = tiny
+    save_hf_checkpoint(model, tmp_path)  # declares what it writes: no MTP layer
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    with pytest.raises(CheckpointError, match=r"declares num_nextn_predict_layers=0, so the checkpoint has no MTP"):
+        load_mtp(str(tmp_path), "float32")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+    for refuse in (lambda: check_mtp_checkpoint(str(tmp_path)), lambda: load_mtp(str(tmp_path), "float32")):
+        with pytest.raises(CheckpointError) as err:
+            refuse()
+        msg = str(err.value)
+        assert "lacks the MTP layer's tensors ('model.layers.3.enorm.weight'" in msg and "\n" not in msg
+    load_checkpoint(tmp_path, jnp.float32)  # the main model loads: it never reads the MTP layer
+
+
+def test_an_mtp_head_that_is_not_the_main_models_is_refused(tiny, tmp_path):
+    model, mtp = tiny
+    save_hf_checkpoint(model, tmp_path, mtp=mtp)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["model.layers.3.shared_head.head.weight"] * 2
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="shared_head.head.weight' in model.safetensors differs from the main"):
+        load_mtp(str(tmp_path), "float32")
+
+
+def test_planner_counts_the_mtp_layer():
+    """The planner's MTP component holds as many parameters as the module, at full size (abstract)."""
+    import math
+
+    from flax import nnx
+
+    from jaxdp.layout import parse_mesh_spec
+    from jaxdp.model.sharded import abstract_mtp
+    from jaxdp.planner.weights import weights_per_device
+
+    for preset in ("deepseek-v3", "glm-5"):
+        cfg = PRESETS[preset]
+        lay = parse_mesh_spec("dp=8")
+        base = weights_per_device(cfg, lay)
+        comps = weights_per_device(cfg, lay, include_mtp=True)
+        (extra,) = [c for c in comps if c not in base]
+        _, state = nnx.split(abstract_mtp(cfg, jnp.bfloat16))
+        assert extra.params == sum(math.prod(x.shape) for x in jax.tree.leaves(state)), preset
+        assert extra.name.startswith("MTP layer")
