@@ -28,7 +28,6 @@ from jaxdp.model.loader import (  # noqa: E402
     check_mtp_checkpoint,
     hf_state_dict,
     load_checkpoint,
-    load_model,
     load_mtp,
     save_hf_checkpoint,
 )
@@ -138,14 +137,24 @@ class Reference:
         return logits.numpy(), seen[0][0].numpy(), h.numpy()
 
 
+_CASES: dict = {}
+
+
+def _case(kind, tmp_path_factory):
+    """(kind, checkpoint dir, Reference, config, jaxdp's target model, jaxdp's MTP layer), built once."""
+    if kind not in _CASES:
+        path = tmp_path_factory.mktemp(f"mtp_{kind}")
+        ref = Reference(kind, path)
+        with jax.default_matmul_precision("highest"):
+            cfg, target = load_checkpoint(path, jnp.float32)
+            _, mtp = load_mtp(str(path), "float32")
+        _CASES[kind] = (kind, path, ref, cfg, target, mtp)
+    return _CASES[kind]
+
+
 @pytest.fixture(scope="module", params=["v3", "glm"])
 def case(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"mtp_{request.param}")
-    ref = Reference(request.param, path)
-    with jax.default_matmul_precision("highest"):
-        cfg, target = load_checkpoint(path, jnp.float32)
-        _, mtp = load_mtp(str(path), "float32")
-    return request.param, path, ref, cfg, target, mtp
+    return _case(request.param, tmp_path_factory)
 
 
 def _batch(pieces, rows, seqs):
@@ -156,8 +165,9 @@ def _batch(pieces, rows, seqs):
     return b, attn
 
 
+@functools.cache
 def _jitted(mtp):
-    """The MTP call compiled (one executable per step shape), as a step runs it."""
+    """The MTP call compiled (one executable per step shape, kept across tests), as a step runs it."""
     from flax import nnx
 
     graphdef, state = nnx.split(mtp)
@@ -246,12 +256,16 @@ def test_config_and_glm_indexer(case):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """A random tiny model and MTP layer (jaxdp's own, the preset path), for the writer and the formats."""
-    _, model = load_model("tiny", "float32", seed=3)
-    cfg, mtp = load_mtp("tiny", "float32", seed=3)
-    assert isinstance(mtp, MTPLayer) and cfg == model.cfg
+def tiny(tmp_path_factory):
+    """The DeepSeek-V3 case's target and MTP layer as jaxdp holds them, for the writer and the formats."""
+    _, _, _, _, model, mtp = _case("v3", tmp_path_factory)
     return model, mtp
+
+
+def test_a_preset_gets_a_random_mtp_layer():
+    cfg, mtp = load_mtp("tiny", "float32", seed=3)
+    assert isinstance(mtp, MTPLayer) and cfg == PRESETS["tiny"] and mtp.moe_layers.ffn.shared is not None
+    assert np.asarray(mtp.w_eh_XD[...]).std() > 0 and mtp.moe_layers.attn_norm[...].shape == (1, cfg.hidden_size)
 
 
 def test_bf16_checkpoint_round_trips_through_the_writer(tiny, tmp_path):
