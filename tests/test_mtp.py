@@ -244,6 +244,96 @@ def test_prompt_path_and_decode_path_agree(case):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
+def run_mtp_mesh(spec, target, mtp, hiddens, ranks):
+    """`run_mtp` (prompt step, then DECODED decode steps) under a layout: sequence i on rank ranks[i], the other
+    ranks idle (all-padding rows), in one shard_map with the mesh's places (the gather before the MoE, the
+    return, the LM head), as the engine's step runs the main model."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.batch import stack_ranks
+    from jaxdp.layout import parse_mesh_spec
+    from jaxdp.parallel.places import ALL, GatherSpec, MeshComm
+    from jaxdp.parallel.sharding import lm_head_mode, param_spec, shard_state, state_specs
+
+    lay = parse_mesh_spec(spec)
+    mesh = lay.make_mesh(jax.devices()[: lay.world])
+    graphdef, state = nnx.split(mtp)
+    specs = state_specs(state, lay)
+    state = shard_state(state, lay, mesh)
+    head_spec = param_spec("['lm_head_DV']", 2, lay)
+    embed = jax.device_put(target.embed_VD[...], NamedSharding(mesh, P()))
+    head = jax.device_put(target.lm_head_weight(), NamedSharding(mesh, head_spec))
+    pages = list(range(PAGES // 2))
+    inputs = [p[1:] + [n] for p, n in zip(PROMPTS, NEXT, strict=True)]
+    split = [len(t) - DECODED for t in inputs]
+
+    @functools.cache
+    def compiled(rows, absorbed):
+        def per_device(state, embed, head, cache, batch, h, rows_R):
+            comm = MeshComm(GatherSpec("max_len", lay.dp, lay.tp), lay.moe, lay.dense_replicated, lm_head_mode(lay),
+                            rows, rows_R)
+            b = {k: v[0] for k, v in batch.items()}
+            attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
+            out, x, cache, _ = nnx.merge(graphdef, state)(
+                b["tokens_T"], h[0], b["valid_T"], attn, {k: v[0] for k, v in cache.items()}, b["logits_idx_B"],
+                comm, embed, head, absorbed=absorbed)
+            return out[None], x[None], {k: v[None] for k, v in cache.items()}
+
+        return jax.jit(jax.shard_map(per_device, mesh=mesh,
+                                     in_specs=(specs, P(), head_spec, P("dp"), P("dp"), P("dp"), P()),
+                                     out_specs=(P("dp"), P("dp"), P("dp")), check_vma=False))
+
+    def step(pieces_by_rank, h_by_rank, rows, absorbed, cache):
+        batches = [build_rank_batch(p, num_rows=rows, num_seqs=2, pages_per_seq=PAGES // 2, page_size=PAGE,
+                                    num_pages=PAGES, all_logits=not absorbed) for p in pieces_by_rank]
+        stacked = stack_ranks(batches)
+        rows_R = jnp.asarray(stacked.pop("rows_R"))
+        h = np.zeros((lay.dp, rows, mtp.cfg.hidden_size), np.float32)
+        for r, rows_h in enumerate(h_by_rank):
+            if len(rows_h):  # an idle rank's rows are all padding
+                h[r, :len(rows_h)] = rows_h
+        put = {k: jax.device_put(v, NamedSharding(mesh, P("dp"))) for k, v in stacked.items()}
+        out, _, cache = compiled(rows, absorbed)(state, embed, head, cache, put,
+                                                 jax.device_put(h, NamedSharding(mesh, P("dp"))), rows_R)
+        return np.asarray(out), cache
+
+    cache = {k: jax.device_put(jnp.stack([v] * lay.dp), NamedSharding(mesh, P("dp")))
+             for k, v in empty_draft_cache(mtp.cfg, PAGES, PAGE).items()}
+    assert ALL == ("dp", "tp")
+    logits = [[] for _ in PROMPTS]
+    with jax.default_matmul_precision("highest"):
+        pieces = [[] for _ in range(lay.dp)]
+        hs = [[] for _ in range(lay.dp)]
+        for i, r in enumerate(ranks):
+            pieces[r], hs[r] = [Piece(inputs[i][:split[i]], 0, pages)], hiddens[i][:split[i]]
+        out, cache = step(pieces, hs, 32, False, cache)
+        for i, r in enumerate(ranks):
+            logits[i].append(out[r, :split[i]])
+        for j in range(DECODED):
+            pieces = [[] for _ in range(lay.dp)]
+            hs = [[] for _ in range(lay.dp)]
+            for i, r in enumerate(ranks):
+                p = split[i] + j
+                pieces[r], hs[r] = [Piece([inputs[i][p]], p, pages)], hiddens[i][p:p + 1]
+            out, cache = step(pieces, hs, 2, True, cache)
+            for i, r in enumerate(ranks):
+                logits[i].append(out[r, :1])
+    return [np.concatenate(x) for x in logits]
+
+
+@pytest.mark.parametrize("spec, ranks", [("dp=2,tp=2", [0, 1]), ("dp=4,moe=ep", [0, 2])],
+                         ids=["dp2-tp2", "dp4-ep-idle-ranks"])
+def test_under_dp_attention_matches_the_reference(tmp_path_factory, spec, ranks):
+    """Each rank drafts its own sequence with its own draft KV; ranks with no rows run the same step idle."""
+    _, _, ref, _, target, mtp = _case("v3", tmp_path_factory)
+    refs = _refs(ref)
+    logits = run_mtp_mesh(spec, target, mtp, [h for _, _, h in refs], ranks)
+    for i, (ref_logits, _, _) in enumerate(refs):
+        np.testing.assert_allclose(logits[i], ref_logits, atol=1e-4, rtol=0, err_msg=f"{spec} sequence {i}")
+
+
 def test_config_and_glm_indexer(case):
     kind, _, _, cfg, _, mtp = case
     assert cfg.num_nextn_predict_layers == 1
@@ -381,22 +471,31 @@ def test_an_mtp_head_that_is_not_the_main_models_is_refused(tiny, tmp_path):
         load_mtp(str(tmp_path), "float32")
 
 
-def test_planner_counts_the_mtp_layer():
-    """The planner's MTP component holds as many parameters as the module, at full size (abstract)."""
+@pytest.mark.parametrize("preset, mesh, expert_dtype", [("deepseek-v3", "dp=8", "fp8"),
+                                                       ("deepseek-v3", "tp=8,moe=ep", "bf16"),
+                                                       ("glm-5", "dp=4", "bf16")])
+def test_planner_counts_the_mtp_layer_as_the_loader_holds_it(preset, mesh, expert_dtype):
+    """At full size (abstract, nothing allocated): the planner's MTP component holds as many parameters as
+    the module, and as many bytes per device as the loader's description of it (jaxdp's placement)."""
     import math
 
     from flax import nnx
+    from jax.sharding import NamedSharding
 
     from jaxdp.layout import parse_mesh_spec
-    from jaxdp.model.sharded import abstract_mtp
+    from jaxdp.model.sharded import abstract_mtp, table_of
     from jaxdp.planner.weights import weights_per_device
 
-    for preset in ("deepseek-v3", "glm-5"):
-        cfg = PRESETS[preset]
-        lay = parse_mesh_spec("dp=8")
-        base = weights_per_device(cfg, lay)
-        comps = weights_per_device(cfg, lay, include_mtp=True)
-        (extra,) = [c for c in comps if c not in base]
-        _, state = nnx.split(abstract_mtp(cfg, jnp.bfloat16))
-        assert extra.params == sum(math.prod(x.shape) for x in jax.tree.leaves(state)), preset
-        assert extra.name.startswith("MTP layer")
+    cfg = PRESETS[preset]
+    layout = parse_mesh_spec(mesh)
+    base = weights_per_device(cfg, layout, expert_dtype)
+    (extra,) = [c for c in weights_per_device(cfg, layout, expert_dtype, include_mtp=True) if c not in base]
+    assert extra.name.startswith("MTP layer")
+    abstract = abstract_mtp(cfg, jnp.bfloat16, "fp8" if expert_dtype == "fp8" else None)
+    weights = [x for p, x in nnx.to_flat_state(nnx.state(abstract)) if not str(p[-1]).endswith("_bscale")]
+    assert extra.params == sum(math.prod(x.shape) for x in weights)
+    mesh_ = layout.make_mesh(jax.devices()[: layout.total_devices])
+    held = sum(math.prod(NamedSharding(mesh_, i.spec).shard_shape(i.shape)) * i.dtype.itemsize
+               for i in table_of(abstract, layout).values())
+    planned = weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=True)[-1]
+    assert abs(held / planned.bytes_per_device - 1) < 0.002, (held, planned.bytes_per_device)
