@@ -36,8 +36,14 @@ Choices made here:
 - The embedding and the output head are the main model's, passed in (`embed_VD`, `head_DV`): DeepSeek-V3
   shares both between the model and its MTP module (its checkpoint stores copies under the layer's
   `embed_tokens` and `shared_head.head`), and SGLang uses the target's. Holding copies would cost two
-  vocab x hidden matrices per device. The loader checks that stored copies equal the main model's.
+  vocab x hidden matrices per device. The loader compares stored copies with the main model's (first and
+  last rows) and warns when they differ.
 - `mask_position0` (default off, SGLang's behaviour) gives vLLM's zeroed embedding at position 0.
+- A checkpoint whose config.json declares `num_nextn_predict_layers` but lacks the layer's tensors (quantized
+  re-uploads often drop it) still serves the main model, which never reads them; asking it for its MTP layer
+  (`jaxdp.model.loader.build_mtp`, or `check_mtp_checkpoint` before anything loads) is refused in one sentence.
+  Refusing the whole checkpoint would break serving without speculation; loading without MTP would hide why
+  speculation is off.
 - The decoder layer is the project's own (`jaxdp.model.decoder.DecoderLayer`: MLA, MoE, the `comm` places),
   held as a stack of one MoE layer named like the main model's (`moe_layers`), so that the layer runs
   through the same `lax.scan` step code, and the loader's tensor sources, the sharding rules, block-FP8
