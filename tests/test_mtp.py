@@ -504,3 +504,13 @@ def test_planner_counts_the_mtp_layer_as_the_loader_holds_it(preset, mesh, exper
                for i in table_of(abstract, layout).values())
     planned = weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=True)[-1]
     assert abs(held / planned.bytes_per_device - 1) < 0.002, (held, planned.bytes_per_device)
+
+
+def test_planner_counts_the_draft_kv():
+    from jaxdp.planner.weights import kv_bytes
+
+    cfg = PRESETS["glm-5"]
+    draft = empty_draft_cache(cfg.with_(hidden_size=8), 1, 1, jnp.bfloat16)  # one token of one page
+    per_token = sum(x.size * x.dtype.itemsize for x in draft.values())
+    assert kv_bytes(cfg, include_mtp=True).per_token - kv_bytes(cfg).per_token == per_token == 576 * 2 + 128 * 2
+    assert kv_bytes(PRESETS["tiny"], include_mtp=True) == kv_bytes(PRESETS["tiny"])  # no MTP layer declared

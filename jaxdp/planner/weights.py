@@ -195,9 +195,10 @@ class KVBytes:
         return (self.latent + self.indexer) * self.layers
 
 
-def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16") -> KVBytes:
+def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16", include_mtp: bool = False) -> KVBytes:
     """Bytes one token occupies in one rank's cache (MLA: one latent for all heads; with tp > 1 every
-    device of the group holds the whole entry)."""
+    device of the group holds the whole entry). `include_mtp`: plus the MTP layer's draft KV, one more layer
+    of the same entries (`jaxdp.model.mtp.empty_draft_cache`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv dtype {kv_dtype!r} is unknown; use one of {', '.join(KV_DTYPES)}")
     latent = cfg.kv_cache_dim * (2 if kv_dtype == "bf16" else 1)
@@ -206,7 +207,7 @@ def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16") -> KVBytes:
         indexer = cfg.index_head_dim * 2
     elif cfg.index_n_heads:  # fp8 keys with one fp32 scale per 128 values (SGLang's 132 bytes)
         indexer = cfg.index_head_dim + cfg.index_head_dim // INDEX_QUANT_BLOCK * 4
-    return KVBytes(latent, indexer, cfg.num_layers)
+    return KVBytes(latent, indexer, cfg.num_layers + (1 if include_mtp and cfg.num_nextn_predict_layers else 0))
 
 
 def kv_tokens(budget_bytes: float, weight_bytes: float, per_token: int) -> int:
