@@ -31,10 +31,11 @@ EXPERT_I_AXIS = {
 
 
 # Whole on every device: embedding, norms, router, the attention's down-projections (q_a, kv_a: their outputs
-# are LoRA latents every head needs), the DSA indexer's weights.
+# are LoRA latents every head needs), the DSA indexer's weights, the MTP layer's norms and eh_proj.
 REPLICATED = frozenset({
     "embed_VD", "attn_norm", "ffn_norm", "final_norm", "weight", "q_a_norm", "kv_a_norm", "k_norm", "k_norm_bias",
     "router_DE", "router_bias_E", "w_q_a_DQ", "w_kv_a_DK", "w_q_QIE", "w_k_DE", "w_weights_DI",
+    "enorm", "hnorm", "w_eh_XD", "shared_head_norm",  # the MTP layer's own (jaxdp.model.mtp; eh_proj as SGLang)
 })
 
 
