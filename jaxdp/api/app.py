@@ -24,6 +24,7 @@ from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.native import router as native_router
 from jaxdp.api.openai_api import router as openai_router
 from jaxdp.api.replicas import ReplicaSet
+from jaxdp.api.tokenize import router as tokenize_router
 from jaxdp.engine import BadRequest, Engine
 from jaxdp.engine.engine import EngineFailed
 
@@ -74,4 +75,5 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
         app.add_exception_handler(kind, render_error)
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
     return app
