@@ -67,8 +67,9 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
     tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
     app = FastAPI(title="jaxdp", description="OpenAI-compatible and SGLang-native serving of MLA + MoE models "
                   "with data-parallel attention", version="0.1.0")
-    ctx = ServerContext(backend, tokenizer, metrics or ServerMetrics(backend), served_model_name, model_path,
-                        server_args or {}, api_key, limits or Limits())
+    metrics = metrics or ServerMetrics(backend, served_model_name)
+    ctx = ServerContext(backend, tokenizer, metrics, served_model_name, model_path, server_args or {}, api_key,
+                        limits or Limits())
     app.state.ctx = ctx
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts(*bind) if bind else None)
     for kind in (ApiError, BadRequest, EngineFailed, RequestValidationError, StarletteHTTPException):
