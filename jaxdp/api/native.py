@@ -174,14 +174,15 @@ async def server_info(http: HttpRequest):
                 "step_summary": e.stats.summary()} for i, e in enumerate(b.engines)]
     return {**ctx.server_args, "served_model_name": ctx.served_model_name, "num_ranks": b.num_ranks,
             "num_replicas": b.num_replicas, "load_balance_method": b.method, "engines": engines,
-            "internal_states": b.states(), "version": "jaxdp-0.1.0"}
+            "internal_states": await asyncio.to_thread(b.states), "version": "jaxdp-0.1.0"}
 
 
 @router.get("/get_load")
 async def get_load(http: HttpRequest):
+    # off the event loop: with the engine in a process of its own the figures are a round trip away
+    states = await asyncio.to_thread(http.app.state.ctx.backend.states)
     return [{k: s[k] for k in ("dp_rank", "num_reqs", "num_running_reqs", "num_queue_reqs", "num_tokens",
-                               "token_usage")} | {"num_waiting_reqs": s["num_queue_reqs"]}
-            for s in http.app.state.ctx.backend.states()]
+                               "token_usage")} | {"num_waiting_reqs": s["num_queue_reqs"]} for s in states]
 
 
 @router.get("/model_info")
@@ -240,4 +241,5 @@ async def abort_request(http: HttpRequest):
 
 @router.get("/metrics")
 async def metrics(http: HttpRequest):
-    return Response(http.app.state.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    body = await asyncio.to_thread(http.app.state.ctx.metrics.render)  # (reads the ranks' figures: a round trip)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
