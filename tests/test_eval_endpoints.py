@@ -56,7 +56,9 @@ def test_echo_returns_the_tokens_the_server_used_and_the_same_logprobs_everywher
 
     # max_tokens 0 with echo: the prompt alone; vLLM's prompt_logprobs; SGLang's input_token_logprobs: the same
     zero = post(url, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0,
-                                         "prompt_logprobs": 2}).json()["choices"][0]
+                                         "prompt_logprobs": 2}).json()
+    assert zero["usage"]["completion_tokens"] == 0
+    zero = zero["choices"][0]
     assert zero["logprobs"]["token_logprobs"][0] is None and len(zero["logprobs"]["tokens"]) == n
     np.testing.assert_allclose(zero["logprobs"]["token_logprobs"][1:], echoed, atol=1e-5)
     vllm = zero["prompt_logprobs"]

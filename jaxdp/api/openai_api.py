@@ -131,12 +131,12 @@ def _matched_stop(job: Job) -> str | int | None:
     return reason.get("matched") if reason else None
 
 
-def _usage(jobs: list[Job]) -> dict:
+def _usage(jobs: list[Job], hide_output: bool = False) -> dict:
     firsts = {}
     for job in jobs:
         firsts.setdefault(job.prompt_index, job.req)
     prompt = sum(len(r.prompt_ids) for r in firsts.values())
-    completion = sum(len(done_ids(j.req)) for j in jobs)
+    completion = 0 if hide_output else sum(len(done_ids(j.req)) for j in jobs)
     cached = sum(r.cached_tokens for r in firsts.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -198,7 +198,7 @@ async def _handle(http: HttpRequest, chat: bool):
             choice["token_ids"] = [] if hide_output else done_ids(req)
         choices.append(choice)
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs)}
+            "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs, hide_output)}
 
 
 async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, want_logprobs: bool, usage: bool):
