@@ -73,6 +73,11 @@ def test_echo_returns_the_tokens_the_server_used_and_the_same_logprobs_everywher
     assert len(native["input_top_logprobs"]) == n - 2 and all(len(t) == 2 for t in native["input_top_logprobs"])
     assert abs(native["input_token_ids_logprobs"][1][0][0] - echoed[2]) < 1e-5  # position 3 asked about itself
     assert len(native["output_token_logprobs"]) == 2 == len(native["output_token_ids_logprobs"])
+    assert lp["text_offset"][:3] == [0, 0, 1]  # into the text, where the BOS takes no characters
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "6*7="}], "max_tokens": 1,
+                                              "prompt_logprobs": 0, "logprobs": True, "top_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == 7
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1
 
 
 def test_tokenizer_endpoints_speak_vllms_shapes(url):

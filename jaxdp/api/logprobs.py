@@ -34,10 +34,10 @@ def completion_logprobs(tokenizer, req: Request, k: int, echo: bool, hide_output
         ids, lps = list(req.prompt_ids) + ids, list(req.input_logprobs) + lps
         tops = list(prompt_tops) + list(tops)
     tokens = [token_text(tokenizer, t) for t in ids]
-    offsets, at = [], 0
-    for t in tokens:
+    offsets, at = [], 0  # into the choice's text, where special tokens (the BOS) take no characters
+    for t in ids:
         offsets.append(at)
-        at += len(t)
+        at += len(tokenizer.decode([t])) if tokenizer else 0
     top = [_top_dict(tokenizer, alts, t, lp, k) for t, lp, alts in zip(ids, lps, tops, strict=False)]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 

@@ -2,8 +2,8 @@
 
 Supported: `max_tokens` (chat: also `max_completion_tokens`; default 16 for completions, the rest of the
 context for chat), `temperature`, `top_p`, `seed`, `stop`, `n`, `logprobs`, completions' `echo` (the prompt's
-tokens and logprobs first; `max_tokens: 0` with it) and vLLM's `prompt_logprobs`, `stream` with
-`stream_options.include_usage` (a last chunk with `usage` and empty `choices`), and SGLang's extras
+tokens and logprobs first; `max_tokens: 0` with it) and vLLM's `prompt_logprobs` (chat: at the top of the answer),
+`stream` with `stream_options.include_usage` (a last chunk with `usage` and empty `choices`), and SGLang's extras
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `routed_dp_rank`. Completions take a prompt as text,
 token ids, or a batch of either. Without a tokenizer the text fields are empty and each choice carries
 `token_ids`.
@@ -112,12 +112,14 @@ def _token_text(ctx: ServerContext, token: int) -> str:
     return ctx.tokenizer.decode([token], skip_special_tokens=False) if ctx.tokenizer else str(token)
 
 
-def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0) -> dict:
+def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0, k: int | None = None) -> dict:
+    """k: the alternatives asked for (the request's own may be more, when prompt_logprobs asks for more)."""
     req = job.req
     ids = done_ids(req)
     tops = req.output_top_logprobs if req.params.top_logprobs else [[] for _ in ids]
     content = []
     for t, lp, alts in list(zip(ids, req.output_logprobs, tops, strict=False))[start:]:
+        alts = alts[:k] if k is not None else alts
         text = _token_text(ctx, t)
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": (a := _token_text(ctx, tid)), "logprob": alp,
@@ -159,7 +161,7 @@ async def _handle(http: HttpRequest, chat: bool):
         want_logprobs = top is not None
     params.return_logprob, params.top_logprobs = want_logprobs, top or 0
     stream = field(body, "stream", bool, False)
-    prompt_top = None if chat else prompt_logprobs_field(body, stream)
+    prompt_top = prompt_logprobs_field(body, stream)
     if (echo and want_logprobs) or prompt_top is not None:  # the prompt's logprobs, from its first token
         params.logprob_start_len, params.top_logprobs = 0, max(params.top_logprobs, prompt_top or 0)
     if echo and stream:
@@ -183,7 +185,7 @@ async def _handle(http: HttpRequest, chat: bool):
         choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(req), "matched_stop": _matched_stop(job)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = _logprobs_chat(ctx, job) if want_logprobs else None
+            choice["logprobs"] = _logprobs_chat(ctx, job, k=top or 0) if want_logprobs else None
         else:
             if hide_output:
                 text = ""
@@ -192,13 +194,16 @@ async def _handle(http: HttpRequest, chat: bool):
             choice["text"] = text
             choice["logprobs"] = completion_logprobs(ctx.tokenizer, req, top or 0, echo, hide_output) \
                 if want_logprobs else None
-            if prompt_top is not None:
+            if prompt_top is not None:  # (completions: per choice, as vLLM)
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, req, prompt_top)
         if ctx.tokenizer is None:
             choice["token_ids"] = [] if hide_output else done_ids(req)
         choices.append(choice)
-    return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs, hide_output)}
+    out = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+           "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs, hide_output)}
+    if chat and prompt_top is not None:  # vLLM puts a chat's at the top (one prompt, n = 1)
+        out["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, jobs[0].req, prompt_top)
+    return out
 
 
 async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, want_logprobs: bool, usage: bool):
