@@ -1,13 +1,13 @@
-"""EleutherAI's lm-evaluation-harness itself (pinned: LM_EVAL) against `python -m jaxdp.serve --mesh dp=8` on the
-default model, with its defaults (`--model local-completions`, which finds /tokenizer_info and /tokenize and uses
-the server's tokenizer): a generate-until task and a multiple-choice (loglikelihood: `echo` with `logprobs`) task
-on held-out sums, written here as task YAMLs over local JSONL (nothing is downloaded but lm-eval from PyPI). Both
-score what the same computation gives offline (`one_batch.run_prompts` on one device): the same answers, the same
-log-likelihood of every choice within 1e-4, and at least 0.9.
+"""EleutherAI's lm-evaluation-harness itself (pinned: pyproject's `eval` extra) against
+`python -m jaxdp.serve --mesh dp=8` on the default model, with its defaults (`--model local-completions`, which
+finds /tokenizer_info and /tokenize and uses the server's tokenizer): a generate-until task and a multiple-choice
+(loglikelihood: `echo` with `logprobs`) task on held-out sums, written here as task YAMLs over local JSONL (nothing
+is downloaded but lm-eval from PyPI). Both score what the same computation gives offline (`one_batch.run_prompts`
+on one device): the same answers, the same log-likelihood of every choice within 1e-4, and at least 0.9.
 
-Slow: lm-eval and its dependencies (datasets, evaluate, scikit-learn, ...) go into a venv of their own, made the
-first time (a few minutes from PyPI; LM_EVAL_VENV names an existing one), rather than into the test extra, where
-their pins would move the packages the other tests run with."""
+Slow (about 75 s, plus 45 s to make lm-eval's venv the first time): lm-eval and its 39 dependencies (datasets,
+pandas, pyarrow, scikit-learn, ...) go into a venv of their own (LM_EVAL_VENV names an existing one), not into the
+test extra that every CI run installs while this test does not run there."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,8 @@ from servers import Server
 
 from jaxdp.model.loader import default_model_path
 
-LM_EVAL = "lm_eval[api]==0.4.13"
+ROOT = Path(__file__).resolve().parents[1]
+LM_EVAL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["eval"][0]
 N = 50  # held-out sums per task
 HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_DEFAULT, reason="needs the embedded default model")]
@@ -34,7 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_DEFAULT, reason="nee
 
 @pytest.fixture(scope="module")
 def lm_eval_bin() -> Path:
-    venv = Path(os.environ.get("LM_EVAL_VENV") or Path.home() / ".cache" / "jaxdp" / "venvs" / "lm-eval-0.4.13")
+    version = LM_EVAL.split("==")[1]
+    venv = Path(os.environ.get("LM_EVAL_VENV") or Path.home() / ".cache" / "jaxdp" / "venvs" / f"lm-eval-{version}")
     exe = venv / "bin" / "lm_eval"
     if not exe.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
