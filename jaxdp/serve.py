@@ -406,13 +406,13 @@ def run_server(args, layout, backend, tokenizer) -> int:
     from jaxdp.api.metrics import ServerMetrics
     from jaxdp.api.monitor import Monitor
 
-    metrics = ServerMetrics(backend)
-    monitor = Monitor(backend, metrics, decode_log_interval=args.decode_log_interval)
     server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
     server_args.update(layout=layout.describe(), mesh=layout.spec(), context_length=backend.context_len(),
                        num_pages=[e.cfg.num_pages for e in backend.engines])
     name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
                                       else args.model_path)
+    metrics = ServerMetrics(backend, name)
+    monitor = Monitor(backend, metrics, decode_log_interval=args.decode_log_interval)
     app = create_app(backend, tokenizer=tokenizer, served_model_name=name, model_path=args.model_path,
                      server_args=server_args, api_key=args.api_key, metrics=metrics, limits=server_limits(args),
                      bind=(args.host, args.port))

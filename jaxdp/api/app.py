@@ -24,6 +24,7 @@ from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.native import router as native_router
 from jaxdp.api.openai_api import router as openai_router
 from jaxdp.api.replicas import ReplicaSet
+from jaxdp.api.tokenize import router as tokenize_router
 from jaxdp.engine import BadRequest, Engine
 from jaxdp.engine.engine import EngineFailed
 
@@ -66,12 +67,14 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
     tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
     app = FastAPI(title="jaxdp", description="OpenAI-compatible and SGLang-native serving of MLA + MoE models "
                   "with data-parallel attention", version="0.1.0")
-    ctx = ServerContext(backend, tokenizer, metrics or ServerMetrics(backend), served_model_name, model_path,
-                        server_args or {}, api_key, limits or Limits())
+    metrics = metrics or ServerMetrics(backend, served_model_name)
+    ctx = ServerContext(backend, tokenizer, metrics, served_model_name, model_path, server_args or {}, api_key,
+                        limits or Limits())
     app.state.ctx = ctx
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts(*bind) if bind else None)
     for kind in (ApiError, BadRequest, EngineFailed, RequestValidationError, StarletteHTTPException):
         app.add_exception_handler(kind, render_error)
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
     return app

@@ -79,7 +79,7 @@ class ServerContext:
             raise ApiError(f"this server has no tokenizer (--skip-tokenizer-init, or the checkpoint has no "
                            f"tokenizer.json), so it cannot read {what}; send token ids (input_ids) instead")
 
-    def _check_text_length(self, chars: int, what: str, rank: int | None) -> None:
+    def check_text_length(self, chars: int, what: str, rank: int | None) -> None:
         """Refuse, before tokenizing, a text that no tokenization could fit in the context."""
         per_token = getattr(self.tokenizer, "max_token_chars", None)
         context = self.context_len(rank)
@@ -93,12 +93,12 @@ class ServerContext:
         for text in texts:
             if not text:
                 raise ApiError(f"the prompt is empty; send at least one character of {what}", param="prompt")
-            self._check_text_length(len(text), "the prompt", rank)
+            self.check_text_length(len(text), "the prompt", rank)
         return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
 
     async def encode_chat(self, messages: list[dict[str, str]], rank: int | None = None) -> list[int]:
         self._need_tokenizer("chat messages")
-        self._check_text_length(sum(len(m["content"]) for m in messages), "the conversation", rank)
+        self.check_text_length(sum(len(m["content"]) for m in messages), "the conversation", rank)
 
         def render() -> list[int]:
             try:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxdp.api.common import ApiError
-from jaxdp.engine.request import SamplingParams
+from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 MAX_N = 16  # choices per request (n)
 MAX_PROMPTS = 256  # prompts in one batched request
@@ -255,3 +255,50 @@ def rids(body: dict, prompts: int) -> list[str | None] | None:
         raise ApiError(f"rid must be a string of 1 to {MAX_RID_LEN} characters (or one such string per prompt)",
                        param="rid")
     return out
+
+
+# ---- logprobs beyond the sampled token (prompt logprobs, chosen token ids) ------------------------------------
+
+LOGPROBS = {
+    "logprob_start_len": Range(int, -1, INT32_MAX),  # SGLang: -1, no prompt logprobs; past the prompt: the engine's
+    "top_logprobs_num": Range(int, 0, MAX_TOP_LOGPROBS),  # SGLang: alternatives per position, prompt and output
+    "prompt_logprobs": Range(int, 0, MAX_TOP_LOGPROBS),  # vLLM (completions): alternatives per prompt position
+    "echo_max_tokens": Range(int, 0, INT32_MAX),  # completions' max_tokens with echo: 0 reads the prompt only
+}
+
+
+def echo_max_tokens(body: dict) -> int | None:
+    """max_tokens of a completions request with echo: 0 is allowed (the prompt's logprobs alone, as vLLM)."""
+    return LOGPROBS["echo_max_tokens"].check(body, "max_tokens", None)
+
+
+def logprob_start_len(body: dict, prompt_logprobs: bool) -> int:
+    """SGLang's logprob_start_len: the first prompt position whose logprob is returned (-1: none). The check
+    against the prompt's length is the engine's (`jaxdp.engine.request.new_request`)."""
+    start = LOGPROBS["logprob_start_len"].check(body, "logprob_start_len", -1)
+    if start >= 0 and not prompt_logprobs:
+        raise ApiError("logprob_start_len needs return_logprob: true", param="logprob_start_len")
+    return start
+
+
+def top_logprobs_num(body: dict, name: str = "top_logprobs_num") -> int:
+    """Alternatives per position (SGLang's top_logprobs_num, vLLM's prompt_logprobs), 0 to MAX_TOP_LOGPROBS."""
+    return LOGPROBS[name].check(body, name, 0) or 0
+
+
+def token_ids_logprob(body: dict, vocab_size: int) -> list[int] | None:
+    """SGLang's token_ids_logprob: token ids whose logprobs are returned at every position that has logprobs."""
+    ids = field(body, "token_ids_logprob", list)
+    if ids is None:
+        return None
+    return int_list(ids, "token_ids_logprob", vocab_size, max_len=MAX_LOGPROB_TOKEN_IDS) or None
+
+
+def prompt_logprobs_field(body: dict, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs (completions): None when absent, else the alternatives per prompt position."""
+    if body.get("prompt_logprobs") is None:
+        return None
+    if stream:
+        raise ApiError("prompt_logprobs is not supported with stream: true; send stream: false",
+                       param="prompt_logprobs")
+    return top_logprobs_num(body, "prompt_logprobs")

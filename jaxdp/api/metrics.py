@@ -1,4 +1,5 @@
-"""`/metrics` (prometheus-client): SGLang's metric names under a `jaxdp:` prefix, labelled by `dp_rank`.
+"""`/metrics` (prometheus-client): SGLang's metric names under a `jaxdp:` prefix, labelled by `dp_rank`, and the
+same under SGLang's own `sglang:` prefix with its labels and buckets (`jaxdp.api.sglang_metrics`).
 
 Three sources: the ranks' state, read when Prometheus scrapes (running / queued requests, tokens held,
 token usage, prefix-cache hit rate, generation throughput); the requests, observed by the API layer as
@@ -13,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxdp.api.sglang_metrics import SglangMetrics
 from jaxdp.engine import Request
 from jaxdp.engine.stats import StepRecord, compiles_total
 
@@ -29,9 +31,10 @@ RATIO_BUCKETS = (1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32)
 
 
 class ServerMetrics:
-    def __init__(self, backend):
+    def __init__(self, backend, model_name: str = "default"):
         self.backend = backend
         self.registry = r = CollectorRegistry()
+        self.sglang = SglangMetrics(r, model_name)  # SGLang's names beside these (jaxdp.api.sglang_metrics)
         self.gen_throughput = [0.0] * backend.num_ranks  # set by the monitor
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", RANK, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", RANK, registry=r)
@@ -74,8 +77,8 @@ class ServerMetrics:
                                  registry=r)
         r.register(_StateCollector(self))
         self._per_token: dict[int, tuple] = {}
-        backend.on_token.append(self.observe_tokens)
-        backend.on_finish.append(self.observe_finish)
+        backend.on_token.extend([self.observe_tokens, self.sglang.observe_tokens])
+        backend.on_finish.extend([self.observe_finish, self.sglang.observe_finish])
 
     def observe_tokens(self, rank: int, gap: float, new: int, first: bool) -> None:
         """Every streamed token (the event loop's hot path: the rank's two children are looked up once)."""
@@ -147,6 +150,7 @@ class _StateCollector:
         for rank, value in enumerate(self.m.gen_throughput):
             g.add_metric([str(rank)], value)
         yield g
+        yield from self.m.sglang.gauges(states, self.m.gen_throughput)
         # with --engine-process the child counts its own
         compiles = max([compiles_total()] + [getattr(e, "compiles", 0) for e in backend.engines])
         yield CounterMetricFamily(P + "compiles", "XLA compilations in the engines' process", value=compiles)

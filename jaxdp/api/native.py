@@ -4,7 +4,8 @@
 /model_info).
 
 /generate takes `text` or `input_ids` (one prompt or a batch), `sampling_params`, `stream`, `rid`,
-`return_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
+`return_logprob` with `logprob_start_len` (prompt logprobs from that position; -1: none), `top_logprobs_num`
+and `token_ids_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_parallel_rank`, or the
 `X-Data-Parallel-Rank` header. It answers {"text", "output_ids", "meta_info"} (a list for a batch); with
 `stream`, one `data:` line per update with the cumulative text and meta_info, then `data: [DONE]`.
 /abort_request takes SGLang's body {"rid": "...", "abort_all": false}; the aborted request answers what it
@@ -40,10 +41,14 @@ from jaxdp.api.fields import (
     MAX_PROMPTS,
     check_n,
     field,
+    logprob_start_len,
     rids,
     sampling_params,
     token_ids,
+    token_ids_logprob,
+    top_logprobs_num,
 )
+from jaxdp.api.logprobs import sglang_meta
 from jaxdp.engine import BadRequest, SamplingParams
 
 log = logging.getLogger("jaxdp.serve")
@@ -94,10 +99,7 @@ def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
         "e2e_latency": end - req.created, "dp_rank": req.dp_rank,
     }
     if with_logprobs:
-        tok = ctx.tokenizer
-        meta["output_token_logprobs"] = [
-            [lp, t, tok.decode([t], skip_special_tokens=False) if tok else None]
-            for lp, t in zip(req.output_logprobs, ids, strict=False)]
+        meta |= sglang_meta(ctx.tokenizer, req)
     return {"text": job.view.text(req), "output_ids": ids, "meta_info": meta}
 
 
@@ -110,8 +112,10 @@ async def generate(http: HttpRequest):
     with_logprobs = field(body, "return_logprob", bool, False)
     prompts, is_batch = await _prompts(ctx, body, rank)
     params, n, skip = _params(ctx, body, len(prompts))
+    start, top = logprob_start_len(body, with_logprobs), top_logprobs_num(body)
+    chosen = token_ids_logprob(body, ctx.vocab_size)
     for p in params:
-        p.return_logprob = with_logprobs
+        p.return_logprob, p.logprob_start_len, p.top_logprobs, p.token_ids_logprob = with_logprobs, start, top, chosen
     jobs = ctx.make_jobs(prompts, params, n, rank=rank, rids=rids(body, len(prompts)), skip_special_tokens=skip)
     if stream:
         return event_stream(_stream(ctx, jobs, with_logprobs, is_batch or n > 1))
@@ -170,14 +174,15 @@ async def server_info(http: HttpRequest):
                 "step_summary": e.stats.summary()} for i, e in enumerate(b.engines)]
     return {**ctx.server_args, "served_model_name": ctx.served_model_name, "num_ranks": b.num_ranks,
             "num_replicas": b.num_replicas, "load_balance_method": b.method, "engines": engines,
-            "internal_states": b.states(), "version": "jaxdp-0.1.0"}
+            "internal_states": await asyncio.to_thread(b.states), "version": "jaxdp-0.1.0"}
 
 
 @router.get("/get_load")
 async def get_load(http: HttpRequest):
+    # off the event loop: with the engine in a process of its own the figures are a round trip away
+    states = await asyncio.to_thread(http.app.state.ctx.backend.states)
     return [{k: s[k] for k in ("dp_rank", "num_reqs", "num_running_reqs", "num_queue_reqs", "num_tokens",
-                               "token_usage")} | {"num_waiting_reqs": s["num_queue_reqs"]}
-            for s in http.app.state.ctx.backend.states()]
+                               "token_usage")} | {"num_waiting_reqs": s["num_queue_reqs"]} for s in states]
 
 
 @router.get("/model_info")
@@ -236,4 +241,5 @@ async def abort_request(http: HttpRequest):
 
 @router.get("/metrics")
 async def metrics(http: HttpRequest):
-    return Response(http.app.state.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    body = await asyncio.to_thread(http.app.state.ctx.metrics.render)  # (reads the ranks' figures: a round trip)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,8 +1,9 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
 Supported: `max_tokens` (chat: also `max_completion_tokens`; default 16 for completions, the rest of the
-context for chat), `temperature`, `top_p`, `seed`, `stop`, `n`, `logprobs`, `stream` with
-`stream_options.include_usage` (a last chunk with `usage` and empty `choices`), and SGLang's extras
+context for chat), `temperature`, `top_p`, `seed`, `stop`, `n`, `logprobs`, completions' `echo` (the prompt's
+tokens and logprobs first; `max_tokens: 0` with it) and vLLM's `prompt_logprobs` (chat: at the top of the answer),
+`stream` with `stream_options.include_usage` (a last chunk with `usage` and empty `choices`), and SGLang's extras
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `routed_dp_rank`. Completions take a prompt as text,
 token ids, or a batch of either. Without a tokenizer the text fields are empty and each choice carries
 `token_ids`.
@@ -33,10 +34,13 @@ from jaxdp.api.fields import (
     REQUEST,
     SAMPLING,
     check_n,
+    echo_max_tokens,
     field,
+    prompt_logprobs_field,
     sampling_params,
     token_ids,
 )
+from jaxdp.api.logprobs import completion_logprobs, vllm_prompt_logprobs
 
 router = APIRouter()
 
@@ -49,8 +53,12 @@ async def models(http: HttpRequest):
                                         "max_model_len": ctx.context_len(None)}]}
 
 
-def _params(ctx: ServerContext, body: dict, default_max: int | None):
-    max_tokens = SAMPLING["max_new_tokens"].check(body, "max_tokens", None)
+def _params(ctx: ServerContext, body: dict, default_max: int | None, echo: bool = False):
+    """SamplingParams from the body; max_tokens 0 (allowed with echo, as vLLM) reads the prompt and generates
+    one token that is not shown."""
+    max_tokens = echo_max_tokens(body) if echo else SAMPLING["max_new_tokens"].check(body, "max_tokens", None)
+    if max_tokens == 0:
+        max_tokens = 1
     if max_tokens is None:
         max_tokens = SAMPLING["max_new_tokens"].check(body, "max_completion_tokens", default_max, param="max_tokens")
     sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -81,7 +89,7 @@ async def _completion_prompts(ctx: ServerContext, prompt: Any, rank: int | None)
                    "an empty prompt is not allowed", param="prompt")
 
 
-async def _chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> list[int]:
+async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages is required: a non-empty list of {role, content} objects", param="messages")
     flat = []
@@ -104,23 +112,14 @@ def _token_text(ctx: ServerContext, token: int) -> str:
     return ctx.tokenizer.decode([token], skip_special_tokens=False) if ctx.tokenizer else str(token)
 
 
-def _logprobs_completion(ctx: ServerContext, job: Job) -> dict:
-    req = job.req
-    ids, lps = done_ids(req), list(req.output_logprobs)
-    tokens = [_token_text(ctx, t) for t in ids]
-    if req.params.top_logprobs:
-        top = [{_token_text(ctx, t): lp for t, lp in alts} for alts in req.output_top_logprobs[:len(ids)]]
-    else:
-        top = [{t: lp} for t, lp in zip(tokens, lps, strict=False)]
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": None}
-
-
-def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0) -> dict:
+def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0, k: int | None = None) -> dict:
+    """k: the alternatives asked for (the request's own may be more, when prompt_logprobs asks for more)."""
     req = job.req
     ids = done_ids(req)
     tops = req.output_top_logprobs if req.params.top_logprobs else [[] for _ in ids]
     content = []
     for t, lp, alts in list(zip(ids, req.output_logprobs, tops, strict=False))[start:]:
+        alts = alts[:k] if k is not None else alts
         text = _token_text(ctx, t)
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": (a := _token_text(ctx, tid)), "logprob": alp,
@@ -134,12 +133,12 @@ def _matched_stop(job: Job) -> str | int | None:
     return reason.get("matched") if reason else None
 
 
-def _usage(jobs: list[Job]) -> dict:
+def _usage(jobs: list[Job], hide_output: bool = False) -> dict:
     firsts = {}
     for job in jobs:
         firsts.setdefault(job.prompt_index, job.req)
     prompt = sum(len(r.prompt_ids) for r in firsts.values())
-    completion = sum(len(done_ids(j.req)) for j in jobs)
+    completion = 0 if hide_output else sum(len(done_ids(j.req)) for j in jobs)
     cached = sum(r.cached_tokens for r in firsts.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -148,10 +147,10 @@ def _usage(jobs: list[Job]) -> dict:
 async def _handle(http: HttpRequest, chat: bool):
     ctx: ServerContext = http.app.state.ctx
     body = await read_json(http)
-    if not chat and field(body, "echo", bool, False):
-        raise ApiError("echo is not supported; leave it false", param="echo")
+    echo = not chat and field(body, "echo", bool, False)
     rank = pinned_rank(body, http)
-    params = _params(ctx, body, None if chat else 16)
+    params = _params(ctx, body, None if chat else 16, echo)
+    hide_output = echo and body.get("max_tokens") == 0
     if chat:
         want_logprobs = field(body, "logprobs", bool, False)
         top = REQUEST["top_logprobs"].check(body, "top_logprobs", 0)
@@ -162,10 +161,19 @@ async def _handle(http: HttpRequest, chat: bool):
         want_logprobs = top is not None
     params.return_logprob, params.top_logprobs = want_logprobs, top or 0
     stream = field(body, "stream", bool, False)
+    prompt_top = prompt_logprobs_field(body, stream)
+    if (echo and want_logprobs) or prompt_top is not None:  # the prompt's logprobs, from its first token
+        params.logprob_start_len, params.top_logprobs = 0, max(params.top_logprobs, prompt_top or 0)
+    if echo and stream:
+        raise ApiError("echo is not supported with stream: true; send stream: false to get the prompt back",
+                       param="echo")
     usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False, where="stream_options.")
-    prompts = [await _chat_prompt(ctx, body.get("messages"), rank)] if chat else \
+    prompts = [await chat_prompt(ctx, body.get("messages"), rank)] if chat else \
         await _completion_prompts(ctx, body.get("prompt"), rank)
     n = check_n(body, len(prompts))
+    if prompt_top is not None and n > 1:
+        raise ApiError("prompt_logprobs needs n: 1 (the prompt's logprobs are the same for every choice)",
+                       param="prompt_logprobs")
     jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if stream:
@@ -177,15 +185,25 @@ async def _handle(http: HttpRequest, chat: bool):
         choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(req), "matched_stop": _matched_stop(job)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = _logprobs_chat(ctx, job) if want_logprobs else None
+            choice["logprobs"] = _logprobs_chat(ctx, job, k=top or 0) if want_logprobs else None
         else:
+            if hide_output:
+                text = ""
+            if echo:
+                text = (ctx.tokenizer.decode(req.prompt_ids) if ctx.tokenizer else "") + text
             choice["text"] = text
-            choice["logprobs"] = _logprobs_completion(ctx, job) if want_logprobs else None
+            choice["logprobs"] = completion_logprobs(ctx.tokenizer, req, top or 0, echo, hide_output) \
+                if want_logprobs else None
+            if prompt_top is not None:  # (completions: per choice, as vLLM)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, req, prompt_top)
         if ctx.tokenizer is None:
-            choice["token_ids"] = done_ids(req)
+            choice["token_ids"] = [] if hide_output else done_ids(req)
         choices.append(choice)
-    return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs)}
+    out = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+           "model": ctx.served_model_name, "choices": choices, "usage": _usage(jobs, hide_output)}
+    if chat and prompt_top is not None:  # vLLM puts a chat's at the top (one prompt, n = 1)
+        out["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, jobs[0].req, prompt_top)
+    return out
 
 
 async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, want_logprobs: bool, usage: bool):

@@ -30,6 +30,7 @@ from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
+from jaxdp.engine.logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
 from jaxdp.engine.nodes import NodeFlush, NodeLink, flush_ranks
 from jaxdp.engine.options import EngineConfig
 from jaxdp.engine.plan import RankPlan, rank_proposals
@@ -116,6 +117,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._requests_limit = 4096  # past this many, finished requests are forgotten
         self.compiles_at_warmup = 0
+        self.prompt_logprob_steps = 0  # steps that returned every row's logits (a request asked for prompt logprobs)
         if warmup and not c.disable_cuda_graph:
             self.warmup()
 
@@ -220,7 +222,7 @@ class Engine:
             self._inflight = None
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
-        shape = self.buckets.shape_for(rows, agreement)
+        shape = self._shape_for(rows, agreement)
         compiles_before = compiles_on_this_thread()
         step = next(self._steps)
         try:
@@ -247,6 +249,13 @@ class Engine:
         self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before
         return True
 
+    def _shape_for(self, rows: list[int], agreement) -> StepShape:
+        """The compiled step of this batch; the every-row variant when a prompt read in it asks for logprobs."""
+        if agreement.any_prompt_logprobs:
+            self.prompt_logprob_steps += 1
+            return self.buckets.prompt_logprob_shape(self.buckets.page_bucket(agreement.max_pages))
+        return self.buckets.shape_for(rows, agreement)
+
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
                t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
@@ -254,17 +263,21 @@ class Engine:
         out = plan_arrays(plans, self.rows, shape, c.page_size, c.num_pages * c.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
+        asks = prompt_inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
         t1 = time.perf_counter()
         prev = self._inflight.tokens if self._inflight is not None else None
         self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
         self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
         logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
+        prompt = None
+        if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
+            logits, *prompt = prompt_logprobs(logits, *(self.runner.put(a) for a in asks))
         tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
         self.blocked = None
         t2 = time.perf_counter()  # top logprobs: on every node together (the agreement says), or on none
+        top = top_logprobs(logits, self.runner.put(chosen_ids(plans, shape.num_seqs))) if agreement.any_top else None
         return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s,
-                        top=top_logprobs(logits) if agreement.any_top else None)
+                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s, top=top, prompt=prompt)
 
     def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
         tops = [s.top_logprob_requests > 0 for s in self.schedulers]
@@ -284,7 +297,7 @@ class Engine:
             only[r] = plan
             agreement = agree_on_step(self._proposals(only))
             rows = list(agreement.rows_per_rank)
-            shape = self.buckets.shape_for(rows, agreement)
+            shape = self._shape_for(rows, agreement)
             step, t0 = next(self._steps), time.perf_counter()
             try:
                 f = self._queue(only, shape, rows, agreement, t0, 0.0)
@@ -308,10 +321,13 @@ class Engine:
         self.blocked = None
         t1 = time.perf_counter()
         top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
+        prompt = None if f.prompt is None else [self.runner.local_values(a) for a in f.prompt]
         for r, plan in enumerate(f.plans):
             if plan:
+                if prompt is not None and plan.pieces:
+                    book_prompt_logprobs(plan, *(a[r] for a in prompt))
                 if top is not None:
-                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, top[0][r], top[1][r])
+                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, *(a[r] for a in top))
                 self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),

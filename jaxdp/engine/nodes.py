@@ -161,6 +161,8 @@ class NodeLink:
             return
         result, answers = self._flushing[flush_id]
         answers[answer.node] = answer
+        if answer.node != 0:  # its ranks' figures after the flush, before /flush_cache answers
+            self.remote_state.update(answer.states)
         if len(answers) == self.hosts.nnodes:
             del self._flushing[flush_id]
             result.set_result([answers[k] for k in sorted(answers)])
@@ -197,6 +199,7 @@ class NodeFlush:
     flushed: bool
     freed_tokens: int = 0  # cached tokens whose pages went back to the pools
     reason: str | None = None  # why not flushed
+    states: dict = dataclasses.field(default_factory=dict)  # its ranks' figures right after (node 0 shows them)
 
     def describe(self) -> str:
         where = f"node {self.node} (rank{'s' if len(self.ranks) > 1 else ''} {_span(self.ranks)})"
@@ -217,4 +220,5 @@ def flush_ranks(schedulers: list[Scheduler], ranks: range, node: int, busy: bool
     ok = all([schedulers[r].cache.flush() for r in ranks])  # a list: every rank flushes, even after a False
     freed = sum(schedulers[r].pool.free for r in ranks) - before
     page = schedulers[ranks.start].pool.page_size
-    return NodeFlush(node, ranks, ok, freed * page, None if ok else "some cached pages are still in use")
+    return NodeFlush(node, ranks, ok, freed * page, None if ok else "some cached pages are still in use",
+                     {r: schedulers[r].state() for r in ranks})

@@ -58,10 +58,11 @@ class RankPlan:
 def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int, num_pages_RB: np.ndarray,
                    top_R: list[bool] | None = None) -> list[Proposal]:
     """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket", the
-    most pages one of its sequences holds (num_pages_RB: the persistent batch's pages per row), and whether a
-    request of it asks for top logprobs (top_R)."""
+    most pages one of its sequences holds (num_pages_RB: the persistent batch's pages per row), whether a
+    request of it asks for top logprobs (top_R), and whether a prompt it reads asks for prompt logprobs."""
     return [Proposal(p.num_rows, p.kind == "extend", p.num_rows <= largest_decode_bucket,
-                     plan_pages(p, num_pages_RB[r]), bool(top_R and top_R[r])) if p else Proposal(0, False, False)
+                     plan_pages(p, num_pages_RB[r]), bool(top_R and top_R[r]),
+                     any(q.prompt_logprobs_left for q in p.reqs[: len(p.pieces)])) if p else Proposal(0, False, False)
             for r, p in enumerate(plans)]
 
 

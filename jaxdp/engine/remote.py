@@ -190,7 +190,8 @@ class RemoteEngine:
         self._ids = itertools.count()
         self._messages = 0  # step messages received
         self._states: dict[int, dict] = {}
-        self._states_at, self._states_seen = -1e9, -1
+        self._states_at, self._states_seen = -1e9, (-1, -1)
+        self._flushes = 0  # flushes answered: the ranks' figures are asked afresh after one
 
     # ---- requests (the event loop) ----------------------------------------------------------------
     # The engine's own: it reads `failed`, `_ids`, `controller`, `tokenizer`, `model_cfg` and the admission
@@ -253,7 +254,7 @@ class RemoteEngine:
         step ran meanwhile (so /metrics or /get_load over all ranks holds the event loop for one round trip,
         not one per rank, and never shows a request its client already has the end of)."""
         if not (self.failed or self.link.failed):
-            now, seen = time.monotonic(), self._messages
+            now, seen = time.monotonic(), (self._messages, self._flushes)
             if now - self._states_at > STATES_FOR_S or seen != self._states_seen:
                 try:
                     states = self.link.call("rank_states", self.index)
@@ -264,7 +265,12 @@ class RemoteEngine:
         return self.schedulers[0].state()  # nothing runs any more: the figures of an empty rank
 
     def flush_cache(self):
-        return self.link.call("flush_cache", self.index)
+        """The child's flush; the ranks' figures are asked afresh after it (the flush freed pages, no step ran),
+        so /metrics and /get_load read right after the answer show the freed pool."""
+        try:
+            return self.link.call("flush_cache", self.index)
+        finally:
+            self._flushes += 1
 
     @property
     def is_running(self) -> bool:

@@ -7,6 +7,8 @@ import enum
 import time
 from collections.abc import Callable
 
+MAX_LOGPROB_TOKEN_IDS = 20  # token_ids_logprob: the most token ids a request may ask about
+
 
 class BadRequest(ValueError):
     """A request the engine cannot serve as given; the message says what to change (HTTP 400)."""
@@ -25,6 +27,13 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logprob: bool = False
     top_logprobs: int = 0  # alternatives per output token (0..MAX_TOP_LOGPROBS), best first
+    logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none; SGLang's name)
+    token_ids_logprob: list[int] | None = None  # logprobs of these tokens at every position that reports logprobs
+
+    @property
+    def wants_top(self) -> bool:
+        """The step computes per-row alternatives for this request (top logprobs or chosen token ids)."""
+        return self.top_logprobs > 0 or bool(self.token_ids_logprob)
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -37,6 +46,12 @@ class SamplingParams:
             raise BadRequest(f"top_k must be -1 (all) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.logprob_start_len, int) or self.logprob_start_len < -1:
+            raise BadRequest(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position, got "
+                             f"{self.logprob_start_len!r}")
+        if self.token_ids_logprob is not None and len(self.token_ids_logprob) > MAX_LOGPROB_TOKEN_IDS:
+            raise BadRequest(f"token_ids_logprob holds {len(self.token_ids_logprob)} ids, more than the "
+                             f"{MAX_LOGPROB_TOKEN_IDS} allowed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         return self
@@ -58,6 +73,11 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # prompt positions logprob_start_len.. (the first prompt token's logprob is None: nothing predicts it)
+    input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)  # pages of the context, in order
     shared_pages: int = 0  # the first `shared_pages` pages belong to the prefix cache
@@ -97,6 +117,12 @@ class Request:
     def finished(self) -> bool:
         return self.state == State.FINISHED
 
+    @property
+    def prompt_logprobs_left(self) -> bool:
+        """Some of its prompt logprobs are still to be computed (by the rows of its prompt from
+        max(logprob_start_len - 1, 0) on)."""
+        start = self.params.logprob_start_len
+        return start >= 0 and len(self.input_logprobs) < len(self.prompt_ids) - start
 
 def stop_string_check(tokenizer, stops: list[str]) -> Callable[[Request], bool]:
     """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
@@ -124,6 +150,13 @@ def new_request(rid: str, prompt_ids: list[int] | str, params: SamplingParams | 
     bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    start = params.logprob_start_len
+    if start >= len(prompt_ids):
+        raise BadRequest(f"logprob_start_len {start} is past the prompt's {len(prompt_ids)} tokens; send at most "
+                         f"{len(prompt_ids) - 1} (or -1 for no prompt logprobs)")
+    bad = [t for t in params.token_ids_logprob or [] if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise BadRequest(f"token_ids_logprob holds {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
     req = Request(rid, [int(t) for t in prompt_ids], params)
     check(req)
     if params.stop:

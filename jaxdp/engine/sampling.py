@@ -80,18 +80,26 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's t
 
 
 @jax.jit
-def top_logprobs(logits_RBV):
+def top_logprobs(logits_RBV, ids_RBM):
     """The MAX_TOP_LOGPROBS most likely tokens of each row and their log-probabilities under the unmodified
-    distribution, best first: ids and values [dp, B, MAX_TOP_LOGPROBS] (run only for steps that ask)."""
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_RBV.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
-    return ids.astype(jnp.int32), values
+    distribution, best first: ids and values [dp, B, MAX_TOP_LOGPROBS]; and the log-probabilities of the ids
+    each row asks about (token_ids_logprob, padded) [dp, B, M] (run only for steps that ask)."""
+    lp_RBV = jax.nn.log_softmax(logits_RBV.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(lp_RBV, MAX_TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values, jnp.take_along_axis(lp_RBV, ids_RBM, axis=2)
 
 
-def book_top_logprobs(reqs: list[Request], sample: np.ndarray, ids_BK: np.ndarray, values_BK: np.ndarray) -> None:
-    """Give each sampled row whose request asks for top_logprobs its k best (token, logprob) pairs, in
-    the same order as its output tokens (called before the scheduler books the step)."""
+def book_top_logprobs(reqs: list[Request], sample: np.ndarray, ids_BK: np.ndarray, values_BK: np.ndarray,
+                      chosen_BM: np.ndarray) -> None:
+    """Give each sampled row whose request asks for top_logprobs its k best (token, logprob) pairs, and for
+    token_ids_logprob those ids' logprobs, in the same order as its output tokens (called before the scheduler
+    books the step)."""
     for i, req in enumerate(reqs):
-        k = req.params.top_logprobs
-        if k and sample[i] and not req.finished:
+        if not sample[i] or req.finished:
+            continue
+        k, chosen = req.params.top_logprobs, req.params.token_ids_logprob
+        if k:
             req.output_top_logprobs.append(list(zip(ids_BK[i, :k].tolist(), values_BK[i, :k].tolist(),
                                                     strict=True)))
+        if chosen:
+            req.output_token_ids_logprobs.append(list(zip(chosen, chosen_BM[i, : len(chosen)].tolist(), strict=True)))

@@ -47,7 +47,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # by rid, in the order they started decoding
         self.retracted_total = 0
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
-        self.top_logprob_requests = 0  # live requests asking for top_logprobs (the step computes them only then)
+        self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
         self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
 
     # ---- admission -----------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-        self.top_logprob_requests += req.params.top_logprobs > 0
+        self.top_logprob_requests += req.params.wants_top
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +161,10 @@ class Scheduler:
                 continue  # the prefill delayer holds new prompts back (one being read goes on)
             fresh = not req.pages
             if fresh:
-                shared = self.cache.match(req.all_ids[: req.num_tokens - 1])
+                reuse = req.num_tokens - 1
+                if req.prompt_logprobs_left:  # SGLang's rule: recompute from logprob_start_len on (its row before)
+                    reuse = min(reuse, max(req.params.logprob_start_len - 1, 0))
+                shared = self.cache.match(req.all_ids[:reuse])
                 req.pages, req.shared_pages = shared, len(shared)
                 req.computed = req.scheduled = len(shared) * self.pool.page_size
                 if not req.output_ids:
@@ -302,7 +305,7 @@ class Scheduler:
             req.pages = []
         req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
         req.state, req.finish_reason, req.finished_at = State.FINISHED, reason, now
-        self.top_logprob_requests -= req.params.top_logprobs > 0
+        self.top_logprob_requests -= req.params.wants_top
         if req.on_update:
             req.on_update(req)
 

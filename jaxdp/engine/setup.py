@@ -13,6 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxdp.batch import SAMPLING_KEYS, empty_step
+from jaxdp.engine.logprobs import prompt_logprobs
+from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS
 from jaxdp.engine.sampling import sample_tokens, top_logprobs
 from jaxdp.parallel.step import StepRunner
 
@@ -48,7 +50,14 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
         logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
         jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))
         if sample is sample_tokens:  # (a stand-in runner has no real logits)
-            jax.block_until_ready(top_logprobs(logits))
+            chosen = runner.put(np.zeros((dp, shape.num_seqs, MAX_LOGPROB_TOKEN_IDS), np.int32))
+            jax.block_until_ready(top_logprobs(logits, chosen))
+            if shape.all_logits:  # the every-row variant's reduction (jaxdp.engine.logprobs)
+                T = shape.num_rows
+                rows = runner.put(np.zeros((dp, T, vocab), np.float32))
+                asks = (np.zeros((dp, shape.num_seqs), np.int32), np.zeros((dp, T), np.int32),
+                        np.zeros((dp, T, MAX_LOGPROB_TOKEN_IDS), np.int32))
+                jax.block_until_ready(prompt_logprobs(rows, *(runner.put(a) for a in asks)))
     log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s; page-table widths %s)",
              len(shapes), time.perf_counter() - t0, buckets.decode, buckets.extend, list(buckets.pages))
 

@@ -111,4 +111,5 @@ class InFlight:
     host_s: float
     dispatch_s: float
     agree_s: float
-    top: object = None  # top_logprobs' (ids, values) on the device, when a request of the step asks
+    top: object = None  # top_logprobs' (ids, values, chosen ids') on the device, when a request of the step asks
+    prompt: object = None  # prompt_logprobs' (target, top ids, top values, chosen ids') when a request asks

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from jaxdp.engine.request import Request, SamplingParams, State, stop_string_check
 
 # (rid, new token ids, their logprobs, their top logprobs, cached prompt tokens, finish reason or None,
-#  error, error status)
+#  error, error status, their chosen ids' logprobs, the prompt's (logprobs, top logprobs, chosen ids' logprobs)
+#  in the first update only)
 Update = tuple
 
 
@@ -40,19 +41,25 @@ def report(req: Request, sent: int) -> tuple[Update | None, int]:
     p = req.params
     lps = req.output_logprobs[sent:len(ids)] if p.return_logprob else []
     tops = req.output_top_logprobs[sent:len(ids)] if p.top_logprobs else []
+    chosen = req.output_token_ids_logprobs[sent:len(ids)] if p.token_ids_logprob else []
+    # the prompt's logprobs are all booked with the first output token (the step that reads its prompt's end)
+    prompt = (req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) if sent == 0 else None
     return (req.rid, ids[sent:], lps, tops, req.cached_tokens, req.finish_reason if req.finished else None,
-            req.error, req.error_status), len(ids)
+            req.error, req.error_status, chosen, prompt), len(ids)
 
 
 def apply(requests: dict[str, Request], updates: Iterable[Update], now: float) -> None:
     """Apply reported updates to the stand-ins; each changed one's `on_update` is called."""
-    for rid, ids, lps, tops, cached, finish, error, status in updates:
+    for rid, ids, lps, tops, cached, finish, error, status, chosen, prompt in updates:
         req = requests.get(rid)
         if req is None or req.finished:
             continue
         req.output_ids.extend(ids)
         req.output_logprobs.extend(lps)
         req.output_top_logprobs.extend(tops)
+        req.output_token_ids_logprobs.extend(chosen)
+        if prompt is not None:
+            req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = (list(x) for x in prompt)
         req.cached_tokens = cached
         if ids and req.first_token_at is None:
             req.first_token_at = now

@@ -86,6 +86,7 @@ class Proposal:
     decode_bucket_ok: bool  # its decode batch fits a compiled decode bucket
     pages: int = 0  # the most pages one of its sequences holds in this step (the page table's width)
     top: bool = False  # a request of its asks for top logprobs (computed over every node's logits, so together)
+    prompt_logprobs: bool = False  # a prompt it reads asks for its logprobs (the step returns every row's logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Agreement:
     run: bool  # False when every rank is idle: no step at all
     max_pages: int = 0  # MAX over ranks of their pages per sequence
     any_top: bool = False  # OR over ranks: the step computes the top logprobs
+    any_prompt_logprobs: bool = False  # OR over ranks: the extend step returns the logits of every row
 
 
 class LocalExchange:
@@ -118,7 +120,7 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     use_decode = run and not any_extend and all(p.decode_bucket_ok for p in busy)
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
     return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
-                     any(p.top for p in busy))
+                     any(p.top for p in busy), any(p.prompt_logprobs for p in busy))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------
