@@ -79,3 +79,14 @@ def gpu_devices(gpu_name: str, count: int) -> list:
         raise TargetError(f"the CUDA plugin could not describe {count} x {gpu_name} ({str(e).splitlines()[0]}); "
                           "run with JAX_PLATFORMS=cpu on a machine without a CUDA driver.") from None
     return list(topology.devices)
+
+
+def compile_for_gpu(fn, *args, gpu_name: str = "H200"):
+    """`jax.jit(fn)` compiled by XLA:GPU for one simulated GPU (args: ShapeDtypeStructs, placed on it): the
+    kernels' tests compile, not only lower, their Triton kernels this way."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(gpu_devices(gpu_name, 1), ("x",)), PartitionSpec())
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    return jax.jit(fn).lower(*placed).compile()
