@@ -99,15 +99,19 @@ def test_the_checks_fail_on_the_xla_expert_path(small_model, tmp_path):
 
 @needs_plugin
 def test_a_layout_whose_temp_does_not_fit_is_one_sentence_with_a_layout_that_fits(small_model, tmp_path, capsys):
-    """Weights well inside the plan's budget (0.05 of 0.88 x 0.17 GiB), but not beside XLA:GPU's temp of the
-    prompt step under DP attention (the MoE sees every rank's rows); the layout the sentence names fits."""
-    code, plan = plan_gpu(small_model, tmp_path, "dp=8", "--compile-steps", "extend", memory="0.17GiB")
-    assert code == 2 and plan is None
+    """Weights well inside the plan's budget (0.05 of 0.88 x 0.28 GiB), but not beside XLA:GPU's temp of a
+    512-row decode step under DP attention (the MoE sees every rank's rows); the layout the sentence names
+    fits."""
+    decode = ["--compile-steps", "decode", "--decode-rows", "512"]
+    code, plan = plan_gpu(small_model, tmp_path, "dp=8", *decode, memory="0.28GiB")
+    fit = json.loads((tmp_path / "plan.json").read_text())["compile"]["fit"]  # --json keeps the figures
+    assert code == 2 and plan is None and fit["xla_weight_bytes_per_device"] < 0.88 * 0.28 * 2**30
+    assert fit["xla_weight_bytes_per_device"] + fit["largest_temp_bytes_per_device"] > 0.28 * 2**30
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("plan: error: under dp=8 x tp=1") and "XLA:GPU's temp of the extend 200 max_len" in err
-    assert "more than the 0.17 GiB of a H200, leaving no room for a KV cache" in err, err
-    assert "use fewer --extend-rows, or a layout that fits: --gpus 8 --mesh dp=1,tp=8" in err, err
-    code, plan = plan_gpu(small_model, tmp_path, "dp=1,tp=8", "--compile-steps", "extend", memory="0.17GiB")
+    assert err.startswith("plan: error: under dp=8 x tp=1") and "XLA:GPU's temp of the decode 512 max_len" in err
+    assert "more than the 0.28 GiB of a H200, leaving no room for a KV cache" in err, err
+    assert "use fewer --decode-rows, or a layout that fits: --gpus 8 --mesh dp=1,tp=8" in err, err
+    code, plan = plan_gpu(small_model, tmp_path, "dp=1,tp=8", *decode, memory="0.28GiB")
     assert code == 0 and plan["compile"]["fit"]["kv_tokens_with_temp_per_rank"] > 0
 
 
@@ -118,7 +122,7 @@ def test_a_gpu_without_a_target_description_is_one_sentence(small_model, capsys)
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "no XLA:GPU target description for GPU" in err, err
-        assert "(shipped: B200, H100, H200); use --gpu with one of them, or --compile-target cpu." in err
+        assert "(shipped: B200, B300, H100, H200); use --gpu with one of them, or --compile-target cpu." in err
 
 
 def test_without_the_plugin_the_gpu_target_says_what_to_install(small_model, capsys, monkeypatch):
@@ -131,3 +135,26 @@ def test_without_the_plugin_the_gpu_target_says_what_to_install(small_model, cap
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and 'pip install "jax-cuda12-plugin==<jax version>"' in err, err
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp=8", "tp=8", "dp=8,moe=ep"])
+def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
+    """docs/gpu-on-paper.md: the full model on abstract weights, 1-2 minutes and < 1 GiB of host memory each.
+    XLA:GPU's arguments are the plan's weights and pool; the kernels, experts and collectives checks hold;
+    the FP8 one does not yet (each layer's FP8 weights are widened to bf16 outside their GEMMs): xfail."""
+    out = tmp_path / "plan.json"
+    argv = ["--model", "deepseek-v3", "--gpus", "8", "--gpu", "H200", "--mesh", mesh, "--expert-dtype", "fp8",
+            "--compile", "--compile-target", "gpu", "--json", str(out)]
+    assert main(argv) == 0
+    plan = json.loads(out.read_text())
+    assert plan["compile"]["fit"]["fits"]
+    for c in plan["compiled"]:
+        assert abs(c["argument_vs_plan"]) < 0.03, c["argument_vs_plan"]
+        assert all(c["checks"][k]["ok"] for k in ("kernels", "experts", "collectives")), c["checks"]
+        assert c["cost"]["estimate_ms"] > c["cost"]["floor_ms"] > 0
+    decode = plan["compiled"][0]
+    assert decode["kind"] == "decode" and decode["checks"]["kernels"]["grids"]["mla_decode_split"]
+    if not all(c["checks"]["fp8_weights"]["ok"] for c in plan["compiled"]):
+        pytest.xfail("FP8 weights widened to bf16 outside their GEMM fusions on XLA:GPU (docs/gpu-on-paper.md)")

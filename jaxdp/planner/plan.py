@@ -44,7 +44,9 @@ GiB = 2**30
 
 
 class PlanError(ValueError):
-    """A user error; the message is one sentence."""
+    """A user error; the message is one sentence. `plan`: what was computed before it (--json still writes it)."""
+
+    plan: dict[str, Any] | None = None
 
 
 def _layout(args: argparse.Namespace) -> Layout:
@@ -219,11 +221,13 @@ def _check_temp_fits(cfg: Any, layout: Layout, gpu: Any, plan: dict[str, Any], a
         return
     rows = "--decode-rows" if fit["largest_temp_step"].startswith("decode") else "--extend-rows"
     other = _fitting_layout(cfg, layout.total_devices, gpu.memory_bytes - temp, args)
-    raise PlanError(f"under {layout.describe()} the weights ({weights / GiB:.2f} GiB) and XLA:GPU's temp of the "
-                    f"{fit['largest_temp_step']} step ({temp / GiB:.2f} GiB) need {(weights + temp) / GiB:.2f} GiB "
-                    f"per GPU, more than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}, leaving no room "
-                    f"for a KV cache; use fewer {rows}"
-                    + (f", or {other}" if other.startswith("a layout") else ", or larger GPUs."))
+    error = PlanError(f"under {layout.describe()} the weights ({weights / GiB:.2f} GiB) and XLA:GPU's temp of the "
+                      f"{fit['largest_temp_step']} step ({temp / GiB:.2f} GiB) need {(weights + temp) / GiB:.2f} "
+                      f"GiB per GPU, more than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}, leaving no "
+                      f"room for a KV cache; use fewer {rows}"
+                      + (f", or {other}" if other.startswith("a layout") else ", or larger GPUs."))
+    error.plan = plan
+    raise error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -289,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(args)
     except (PlanError, LayoutError, GPUError, TargetError, ValueError) as e:
         print(f"plan: error: {e}", file=sys.stderr)
+        if getattr(e, "plan", None) and args.json:  # the compiled figures behind the error, for the record
+            with open(args.json, "w") as f:
+                json.dump(e.plan, f, indent=1)
         return 2
     print(format_report(plan))
     if "compiled" in plan:
