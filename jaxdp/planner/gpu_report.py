@@ -9,7 +9,7 @@ from typing import Any
 from jaxdp.planner import hlo_checks
 
 GiB = 2**30
-CHECKS = ("fp8_weights", "kernels", "experts", "collectives")
+CHECKS = ("fp8_weights", "layer_copies", "kernels", "experts", "collectives")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -85,6 +85,7 @@ def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int,
     expected = expected_kernels(cfg, layout, shape, page_size, expert_dtype, moe_backend, pallas_attention)
     return {
         "fp8_weights": hlo_checks.check_fp8_weights(mod),
+        "layer_copies": hlo_checks.check_layer_copies(mod),
         "kernels": hlo_checks.check_kernels(mod, expected),
         "experts": hlo_checks.check_experts(mod, experts, moe_rows(cfg, layout, shape),
                                             {2 * inter, inter, cfg.hidden_size}),

@@ -6,6 +6,8 @@ the order they run) and returns a dict with `ok` and what it found:
 - `fp8_weights`: every FP8 weight is widened inside the fusion that multiplies it; a convert from FP8
   outside any fusion holding a dot (or a GEMM custom call), whose output is as large as one layer's FP8
   weight, is a full-size bf16 copy of that weight in memory (what issue 14 left open).
+- `layer_copies`: the layer scan reads each layer of a stacked array (weights, pool) where it lies; a
+  non-GEMM instruction writing one layer of it is a copy (a write and a second read of that layer).
 - `kernels`: the Pallas kernels, as `__gpu$xla.gpu.triton` custom calls, with their grids, against the
   grids the caller expects.
 - `experts`: no materialized array holds the routed experts' work per expert over every row (a
@@ -175,6 +177,32 @@ def check_fp8_weights(mod: Module) -> dict[str, Any]:
             "copies": copies[:8]}
 
 
+def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
+    """Stacked arrays (the layers' weights, [layers, ...], and the pool) read in place: a materialized
+    instruction that is not a GEMM and writes one layer of a stacked entry parameter, same dtype and shape
+    (a dynamic-slice copy out of the layer scan's stack), costs a write and a second read of that layer."""
+    from jaxdp.planner.compile import _itemsize
+
+    def squeeze(dims):
+        return tuple(d for d in dims if d != 1)
+
+    layers = {(t, squeeze(d[1:])) for i in mod.computations.get(mod.entry, []) if i.opcode == "parameter"
+              for t, d in i.arrays if len(d) >= 3}
+    copies = []
+    for comp, ins in mod.materialized():
+        if ins.opcode not in ("fusion", "copy", "dynamic-slice") or (
+                ins.opcode == "fusion" and any(mod.reaches(c, _is_gemm) for c in ins.calls())):
+            continue
+        for dtype, dims in ins.arrays:
+            nbytes = _elements(dims) * _itemsize(dtype)
+            if nbytes >= min_bytes and (dtype, squeeze(dims)) in layers:
+                copies.append({"shape": f"{dtype}[{','.join(map(str, dims))}]", "bytes": nbytes,
+                               "instruction": ins.name, "computation": comp, "op": _op_name(ins.line)})
+    copies.sort(key=lambda c: -c["bytes"])
+    return {"ok": not copies, "copies": copies[:8], "count": len(copies),
+            "bytes_per_pass": sum(c["bytes"] for c in copies)}
+
+
 def _op_name(line: str) -> str:
     op = re.search(r'op_name="([^"]*)"', line)
     return op.group(1).rsplit("/", 2)[-1] if op else ""
@@ -278,6 +306,12 @@ def summary_line(name: str, check: dict[str, Any]) -> str:
         c = check["copies"][0]
         return (f"{mark} quantized weights: {len(check['copies'])} converted outside a dot fusion, largest "
                 f"{c['shape']} ({c['op'] or c['instruction']}{', one layer' if c['weight_sized'] else ''})")
+    if name == "layer_copies":
+        if check["ok"]:
+            return f"{mark} stacked layers read in place (no layer of a weight copied out of its stack)"
+        c = check["copies"][0]
+        return (f"{mark} stacked layers copied before use: {check['count']} arrays, "
+                f"{check['bytes_per_pass'] / 2**20:,.0f} MiB a pass of the loop, largest {c['shape']} ({c['op']})")
     if name == "kernels":
         kinds = ", ".join(f"{n} grid {'/'.join('x'.join(map(str, g)) for g in gs)}"
                           for n, gs in check["grids"].items())
