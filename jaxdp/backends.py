@@ -18,8 +18,14 @@ ATTENTION_BACKENDS = ("xla", "pallas")
 MOE_RUNNER_BACKENDS = ("xla", "pallas", "blocked")  # how the routed experts multiply (jaxdp.model.moe)
 
 
-def default_attention_backend() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def _on_gpu(platform: str | None) -> bool:
+    """platform: that of the devices the step is compiled for (a mesh of simulated GPUs, `jaxdp.planner`);
+    None: JAX's default backend."""
+    return (platform or jax.default_backend()) in ("gpu", "cuda", "rocm")
+
+
+def default_attention_backend(platform: str | None = None) -> str:
+    return "pallas" if _on_gpu(platform) else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +40,9 @@ class DecodeKernels:
         return self.dense(*args, **kwargs)
 
 
-def decode_kernel(backend: str | None):
+def decode_kernel(backend: str | None, platform: str | None = None):
     """The absorbed-MLA decode kernels the model calls (DecodeKernels), or None for the XLA path."""
-    backend = backend or default_attention_backend()
+    backend = backend or default_attention_backend(platform)
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if backend == "xla":
@@ -47,9 +53,9 @@ def decode_kernel(backend: str | None):
     return DecodeKernels(mla_decode, sparse_mla_decode)
 
 
-def moe_runner_backend(backend: str | None) -> str:
+def moe_runner_backend(backend: str | None, platform: str | None = None) -> str:
     """The MoE runner backend name the step gives the model (None: the device's default)."""
-    backend = backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    backend = backend or ("pallas" if _on_gpu(platform) else "xla")
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"--moe-runner-backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")
     return backend

@@ -28,6 +28,16 @@ def default_interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def by_lowering_platform(call):
+    """`call(*args, interpret=...)` with interpret chosen when the caller is lowered: interpret mode for a CPU,
+    Triton for a GPU. The devices the step is compiled for decide (a mesh of simulated GPUs on a CPU machine,
+    `jaxdp.planner`), not `jax.default_backend()`; only the chosen branch is lowered."""
+    def chosen(*args):
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(call, interpret=True),
+                                          default=functools.partial(call, interpret=False))
+    return chosen
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -231,14 +241,12 @@ def mla_decode(
             raise ValueError(f"{name}={size} must be a power of two for the Pallas MLA kernel.")
     if block_t % page_size:
         raise ValueError(f"block_t={block_t} must be a multiple of page_size={page_size}.")
-    interpret = default_interpret() if interpret is None else interpret
     context_blocks = pl.cdiv(page_table_BN.shape[1] * page_size, block_t)
     if num_splits is None:
         num_splits = default_num_splits(b, pl.cdiv(h, block_h), context_blocks)
-    out_BHC = _mla_call(
-        q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows,
-        softmax_scale=float(softmax_scale),
-        kv_lora_rank=kv_lora_rank, num_splits=int(num_splits), block_h=block_h, block_t=block_t,
-        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-    )
+    call = functools.partial(
+        _mla_call, softmax_scale=float(softmax_scale), kv_lora_rank=kv_lora_rank, num_splits=int(num_splits),
+        block_h=block_h, block_t=block_t, num_warps=num_warps, num_stages=num_stages)
+    call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
+    out_BHC = call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, page_table_BN, lengths_B, num_valid_rows)
     return out_BHC.astype(q_latent_BHC.dtype)

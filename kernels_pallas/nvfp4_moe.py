@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.mla_decode import by_lowering_platform
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, e2m1_decode_arith
 
 # f32 operands get IEEE dots (Triton would use TF32 for DEFAULT); bf16 operands are unaffected.
@@ -192,8 +193,7 @@ def nvfp4_grouped_matmul(
     block_n, block_k = _fit_block(block_n, n), _fit_block(block_k, k)
     if block_k < BLOCK_K:
         raise ValueError(f"K={k} needs a power-of-two divisor of at least {BLOCK_K} (one scale block).")
-    interpret = default_interpret() if interpret is None else interpret
-    return _grouped_call(
-        x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows, block_m=block_m,
-        block_n=block_n, block_k=block_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-    )
+    call = functools.partial(_grouped_call, block_m=block_m, block_n=block_n, block_k=block_k,
+                             num_warps=num_warps, num_stages=num_stages)
+    call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
+    return call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.mla_decode import _is_pow2, attend_blocks, default_interpret, default_num_splits, run_splits
+from kernels_pallas.mla_decode import _is_pow2, attend_blocks, by_lowering_platform, default_num_splits, run_splits
 
 
 def _sparse_kernel(num_ref, slots_ref, q_latent_ref, q_rope_ref, kv_ref, out_ref, lse_ref, *,
@@ -88,10 +88,10 @@ def sparse_mla_decode(
     for name, size in (("kv_lora_rank", c), ("rope dim", r), ("block_h", block_h), ("block_t", block_t)):
         if not _is_pow2(size):
             raise ValueError(f"{name}={size} must be a power of two for the Pallas sparse MLA kernel.")
-    interpret = default_interpret() if interpret is None else interpret
     if num_splits is None:
         num_splits = default_num_splits(b, pl.cdiv(h, block_h), pl.cdiv(slots_BK.shape[1], block_t))
-    out_BHC = _sparse_call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B,
-                           softmax_scale=float(softmax_scale), num_splits=int(num_splits), block_h=block_h,
-                           block_t=block_t, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    call = functools.partial(_sparse_call, softmax_scale=float(softmax_scale), num_splits=int(num_splits),
+                             block_h=block_h, block_t=block_t, num_warps=num_warps, num_stages=num_stages)
+    call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
+    out_BHC = call(q_latent_BHC, q_rope_BHR, kv_cache_PSK, slots_BK, num_B)
     return out_BHC.astype(q_latent_BHC.dtype)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdp.planner.xla_target import plugin_installed
 from kernels_pallas.mla_decode import combine_splits, mla_decode, mla_decode_reference
 
 _ENV = os.environ.get("JAXDP_PALLAS_INTERPRET", "")
@@ -21,6 +22,9 @@ needs_kernel_backend = pytest.mark.skipif(
     INTERPRET is False and jax.default_backend() == "cpu",
     reason="JAXDP_PALLAS_INTERPRET=0 needs a GPU backend",
 )
+
+needs_plugin = pytest.mark.skipif(not plugin_installed(), reason="compiling for a simulated GPU needs jax-cuda12-"
+                                  "plugin and jax-cuda12-pjrt at JAX's version (pip install -e '.[xla-gpu]')")
 
 C, R = 32, 16  # latent and rope widths: small powers of two (512 and 64 in real models)
 
@@ -116,6 +120,34 @@ def test_mla_decode_lowers_to_triton_at_real_shapes():
         spec((b * pages, page_size, c + r), jnp.bfloat16), spec((b, pages), jnp.int32),
         spec((b,), jnp.int32), spec((), jnp.int32))
     assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
+@needs_plugin
+@pytest.mark.parametrize("sparse", [False, True])
+def test_decode_kernels_compile_for_a_simulated_h200(sparse):
+    """Compiled (not only lowered) by XLA:GPU for an H200 without a GPU, interpret left to the kernel: the
+    platform compiled for picks Triton, and the launch grid is (head blocks, context splits, rows)."""
+    from jaxdp.planner.hlo_checks import parse, triton_calls
+    from jaxdp.planner.xla_target import compile_for_gpu
+    from kernels_pallas.sparse_mla_decode import sparse_mla_decode
+
+    spec = jax.ShapeDtypeStruct
+    b, h, c, r, page_size, pages, k = 5, 128, 512, 64, 64, 40, 2048  # DeepSeek-V3 heads, GLM-5's index_topk
+    q = (spec((b, h, c), jnp.bfloat16), spec((b, h, r), jnp.bfloat16))
+    if sparse:
+        fn = lambda *a: sparse_mla_decode(*a, softmax_scale=0.1, kv_lora_rank=c)
+        args = (*q, spec((pages, page_size, c + r), jnp.bfloat16), spec((b, k), jnp.int32), spec((b,), jnp.int32))
+        grid = (8, 7, b)  # as below, the 2048 selected tokens being 64 blocks of 32 (more than 7)
+    else:
+        fn = lambda *a: mla_decode(*a, softmax_scale=0.1, kv_lora_rank=c)
+        args = (*q, spec((b * pages, page_size, c + r), jnp.bfloat16), spec((b, pages), jnp.int32),
+                spec((b,), jnp.int32))
+        grid = (8, 7, b)  # 128 heads / 16; splits = cdiv(2 x 132 SMs, 5 rows x 8 head blocks) = 7 (of 40 pages)
+    compiled = compile_for_gpu(fn, *args)
+    calls = triton_calls(parse(compiled.as_text()))
+    name = "sparse_mla_decode_split" if sparse else "mla_decode_split"
+    assert [(k["name"], k["grid"]) for k in calls] == [(name, grid)], calls
+    assert compiled.memory_analysis().output_size_in_bytes == b * h * c * 2
 
 
 @needs_kernel_backend

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdp.planner.xla_target import plugin_installed
 from kernels_pallas.nvfp4 import (
     E2M1_VALUES,
     dequantize_nvfp4,
@@ -201,6 +202,25 @@ def test_grouped_matmul_rejects_mismatched_operands(experts):
         nvfp4_grouped_matmul(jnp.ones((4, 2 * K)), *experts, jnp.array([4, 0, 0, 0], jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
         nvfp4_grouped_matmul(jnp.ones((4, K)), *experts, jnp.array([4, 0, 0, 0], jnp.int32), block_m=12)
+
+
+@pytest.mark.skipif(not plugin_installed(), reason="compiling for a simulated GPU needs jax-cuda12-plugin and "
+                    "jax-cuda12-pjrt at JAX's version (pip install -e '.[xla-gpu]')")
+def test_grouped_matmul_compiles_for_a_simulated_h200():
+    """Compiled (not only lowered) by XLA:GPU for an H200 without a GPU, interpret left to the kernel: the
+    platform compiled for picks Triton; grid = (row tiles of 16 + one per expert, N / 64)."""
+    from jaxdp.planner.hlo_checks import parse, triton_calls
+    from jaxdp.planner.xla_target import compile_for_gpu
+
+    spec = jax.ShapeDtypeStruct
+    e, n, k, t = 8, 4096, 6144, 64  # GLM-5 gate/up [2I, H] for a few experts
+    compiled = compile_for_gpu(lambda *a: nvfp4_grouped_matmul(*a[:5], num_valid_rows=a[5]),
+                               spec((t, k), jnp.bfloat16), spec((e, n, k // 2), jnp.uint8),
+                               spec((e, n, k // 16), jnp.float8_e4m3fn), spec((e,), jnp.float32),
+                               spec((e,), jnp.int32), spec((), jnp.int32))
+    calls = triton_calls(parse(compiled.as_text()))
+    assert [(c["name"], c["grid"]) for c in calls] == [("nvfp4_grouped_matmul", (64 // 16 + 8, 4096 // 64, 1))]
+    assert compiled.memory_analysis().output_size_in_bytes == t * n * 2
 
 
 def test_grouped_matmul_lowers_to_triton_at_real_shapes():

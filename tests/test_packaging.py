@@ -27,3 +27,4 @@ def test_a_wheel_installed_elsewhere_finds_its_presets(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "dp=8 x tp=1 attention groups, MoE ep over 8 devices" in out.stdout
     assert (tmp_path / "site" / "jaxdp" / "assets" / "default-model" / "model.safetensors").is_file()
+    assert (tmp_path / "site" / "jaxdp" / "planner" / "targets" / "h200.pbtxt").is_file()  # XLA:GPU targets

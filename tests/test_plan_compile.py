@@ -1,7 +1,8 @@
 """`plan --compile`: the engine's real steps compiled by XLA on abstract weights agree with the plan.
 
 A mid-size model (real-ish widths scaled down: hidden 2048, 16 heads, 64 experts top-8, 4 layers) runs
-the same path as the full-size cases in docs/plan.md, on the 8 host devices of tests/conftest.py.
+the same path as the full-size cases in docs/plan.md, on the 8 host devices of tests/conftest.py (XLA:CPU;
+tests/test_gpu_on_paper.py compiles for simulated GPUs).
 """
 
 import json
@@ -30,7 +31,8 @@ def mid_model(tmp_path_factory):
 def compile_plan(model, tmp_path, mesh, expert_dtype, *extra):
     out = tmp_path / "c.json"
     argv = ["--model", model, "--gpus", "8", "--gpu", "H200", "--gpu-memory", "2GiB", "--mesh", mesh,
-            "--expert-dtype", expert_dtype, "--compile", *SMALL_STEPS, *extra, "--json", str(out)]
+            "--expert-dtype", expert_dtype, "--compile", "--compile-target", "cpu", *SMALL_STEPS, *extra,
+            "--json", str(out)]
     assert main(argv) == 0
     return json.loads(out.read_text())
 

@@ -4,10 +4,11 @@ weights, XLA's memory analysis per device beside the plan's bytes.
 Nothing is allocated: the weights are the loader's description of the model (`jaxdp.model.sharded.
 abstract_state`: ShapeDtypeStructs in the checkpoint's dtypes, each in its final sharding), the StepRunner
 takes them with an abstract KV pool of the planned size (latents and DSA index keys), and
-each step is lowered and compiled on as many host devices as the layout has (created for it, as `serve`
-does on a CPU machine). The compile runs on XLA:CPU, so the temp bytes are XLA:CPU's: docs/plan.md says
-where they differ from a GPU's (the CPU's ragged_dot is a dense product masked per expert; with
-`--moe-runner-backend blocked` the experts run `jaxdp.model.grouped` instead, which is not).
+each step is lowered and compiled for the layout's devices: simulated GPUs of the plan's kind under XLA:GPU
+(`jaxdp.planner.xla_target`; the step then takes the GPU's own paths: Pallas kernels, ragged all-to-all,
+and XLA:GPU's fusions and temps; docs/gpu-on-paper.md), or host devices under XLA:CPU (created for it, as
+`serve` does on a CPU machine), whose temps differ from a GPU's (docs/plan.md). On XLA:GPU each step's
+optimized HLO is checked (`jaxdp.planner.hlo_checks`) and XLA's cost analysis is set against the HBM floor.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class CompileCase:
     context: int = 1024  # tokens of context per decoding request
     page_size: int = PAGE_SIZE
     kinds: tuple[str, ...] = ("decode", "extend")
-    moe_backend: str = "xla"  # the routed experts' grouped matmul (--moe-runner-backend)
+    moe_backend: str | None = None  # the routed experts' grouped matmul (--moe-runner-backend; None: the target's)
+    target: str = "cpu"  # "gpu": XLA:GPU for the plan's GPU (jaxdp.planner.xla_target); "cpu": XLA:CPU
+    attention_backend: str | None = None  # --attention-backend (None: the target's: pallas on a GPU)
 
 
 # --expert-dtype -> the loader's quantization: fp8 is a DeepSeek block-FP8 checkpoint (every Linear of the
@@ -69,32 +72,40 @@ def step_shapes(layout: Any, case: CompileCase) -> list:
     return [s for s in shapes if s.kind in case.kinds]
 
 
-def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
-                 gpu_memory_bytes: float) -> dict[str, Any]:
+def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase, gpu: Any) -> dict[str, Any]:
     """Compile the steps of `step_shapes` for `cfg` under `layout` with the planned KV pool; returns the
-    JSON part {"compiled": [...], "fit": {...}}. JAX must not have started with fewer host devices than
-    the layout has (`jaxdp.layout.ensure_host_devices` before it starts)."""
+    JSON part {"compiled": [...], "fit": {...}}. Under XLA:CPU, JAX must not have started with fewer host
+    devices than the layout has (`jaxdp.layout.ensure_host_devices` before it starts)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.layout import ensure_host_devices
     from jaxdp.parallel.step import StepRunner
+    from jaxdp.planner import xla_target
 
     expert_dtype, kv_dtype = plan["expert_dtype"], plan["kv_dtype"]
     if kv_dtype != "bf16":
         raise ValueError("--compile runs jaxdp's own step, whose KV pool is bf16 (an fp8 pool is not implemented "
                          "yet); use --kv-dtype bf16 with --compile.")
-    ensure_host_devices(layout.total_devices)
+    on_gpu = case.target == "gpu"
+    if on_gpu:
+        devices = xla_target.gpu_devices(gpu.name, layout.total_devices)
+    else:
+        ensure_host_devices(layout.total_devices)
+        devices = jax.devices()[: layout.total_devices]
     tokens = plan["plan"]["kv_tokens_per_rank"]
     num_pages = max(1, tokens // case.page_size)
     kv = kv_bytes(cfg, kv_dtype)
     planned_kv = num_pages * case.page_size * kv.per_token  # latents and (DSA) index keys, bf16
     planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
 
-    mesh = layout.make_mesh(jax.devices()[: layout.total_devices])
+    mesh = layout.make_mesh(devices)
+    platform = devices[0].platform
     model = abstract_sharded(cfg, layout, mesh, expert_dtype)
+    kernels, moe = decode_kernel(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
-                                   cache_dtype=jnp.bfloat16, abstract=True, moe_backend=case.moe_backend)
+                                   cache_dtype=jnp.bfloat16, abstract=True, moe_backend=moe, decode_kernel=kernels)
                         for n in (num_pages, 1))
     compiled = []
     for shape in step_shapes(layout, case):
@@ -103,11 +114,14 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         seconds = time.perf_counter() - t0
         mem = executable.memory_analysis()
         arg = int(mem.argument_size_in_bytes)
-        # XLA:CPU scatters into a bf16 pool through float32 copies of the whole pool (a GPU scatters in
-        # place): the same step on a one-page pool gives the temp without them
-        small = one_page.lower(shape).compile()
-        temp_without_pool = int(small.memory_analysis().temp_size_in_bytes)
-        compiled.append({
+        if on_gpu:  # XLA:GPU scatters into the pool in place: the temp is the step's own
+            small, temp_without_pool = executable, int(mem.temp_size_in_bytes)
+        else:  # XLA:CPU scatters into a bf16 pool through float32 copies of the whole pool: the same step on a
+            # one-page pool gives the temp without them
+            small = one_page.lower(shape).compile()
+            temp_without_pool = int(small.memory_analysis().temp_size_in_bytes)
+        text = small.as_text()
+        entry = {
             "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
             "gather_mode": shape.gather_mode, "sum_rows": shape.sum_rows,
             "argument_bytes_per_device": arg, "output_bytes_per_device": int(mem.output_size_in_bytes),
@@ -117,19 +131,30 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
             "generated_code_bytes_per_device": int(mem.generated_code_size_in_bytes),
             "planned_weight_bytes_per_device": int(planned_w), "planned_kv_bytes_per_device": int(planned_kv),
             "argument_vs_plan": arg / (planned_w + planned_kv) - 1, "compile_s": round(seconds, 2),
-            "largest_buffers": largest_buffers(small.as_text()),  # what temp* is made of
-            "collective_buffers": collective_buffers(small.as_text()),
-        })
-    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu_memory_bytes),
-            "host_devices": layout.total_devices, "backend": jax.default_backend(), "page_size": case.page_size,
-            "num_pages_per_rank": num_pages}
+            "largest_buffers": largest_buffers(text, in_place=on_gpu),  # what temp* is made of
+            "collective_buffers": collective_buffers(text),
+        }
+        if on_gpu:
+            from jaxdp.planner.gpu_report import check_step, step_cost
+
+            entry["cost"] = step_cost(executable, text, shape, gpu, planned_w, kv.per_token, case.page_size)
+            entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
+                                         kernels is not None)
+        compiled.append(entry)
+    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu.memory_bytes),
+            "host_devices": layout.total_devices, "backend": platform, "page_size": case.page_size,
+            "num_pages_per_rank": num_pages, "target": case.target,
+            "device_kind": devices[0].device_kind, "moe_runner_backend": moe,
+            "attention_backend": "pallas" if kernels is not None else "xla",
+            "target_description": xla_target.target_fields(xla_target.target_description(gpu.name)) if on_gpu
+            else None}
 
 
 _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _NOT_BUFFERS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
 
 
-def largest_buffers(hlo_text: str, top: int = 6) -> list[dict[str, Any]]:
+def largest_buffers(hlo_text: str, top: int = 6, in_place: bool = False) -> list[dict[str, Any]]:
     """The largest arrays an optimized HLO module materialises (outside fused computations, parameters
     excluded), each with the JAX operation it comes from (a fusion: the first one named inside it, else
     the fusion's own name): what the temp bytes are made of. Sizes, not liveness: XLA reuses memory, so
@@ -147,10 +172,14 @@ def largest_buffers(hlo_text: str, top: int = 6) -> list[dict[str, Any]]:
         else:
             lines.append((line, op.group(1) if op else ""))
     found: dict[tuple, dict[str, Any]] = {}
+    params = {(m.group(2), math.prod(int(d) for d in m.group(3).split(",") if d))
+              for m in map(_INSTR.match, (line for line, _ in lines)) if m and m.group(4) == "parameter"}
     for line, op in lines:
         m = _INSTR.match(line)
         if not m or m.group(4) in _NOT_BUFFERS:
             continue
+        if in_place and (m.group(2), math.prod(int(d) for d in m.group(3).split(",") if d)) in params:
+            continue  # an update written into its operand (the pool), not a temp
         name, dtype, dims, hlo = m.groups()
         calls = re.search(r"calls=%([\w.-]+)", line)
         op = op or (fused_ops.get(calls.group(1), "") if calls else "") or re.sub(r"\.\d+$", "", name)
@@ -206,8 +235,13 @@ def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planne
 def format_compiled(plan: dict[str, Any]) -> list[str]:
     """The report's lines for the plan's "compiled" and "compile" parts."""
     result = {**plan["compile"], "compiled": plan["compiled"]}
-    out = [f"Compiled by XLA ({result['backend']}, {result['host_devices']} host devices, abstract weights, a "
-           f"pool of {result['num_pages_per_rank']:,} pages x {result['page_size']} per rank), GiB per device",
+    on_gpu = result.get("target") == "gpu"
+    where = (f"XLA:GPU for {result['host_devices']} simulated {result['device_kind']} (sm_"
+             f"{result['target_description']['compute_capability'].replace('.', '')})" if on_gpu
+             else f"XLA:CPU, {result['host_devices']} host devices")
+    out = [f"Compiled by {where}, abstract weights, a pool of {result['num_pages_per_rank']:,} pages x "
+           f"{result['page_size']} per rank; attention {result.get('attention_backend', 'xla')}, experts "
+           f"{result.get('moe_runner_backend', 'xla')}; GiB per device",
            f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'temp*':>9}{'code':>7}{'plan w+kv':>11}"
            f"{'arg/plan':>10}{'compile s':>11}"]
     for c in result["compiled"]:
@@ -217,7 +251,8 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
                    f"{c['temp_bytes_per_device'] / GiB:9.2f}{c['temp_bytes_without_pool_copies_per_device'] / GiB:9.2f}"
                    f"{c['generated_code_bytes_per_device'] / GiB:7.2f}"
                    f"{planned / GiB:11.2f}{c['argument_vs_plan'] * 100:+9.2f}%{c['compile_s']:11.1f}")
-    out.append("  temp* = temp without XLA:CPU's float32 copies of the pool (the step compiled on a one-page pool)")
+    out.append("  temp* = temp (XLA:GPU scatters into the pool in place)" if on_gpu else
+               "  temp* = temp without XLA:CPU's float32 copies of the pool (the step compiled on a one-page pool)")
     for c in result["compiled"]:
         out.append(f"  largest arrays (temp*) of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}: " + "; ".join(
             f"{b['shape']} {b['bytes'] / GiB:.1f} GiB ({b['op']})"
@@ -227,8 +262,13 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
     f = result["fit"]
     verdict = "fits" if f["fits"] else "does NOT fit"
     temp = f"{f['largest_temp_step']}: {f['largest_temp_bytes_per_device'] / GiB:.1f} GiB"
-    out.append(f"  beside the largest temp* ({temp}; docs/plan.md says what differs on a GPU) the planned pool "
+    where = "XLA:GPU's" if on_gpu else "docs/plan.md says what differs on a GPU"
+    out.append(f"  beside the largest temp* ({temp}; {where}) the planned pool "
                f"{verdict}: {f['needed_bytes_per_device'] / GiB:.1f} of {f['gpu_memory_bytes'] / GiB:.1f} GiB; KV "
                f"tokens per rank: {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} "
                "fit beside the temp")
+    if on_gpu:
+        from jaxdp.planner.gpu_report import format_gpu
+
+        out += format_gpu(result["compiled"], plan["gpu"])
     return out

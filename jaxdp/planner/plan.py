@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
-from jaxdp.backends import MOE_RUNNER_BACKENDS
+from jaxdp.backends import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.config import UnsupportedConfigError, get_config
 from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
@@ -37,12 +38,15 @@ from jaxdp.planner.weights import (
     total_bytes,
     weights_per_device,
 )
+from jaxdp.planner.xla_target import COMPILE_TARGETS, TargetError, default_target
 
 GiB = 2**30
 
 
 class PlanError(ValueError):
-    """A user error; the message is one sentence."""
+    """A user error; the message is one sentence. `plan`: what was computed before it (--json still writes it)."""
+
+    plan: dict[str, Any] | None = None
 
 
 def _layout(args: argparse.Namespace) -> Layout:
@@ -200,11 +204,30 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         if not kinds or set(kinds) - {"decode", "extend"}:
             raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
         case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds,
-                           args.moe_runner_backend)
-        result = compile_plan(cfg, layout, plan, case, gpu.memory_bytes)
+                           args.moe_runner_backend, args.compile_target or default_target(), args.attention_backend)
+        result = compile_plan(cfg, layout, plan, case, gpu)
         plan["compiled"] = result.pop("compiled")
         plan["compile"] = result
+        _check_temp_fits(cfg, layout, gpu, plan, args)
     return plan
+
+
+def _check_temp_fits(cfg: Any, layout: Layout, gpu: Any, plan: dict[str, Any], args: argparse.Namespace) -> None:
+    """Under XLA:GPU, the weights and the largest step's temp must leave room for a KV cache on the GPU
+    (XLA:CPU's temps are not a GPU's: there the report only shows them)."""
+    fit = plan["compile"]["fit"]
+    weights, temp = fit["xla_weight_bytes_per_device"], fit["largest_temp_bytes_per_device"]
+    if plan["compile"]["target"] != "gpu" or weights + temp < gpu.memory_bytes:
+        return
+    rows = "--decode-rows" if fit["largest_temp_step"].startswith("decode") else "--extend-rows"
+    other = _fitting_layout(cfg, layout.total_devices, gpu.memory_bytes - temp, args)
+    error = PlanError(f"under {layout.describe()} the weights ({weights / GiB:.2f} GiB) and XLA:GPU's temp of the "
+                      f"{fit['largest_temp_step']} step ({temp / GiB:.2f} GiB) need {(weights + temp) / GiB:.2f} "
+                      f"GiB per GPU, more than the {gpu.memory_bytes / GiB:.2f} GiB of a {gpu.name}, leaving no "
+                      f"room for a KV cache; use fewer {rows}"
+                      + (f", or {other}" if other.startswith("a layout") else ", or larger GPUs."))
+    error.plan = plan
+    raise error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -245,9 +268,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend-rows", type=int, default=4096, help="--compile: extend bucket, rows per rank")
     p.add_argument("--page-size", type=int, default=16, help="--compile: tokens per KV page")
     p.add_argument("--compile-steps", default="decode,extend", help="--compile: which steps (decode, extend)")
-    p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS, default="xla",
-                   help="--compile: the routed experts' grouped matmul, as the server's flag (default xla: "
-                        "lax.ragged_dot, which XLA expands per expert; blocked: jaxdp.model.grouped)")
+    p.add_argument("--compile-target", choices=COMPILE_TARGETS,
+                   help="--compile: XLA:GPU for --gpu (a shipped target description, simulated devices; the "
+                        "default when the CUDA plugin is installed) or XLA:CPU on host devices")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="--compile: decode attention, as the server's flag (default: the target's, pallas on a GPU)")
+    p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
+                   help="--compile: the routed experts' grouped matmul, as the server's flag (default: the "
+                        "target's; xla on a CPU: lax.ragged_dot, which XLA expands per expert; pallas on a GPU)")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--plot", help="draw the situations to this PNG file")
     return p
@@ -255,12 +283,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    if args.compile and (args.compile_target or default_target()) == "gpu":
+        # XLA:GPU compiles for simulated devices from JAX's CPU backend: without this JAX would look for a
+        # CUDA driver first (and the plugin fail to start where there is none); before JAX starts only
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         if min(args.gpus, args.context, args.decode_rows, args.extend_rows, args.page_size) < 1:
             raise PlanError("--gpus, --context, --decode-rows, --extend-rows and --page-size must be positive.")
         plan = build_plan(args)
-    except (PlanError, LayoutError, GPUError, ValueError) as e:
+    except (PlanError, LayoutError, GPUError, TargetError, ValueError) as e:
         print(f"plan: error: {e}", file=sys.stderr)
+        if getattr(e, "plan", None) and args.json:  # the compiled figures behind the error, for the record
+            with open(args.json, "w") as f:
+                json.dump(e.plan, f, indent=1)
         return 2
     print(format_report(plan))
     if "compiled" in plan:

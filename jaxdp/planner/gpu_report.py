@@ -1,0 +1,112 @@
+"""What `plan --compile` adds under XLA:GPU: each step's cost against the HBM floor, the checks on its
+optimized HLO (`jaxdp.planner.hlo_checks`) with the grids the Pallas kernels should run with, and the
+report's lines for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxdp.planner import hlo_checks
+
+GiB = 2**30
+CHECKS = ("fp8_weights", "layer_copies", "kernels", "experts", "collectives")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def step_cost(executable: Any, hlo_text: str, shape: Any, gpu: Any, weight_bytes: int, kv_per_token: int,
+              page_size: int) -> dict[str, Any]:
+    """One device's FLOPs and bytes accessed (XLA's cost analysis where it answers, else counted from the
+    optimized HLO: `jaxdp.planner.hlo_cost`) as a time at the GPU's peaks, beside the HBM floor: every
+    weight on the device read once and the KV cache the step attends to read once."""
+    cost = executable.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    source = "XLA"
+    if not cost:
+        from jaxdp.planner.hlo_cost import hlo_cost
+
+        cost, source = hlo_cost(hlo_checks.parse(hlo_text)), "HLO"
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    context = shape.num_seqs * shape.pages_per_seq * page_size  # tokens of cache the step's rows can read
+    floor_bytes = weight_bytes + context * kv_per_token
+    est_s = max(flops / gpu.flops_per_s, accessed / gpu.hbm_bytes_per_s)
+    floor_s = floor_bytes / gpu.hbm_bytes_per_s
+    return {"source": source, "flops": flops, "bytes_accessed": accessed, "floor_bytes": floor_bytes,
+            "estimate_ms": est_s * 1e3, "floor_ms": floor_s * 1e3, "estimate_vs_floor": est_s / floor_s,
+            "bound": "compute" if flops / gpu.flops_per_s > accessed / gpu.hbm_bytes_per_s else "memory"}
+
+
+def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str, moe_backend: str,
+                     pallas_attention: bool) -> dict[str, list[tuple[int, int, int]]]:
+    """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules)."""
+    from kernels_pallas.mla_decode import default_num_splits
+    from kernels_pallas.nvfp4_moe import _fit_block
+
+    expected: dict[str, list[tuple[int, int, int]]] = {}
+    if pallas_attention and shape.absorbed:
+        heads = _cdiv(cfg.num_heads // layout.tp, 16)  # block_h 16
+        b, capacity = shape.num_seqs, shape.pages_per_seq * page_size
+        if cfg.index_topk and capacity > cfg.index_topk:
+            expected["sparse_mla_decode_split"] = [
+                (heads, default_num_splits(b, heads, _cdiv(cfg.index_topk, 32)), b)]
+        else:
+            blocks = _cdiv(capacity, max(page_size, 32))
+            expected["mla_decode_split"] = [(heads, default_num_splits(b, heads, blocks), b)]
+    if moe_backend == "pallas" and expert_dtype == "nvfp4" and cfg.n_routed_experts:
+        experts, inter = moe_shards(cfg, layout)
+        widths = [2 * inter, cfg.hidden_size]
+        expected["nvfp4_grouped_matmul"] = [
+            (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
+            for r in moe_rows(cfg, layout, shape) for n in widths]
+    return expected
+
+
+def moe_shards(cfg: Any, layout: Any) -> tuple[int, int]:
+    """(experts, intermediate width) of the routed experts on one device."""
+    if layout.moe == "ep":
+        return cfg.n_routed_experts // layout.world, cfg.moe_intermediate_size
+    return cfg.n_routed_experts, cfg.moe_intermediate_size // layout.world
+
+
+def moe_rows(cfg: Any, layout: Any, shape: Any) -> set[int]:
+    """The row counts the routed experts can see on one device: a rank's rows, the gathered rows (MAX_LEN,
+    SUM_LEN, every rank's under EP), and each times top-k (the (row, choice) pairs sorted by expert)."""
+    t = shape.num_rows
+    base = {t, layout.dp * t, layout.world * t, shape.sum_rows or t}
+    return base | {r * cfg.num_experts_per_tok for r in base}
+
+
+def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str,
+               moe_backend: str, pallas_attention: bool) -> dict[str, dict[str, Any]]:
+    mod = hlo_checks.parse(hlo_text)
+    experts, inter = moe_shards(cfg, layout)
+    expected = expected_kernels(cfg, layout, shape, page_size, expert_dtype, moe_backend, pallas_attention)
+    return {
+        "fp8_weights": hlo_checks.check_fp8_weights(mod),
+        "layer_copies": hlo_checks.check_layer_copies(mod),
+        "kernels": hlo_checks.check_kernels(mod, expected),
+        "experts": hlo_checks.check_experts(mod, experts, moe_rows(cfg, layout, shape),
+                                            {2 * inter, inter, cfg.hidden_size}),
+        "collectives": hlo_checks.check_collectives(mod),
+    }
+
+
+def format_gpu(compiled: list[dict[str, Any]], gpu: dict[str, Any]) -> list[str]:
+    """Cost against the floor and the checks, per step."""
+    source = ("XLA's cost analysis" if compiled[0]["cost"]["source"] == "XLA" else
+              "FLOPs and bytes counted from XLA:GPU's optimized HLO (XLA's cost analysis answers none here)")
+    out = [f"{source} per device against the HBM floor ({gpu['name']}: {gpu['hbm_tbs']:g} TB/s, "
+           f"{gpu['bf16_tflops']:g} TFLOP/s; the Triton kernels count their outputs only)",
+           f"  {'step':<24}{'TFLOP':>8}{'GB read':>10}{'estimate ms':>13}{'floor ms':>10}{'x floor':>9}  bound"]
+    for c in compiled:
+        k = c["cost"]
+        name = f"{c['kind']} {c['rows_per_rank']} {c['gather_mode']}"
+        out.append(f"  {name:<24}{k['flops'] / 1e12:8.2f}{k['bytes_accessed'] / 1e9:10.1f}{k['estimate_ms']:13.2f}"
+                   f"{k['floor_ms']:10.2f}{k['estimate_vs_floor']:9.2f}  {k['bound']}")
+    out.append("  floor = every weight on the device and the KV cache the step attends to, each read once")
+    for c in compiled:
+        out.append(f"  checks of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}:")
+        out += [f"    {hlo_checks.summary_line(name, c['checks'][name])}" for name in CHECKS]
+    return out

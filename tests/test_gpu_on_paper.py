@@ -1,0 +1,198 @@
+"""The GPU on paper: `plan --compile` compiles the engine's steps with XLA:GPU for 8 simulated H200s (no GPU,
+no CUDA driver), taking the GPU's own paths (Pallas kernels as Triton custom calls, ragged all-to-all for EP,
+XLA:GPU's fusions), and checks the optimized program (jaxdp.planner.hlo_checks).
+
+Needs the CUDA plugin's two wheels at JAX's version (`pip install -e ".[xla-gpu]"`; docs/gpu-on-paper.md);
+skipped without them. A small model (hidden 1024, 48 experts, 3 layers) keeps each compile to seconds; its
+row counts (24 decode, 200 prompt rows per rank) and experts per device (6 under EP) are chosen not to
+coincide with its widths, so the checks' shapes are unambiguous.
+"""
+
+import json
+
+import pytest
+
+from jaxdp.planner.plan import main
+from jaxdp.planner.xla_target import plugin_installed
+
+needs_plugin = pytest.mark.skipif(
+    not plugin_installed(), reason="XLA:GPU needs jax-cuda12-plugin and jax-cuda12-pjrt at JAX's version "
+    "(pip install -e '.[xla-gpu]'); not installed")
+
+SMALL = {"model_type": "deepseek_v3", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048,
+         "moe_intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "q_lora_rank": 256, "kv_lora_rank": 256, "qk_nope_head_dim": 64,
+         "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 48, "n_shared_experts": 1,
+         "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+         "first_k_dense_replace": 1}
+STEPS = ["--decode-rows", "24", "--extend-rows", "200", "--context", "256"]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    (d / "config.json").write_text(json.dumps(SMALL))
+    return str(d)
+
+
+def plan_gpu(model, tmp_path, mesh, *extra, memory="2GiB"):
+    out = tmp_path / "plan.json"
+    argv = ["--model", model, "--gpus", "8", "--gpu", "H200", "--gpu-memory", memory, "--mesh", mesh,
+            "--compile", "--compile-target", "gpu", *STEPS, *extra, "--json", str(out)]
+    code = main(argv)
+    return code, (json.loads(out.read_text()) if code == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def ep_plan(small_model, tmp_path_factory):
+    """DP attention with EP MoE and NVFP4 experts: decode and both extend modes, the GPU's defaults."""
+    code, plan = plan_gpu(small_model, tmp_path_factory.mktemp("ep"), "dp=8,moe=ep", "--expert-dtype", "nvfp4")
+    assert code == 0
+    return plan
+
+
+@needs_plugin
+def test_the_steps_compile_for_simulated_h200s_on_the_gpu_paths(ep_plan):
+    from jaxdp.planner.compile import format_compiled
+
+    c = ep_plan["compile"]
+    assert (c["target"], c["backend"], c["device_kind"]) == ("gpu", "gpu", "NVIDIA H200")
+    assert (c["attention_backend"], c["moe_runner_backend"]) == ("pallas", "pallas")
+    assert c["target_description"]["compute_capability"] == "9.0"
+    steps = {(s["kind"], s["gather_mode"]): s for s in ep_plan["compiled"]}
+    assert set(steps) == {("decode", "max_len"), ("extend", "max_len"), ("extend", "sum_len")}
+    for s in steps.values():
+        planned = s["planned_weight_bytes_per_device"] + s["planned_kv_bytes_per_device"]
+        assert abs(s["argument_bytes_per_device"] / planned - 1) < 0.03, s
+        assert s["temp_bytes_per_device"] > 0 and s["cost"]["flops"] > 0 and s["cost"]["floor_ms"] > 0
+        assert s["cost"]["estimate_ms"] > 0 and s["cost"]["source"] in ("XLA", "HLO")
+        checks = s["checks"]
+        assert checks["experts"]["ok"] and checks["fp8_weights"]["ok"], checks
+        # EP dispatch is ragged_all_to_all on a GPU, asynchronous like every collective of the step
+        col = checks["collectives"]
+        assert col["ok"] and not col["sync"] and "ragged-all-to-all" in {p["op"] for p in col["pairs"]}, col
+        assert checks["kernels"]["ok"], checks["kernels"]
+        names = {k["name"] for k in checks["kernels"]["found"]}
+        assert "nvfp4_grouped_matmul" in names
+    # the decode kernel's grid: (16 heads / block 16, splits to fill 132 SMs, 24 rows)
+    decode = steps[("decode", "max_len")]["checks"]["kernels"]
+    assert decode["grids"]["mla_decode_split"] == [[1, 8, 24]]
+    assert "mla_decode_split" not in {k["name"] for k in steps[("extend", "max_len")]["checks"]["kernels"]["found"]}
+    out = "\n".join(format_compiled(ep_plan))
+    assert "Compiled by XLA:GPU for 8 simulated NVIDIA H200 (sm_90)" in out and "checks of decode 24 max_len" in out
+    assert "HBM floor" in out
+    # the only check that fails: XLA:GPU copies some layers out of the scan's stack (docs/gpu-on-paper.md)
+    assert {line.split()[1] for line in out.splitlines() if line.strip().startswith("FAIL")} == {"stacked"}
+
+
+@needs_plugin
+def test_the_checks_fail_on_the_xla_expert_path(small_model, tmp_path):
+    """`lax.ragged_dot` (--moe-runner-backend xla) is expanded per expert on XLA:GPU too, and its NVFP4
+    experts are dequantized to bf16 outside any dot: both checks say so."""
+    code, plan = plan_gpu(small_model, tmp_path, "dp=8,moe=ep", "--expert-dtype", "nvfp4", "--moe-runner-backend",
+                          "xla", "--compile-steps", "decode")
+    assert code == 0
+    checks = plan["compiled"][0]["checks"]
+    expanded = checks["experts"]["expanded"]
+    assert not checks["experts"]["ok"] and any(",6," in e["shape"] for e in expanded), expanded
+    assert not checks["fp8_weights"]["ok"] and checks["fp8_weights"]["copies"][0]["shape"].startswith("bf16[6,")
+    assert "nvfp4_grouped_matmul" not in {k["name"] for k in checks["kernels"]["found"]}
+
+
+@needs_plugin
+def test_a_layout_whose_temp_does_not_fit_is_one_sentence_with_a_layout_that_fits(small_model, tmp_path, capsys):
+    """Weights well inside the plan's budget (0.05 of 0.88 x 0.28 GiB), but not beside XLA:GPU's temp of a
+    512-row decode step under DP attention (the MoE sees every rank's rows); the layout the sentence names
+    fits."""
+    decode = ["--compile-steps", "decode", "--decode-rows", "512"]
+    code, plan = plan_gpu(small_model, tmp_path, "dp=8", *decode, memory="0.28GiB")
+    fit = json.loads((tmp_path / "plan.json").read_text())["compile"]["fit"]  # --json keeps the figures
+    assert code == 2 and plan is None and fit["xla_weight_bytes_per_device"] < 0.88 * 0.28 * 2**30
+    assert fit["xla_weight_bytes_per_device"] + fit["largest_temp_bytes_per_device"] > 0.28 * 2**30
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("plan: error: under dp=8 x tp=1") and "XLA:GPU's temp of the decode 512 max_len" in err
+    assert "more than the 0.28 GiB of a H200, leaving no room for a KV cache" in err, err
+    assert "use fewer --decode-rows, or a layout that fits: --gpus 8 --mesh dp=1,tp=8" in err, err
+    code, plan = plan_gpu(small_model, tmp_path, "dp=1,tp=8", *decode, memory="0.28GiB")
+    assert code == 0 and plan["compile"]["fit"]["kv_tokens_with_temp_per_rank"] > 0
+
+
+@needs_plugin
+def test_flops_and_bytes_counted_from_the_gpu_hlo():
+    """XLA's cost analysis answers None for simulated GPUs; the count from the optimized HLO gives a GEMM's
+    2 x M x N x K and a layer scan's trip count times one layer; the layer_copies check sees a stacked
+    weight's layer copied out of the stack."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.planner.hlo_checks import check_layer_copies, parse
+    from jaxdp.planner.hlo_cost import hlo_cost
+    from jaxdp.planner.xla_target import compile_for_gpu
+
+    m, k, n, layers = 4096, 512, 256, 6  # many rows: no split-K partial sums
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((layers, k, k), jnp.bfloat16)
+    one = compile_for_gpu(lambda x, w: x @ w[0, :, :n], x, w)
+    assert one.cost_analysis() is None  # why the planner counts
+    cost = hlo_cost(parse(one.as_text()))
+    assert cost["flops"] == 2 * m * n * k
+    assert cost["bytes accessed"] == (m * k + k * n + m * n) * 2  # x, one layer's slice of w, the result
+
+    def scan(x, w):
+        return jax.lax.scan(lambda h, w_l: ((h @ w_l).astype(h.dtype), None), x, w)[0]
+
+    m, k = 64, 2048  # the weights dominate: 8 MiB a layer, 48 MiB the stack
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((layers, k, k), jnp.bfloat16)
+    mod = parse(compile_for_gpu(scan, x, w).as_text())
+    cost = hlo_cost(mod)
+    assert cost["flops"] == layers * 2 * m * k * k
+    # XLA:GPU copies each layer out of the stack before its GEMM (write + read again: 3 x the weights), and
+    # splits K with float32 partial sums; the whole stack read in every layer would be 18 x
+    weights = layers * k * k * 2
+    assert 3 * weights <= cost["bytes accessed"] < 5 * weights
+    copies = check_layer_copies(mod)
+    assert not copies["ok"] and copies["copies"][0]["shape"] == f"bf16[1,{k},{k}]", copies
+
+
+def test_a_gpu_without_a_target_description_is_one_sentence(small_model, capsys):
+    for gpu in ("L4", "mygpu:96:4.0:700:450"):
+        argv = ["--model", small_model, "--gpus", "8", "--gpu", gpu, "--mesh", "dp=8", "--compile",
+                "--compile-target", "gpu"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "no XLA:GPU target description for GPU" in err, err
+        assert "(shipped: B200, B300, H100, H200); use --gpu with one of them, or --compile-target cpu." in err
+
+
+def test_without_the_plugin_the_gpu_target_says_what_to_install(small_model, capsys, monkeypatch):
+    from jaxdp.planner import xla_target
+
+    monkeypatch.setattr(xla_target, "plugin_installed", lambda: False)
+    assert xla_target.default_target() == "cpu"
+    argv = ["--model", small_model, "--gpus", "8", "--gpu", "H200", "--mesh", "dp=8", "--compile",
+            "--compile-target", "gpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and 'pip install "jax-cuda12-plugin==<jax version>"' in err, err
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp=8", "tp=8", "dp=8,moe=ep"])
+def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
+    """docs/gpu-on-paper.md: the full model on abstract weights, 1-2 minutes and < 1 GiB of host memory each.
+    XLA:GPU's arguments are the plan's weights and pool; the kernels, experts and collectives checks hold;
+    the FP8 one does not yet (each layer's FP8 weights are widened to bf16 outside their GEMMs): xfail."""
+    out = tmp_path / "plan.json"
+    argv = ["--model", "deepseek-v3", "--gpus", "8", "--gpu", "H200", "--mesh", mesh, "--expert-dtype", "fp8",
+            "--compile", "--compile-target", "gpu", "--json", str(out)]
+    assert main(argv) == 0
+    plan = json.loads(out.read_text())
+    assert plan["compile"]["fit"]["fits"]
+    for c in plan["compiled"]:
+        assert abs(c["argument_vs_plan"]) < 0.03, c["argument_vs_plan"]
+        assert all(c["checks"][k]["ok"] for k in ("kernels", "experts", "collectives")), c["checks"]
+        assert c["cost"]["estimate_ms"] > c["cost"]["floor_ms"] > 0
+    decode = plan["compiled"][0]
+    assert decode["kind"] == "decode" and decode["checks"]["kernels"]["grids"]["mla_decode_split"]
+    if not all(c["checks"]["fp8_weights"]["ok"] for c in plan["compiled"]):
+        pytest.xfail("FP8 weights widened to bf16 outside their GEMM fusions on XLA:GPU (docs/gpu-on-paper.md)")
