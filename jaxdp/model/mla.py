@@ -96,6 +96,7 @@ class MLA(nnx.Module):
         self.indexer = Indexer(cfg, rngs, dtype) if cfg.index_topk else None
 
     # ---- projections ---------------------------------------------------------------------------
+    @jax.named_scope("mla_projections")
     def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """q_nope [T, H, N], roped q_rope [T, H, R] and the q LoRA residual [T, Q] (None without q LoRA)."""
         cfg = self.cfg
@@ -109,6 +110,7 @@ class MLA(nnx.Module):
         q_rope_THR = apply_rope(q_THK[..., cfg.qk_nope_head_dim :], positions_T, cfg)
         return q_nope_THN, q_rope_THR, q_TQ
 
+    @jax.named_scope("mla_projections")
     def latent(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The cache entry of each token: normalised latent, then the roped shared key."""
         cfg = self.cfg
@@ -117,6 +119,7 @@ class MLA(nnx.Module):
         k_rope_TR = apply_rope(kv_TK[:, None, cfg.kv_lora_rank :], positions_T, cfg)[:, 0]
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
+    @jax.named_scope("mla_projections")
     def output(self, o_THV: jax.Array) -> jax.Array:
         """o_proj over this device's heads: a partial sum when heads are split over tp."""
         return jnp.einsum("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
@@ -188,6 +191,7 @@ class MLA(nnx.Module):
         kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"))
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
+    @jax.named_scope("mla_attention")
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """Prompt path: each row over its own sequence's cached context, causally, in blocks (expanded per
         head, `prefill.attend_blocked`); with a DSA selection, over the selected latents in the absorbed form
@@ -219,6 +223,7 @@ class MLA(nnx.Module):
         p_THU = jax.nn.softmax(s_THU, axis=-1)
         return jnp.einsum("thu,uhv->thv", p_THU.astype(v_THV.dtype), v_THV)
 
+    @jax.named_scope("mla_attention")
     def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None, sel_TK=None):
         """Decode path: one token per sequence (T == B); attention over the latent cache itself (with a
         DSA selection, over the selected latents only)."""
@@ -251,6 +256,7 @@ def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
     return jax.lax.cond(full, select, lambda: given_TK)
 
 
+@jax.named_scope("kv_write")
 def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,
                 pages_per_layer: int | None = None) -> jax.Array:
     """Scatter the step's entries into their slots; a slot past the layer's pages (padding) is dropped."""

@@ -81,9 +81,11 @@ class MoE(nnx.Module):
         w = self.w_gate_up_packed if self.quantization == "nvfp4" else self.w_gate_up_ED2I
         return w.get_value().shape[0]
 
+    @jax.named_scope("router")
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         return route(x_TD, valid_T, self.router_DE[...], self.router_bias_E[...], self.cfg)
 
+    @jax.named_scope("routed_experts")
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
         if self.quantization == "nvfp4":
             q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
@@ -101,6 +103,7 @@ class MoE(nnx.Module):
         rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
         return dense_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")), rows_E
 
+    @jax.named_scope("shared_expert")
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
 
