@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
-    from jaxdp.backends import moe_runner_backend
+    from jaxdp.backends import keep_freed_host_memory, moe_runner_backend
     from jaxdp.engine.setup import build_runners
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
     from jaxdp.model.checkpoint import CheckpointError
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         S = args.page_size
         per_rank = [sum(-(-(len(p) + args.output_len) // S) for p, r in zip(prompts, ranks, strict=True) if r == k)
                     for k in range(layout.dp)]
+        keep_freed_host_memory()
         mesh = layout.make_mesh(jax.devices()[: layout.world])
         layout.check_memory(jax.devices()[: layout.world])  # before the KV pool is sized
         t_load = time.perf_counter()

@@ -110,7 +110,10 @@ class DeepseekV3(nnx.Module):
                 expert_rows = rows_LE.sum(0)
         with jax.named_scope("lm_head"):
             h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
+            one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
+            h_BD = jnp.concatenate([h_BD, jnp.zeros_like(h_BD)]) if one else h_BD  # (jaxdp.model.layers.dot)
             logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
+            logits_BV = logits_BV[:1] if one else logits_BV
         return logits_BV, new_cache, expert_rows
 
 
