@@ -15,17 +15,17 @@ from jaxdp.one_batch import run_prompts
 from jaxdp.parallel.step import StepRunner
 
 
-@pytest.mark.parametrize("offset", [0, 3])  # 3: experts 3..8 held here, as a device under EP holds them
+@pytest.mark.parametrize("offset", [0, 3])  # 3: experts 3..26 held here (0 and 2 are another device's, as under EP)
 def test_gathered_experts_equal_the_grouped_product(offset):
     rng = np.random.default_rng(offset)
-    T, K, E, D, I = 3, 2, 6, 16, 8
+    T, K, E, D, I = 3, 2, 24, 16, 8
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
-    idx = jnp.asarray([[0, 4], [8, 5], [6, 2]], jnp.int32) + offset
-    idx = idx.at[2].set(12)  # row 2 is padding: the sentinel expert, weight 0
+    idx = jnp.asarray([[0, 4], [8, 5], [6, 2]], jnp.int32)
+    idx = idx.at[2].set(99)  # row 2 is padding: the sentinel expert (past every expert), weight 0
     w = jnp.asarray(rng.uniform(size=(T, K)), jnp.float32).at[2].set(0.0)
     gu = jnp.asarray(rng.normal(size=(E, D, 2, I)), jnp.float32)
     down = jnp.asarray(rng.normal(size=(E, I, D)), jnp.float32)
-    assert gathers("auto", T * K, E) and not gathers("auto", 4 * E, E, 1 << 20) and not gathers("xla", 1, E)
+    assert gathers("auto", T * K, E) and not gathers("auto", E, E, 1 << 20) and not gathers("xla", 1, E)
     assert gathers("auto", 4 * E, E, 1 << 10)  # small gathered weights
     with jax.default_matmul_precision("highest"):
         got, rows_got = jax.jit(gathered_experts, static_argnums=5)(x, idx, w, gu, down, offset)

@@ -29,7 +29,7 @@ matching up rows; the down projection's K is I, so TP needs I / devices to be a 
 blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
 experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
 is `lax.ragged_dot` for every kind. "auto", the default on a CPU, reads only the experts some row chose: with
-few (row, choice) pairs (no more than the experts held here) each pair multiplies its row by its own expert's
+few (row, choice) pairs (at most a quarter of the experts held here) each pair multiplies its row by its own expert's
 weights, gathered (`gathered_experts`: no sort, no loop, and the step reads the chosen experts only; also when
 the gathered weights are small, `gathers`); with more, the blocked form. The default on a GPU is pallas.
 Nothing on the default paths multiplies an expert no row chose: `lax.ragged_dot` ("xla") is XLA's product per
@@ -162,10 +162,10 @@ GATHER_BYTES = 8 << 20  # gathered expert weights below this cost less than the 
 
 def gathers(backend: str, pairs: int, num_local: int, expert_bytes: int = 0) -> bool:
     """Whether `routed_experts` gathers each (row, choice) pair's expert weights: under "auto", when the pairs
-    are no more than the experts held here (the gathered weights are then at most the layer's experts once), or
-    when what they gather is small (`GATHER_BYTES`: small models, whose steps the blocked loop would only slow,
-    and whose compiles it would lengthen)."""
-    return backend == "auto" and (pairs <= num_local or pairs * expert_bytes <= GATHER_BYTES)
+    are at most a quarter of the experts held here (the gathered copy, which XLA:CPU writes and reads again, is
+    then at most half the layer's experts' bytes), or when what they gather is small (`GATHER_BYTES`: small
+    models, whose steps the blocked loop would only slow, and whose compiles it would lengthen)."""
+    return backend == "auto" and (4 * pairs <= num_local or pairs * expert_bytes <= GATHER_BYTES)
 
 
 def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "auto"):
