@@ -34,12 +34,28 @@ def ensure_checkpoint(path: str | Path | None = None) -> Path:
     from jaxdp.bench.loading import write_checkpoint
 
     out = Path(path) if path else cache_dir() / "peer-deepseek-v3-230m"
+    if not (out / "tokenizer.json").exists():
+        write_tokenizer(out, PEER_CONFIG.vocab_size)
     if not (out / "model.safetensors.index.json").exists():
         write_checkpoint(out, PEER_CONFIG)
         raw = json.loads((out / "config.json").read_text())
         raw |= {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "architectures": ["DeepseekV3ForCausalLM"]}
         (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
+
+
+def write_tokenizer(out: Path, vocab: int) -> None:
+    """A word-level tokenizer over the whole vocabulary ("w0" .. "w<vocab-1>", one per id; id 0 is BOS, 1 EOS)
+    that jaxdp and vLLM both load, so that both stream text for the random token-id prompts of the client."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w0", "eos_token": "w1", "unk_token": "w2",
+        "model_max_length": 4096}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
