@@ -22,17 +22,6 @@ ATTENTION_BACKENDS = ("xla", "pallas")
 MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas", "blocked")  # how the routed experts multiply (jaxdp.model.moe)
 
 
-def default_dtype() -> str:
-    """`--dtype auto`: bfloat16 on a GPU; float32 on a CPU, and says why in one log line."""
-    if jax.default_backend() == "gpu":
-        return "bfloat16"
-    logging.getLogger("jaxdp").info(
-        "dtype auto: float32 on a CPU (weights converted once at load): XLA:CPU multiplies bf16 fast only as "
-        "2-D products with float32 accumulation, and converts the whole stacked bf16 weights of the others to "
-        "float32 every step (docs/performance.md)")
-    return "float32"
-
-
 def default_attention_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
@@ -89,3 +78,14 @@ def keep_freed_host_memory() -> bool:
     if ok:
         logging.getLogger("jaxdp").info("CPU: freed host memory is kept for the next step (no mmap, no trim)")
     return ok
+
+
+def default_dtype() -> str:
+    """`--dtype auto`: bfloat16 on a GPU; float32 on a CPU, and says why in one log line."""
+    if jax.default_backend() == "gpu":
+        return "bfloat16"
+    logging.getLogger("jaxdp").info(
+        "dtype auto: float32 on a CPU (weights converted once at load): XLA:CPU multiplies bf16 fast only as "
+        "2-D products with float32 accumulation, and converts the whole stacked bf16 weights of the others to "
+        "float32 every step (docs/performance.md)")
+    return "float32"
