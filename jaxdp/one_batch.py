@@ -99,6 +99,22 @@ def run_prompts(runner: StepRunner, prompts: list[list[int]], ranks: list[int], 
     return out
 
 
+def print_roofline(runner: StepRunner, prompts: list[list[int]], output_len: int, dtype: str, t: dict) -> None:
+    """The prefill and the median decode step against this machine's floor (`jaxdp.bench.roofline`), on one
+    attention rank's rows (the floor of a one-device step; under a layout, the busiest device's is the planner's)."""
+    from jaxdp.bench.roofline import describe, machine, step_floor
+
+    if runner.layout.world != 1:
+        return
+    mach = machine()
+    mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
+    print("prefill " + describe(step_floor(runner.cfg, [mean_prompt] * len(prompts), 0, dtype, mach), t["prefill_s"]))
+    if output_len:
+        context = mean_prompt + output_len // 2
+        print("decode " + describe(step_floor(runner.cfg, [1] * len(prompts), context, dtype, mach),
+                                   t["decode_median_s"]))
+
+
 def parse_prompt_ids(text: str) -> list[list[int]]:
     try:
         prompts = [[int(t) for t in part.split(",") if t.strip()] for part in text.split(";")]
@@ -148,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
-    from jaxdp.backends import moe_runner_backend
+    from jaxdp.backends import keep_freed_host_memory, moe_runner_backend
     from jaxdp.engine.setup import build_runners
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
     from jaxdp.model.checkpoint import CheckpointError
@@ -173,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         S = args.page_size
         per_rank = [sum(-(-(len(p) + args.output_len) // S) for p, r in zip(prompts, ranks, strict=True) if r == k)
                     for k in range(layout.dp)]
+        keep_freed_host_memory()
         mesh = layout.make_mesh(jax.devices()[: layout.world])
         layout.check_memory(jax.devices()[: layout.world])  # before the KV pool is sized
         t_load = time.perf_counter()
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_len:
         print(f"decode: median {t['decode_median_s'] * 1e3:.2f} ms/step, "
               f"{len(prompts) / max(t['decode_median_s'], 1e-9):.1f} tok/s")
+    print_roofline(runner, prompts, args.output_len, args.dtype, t)
     acc = runner.last_account
     if acc is not None:
         print(f"last step ({acc.kind}): rows per rank {list(acc.rows)}, gather {acc.gather_mode}, "

@@ -240,12 +240,13 @@ def build_backend(args, layout, tokenizer, dist=None):
     import jax
 
     from jaxdp.api.replicas import ReplicaSet
+    from jaxdp.backends import default_dtype
     from jaxdp.engine import Engine
     from jaxdp.engine.hosts import HostExchange, world_devices
     from jaxdp.engine.setup import build_runners
 
     devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    dtype = args.dtype if args.dtype != "auto" else default_dtype()
     if dist and dist.multi:  # each node checks the balance of its own devices
         from jaxdp.layout import check_memory_balance, device_free_memory
 
@@ -344,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             from jaxdp.engine.setup import enable_compilation_cache
 
             enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
+            from jaxdp.backends import keep_freed_host_memory
+
+            keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
             layout = layout_from_args(args, num_devices=len(jax.devices()))
             tokenizer = resolve_model(args)
             backend = build_backend(args, layout, tokenizer, dist)

@@ -82,7 +82,8 @@ class DeepseekV3(nnx.Module):
         rows received per expert summed over MoE layers [E_local]).
         """
         cfg = self.cfg
-        x_TD = self.embed_VD[...][tokens_T]
+        with jax.named_scope("embedding"):  # (the scopes name the parts of `python -m jaxdp.bench.profile`)
+            x_TD = self.embed_VD[...][tokens_T]
         new_cache = None if kv_cache is None else dict(kv_cache)
         expert_rows = jnp.zeros((0,), jnp.int32)
         sel_TK = _no_selection(cfg, tokens_T.shape[0], batch, kv_cache)  # carried across both stacks
@@ -107,8 +108,12 @@ class DeepseekV3(nnx.Module):
                 sel_TK = index[1]
             if name == "moe":
                 expert_rows = rows_LE.sum(0)
-        h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
-        logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
+        with jax.named_scope("lm_head"):
+            h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
+            one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
+            h_BD = jnp.concatenate([h_BD, jnp.zeros_like(h_BD)]) if one else h_BD  # (jaxdp.model.layers.dot)
+            logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
+            logits_BV = logits_BV[:1] if one else logits_BV
         return logits_BV, new_cache, expert_rows
 
 
@@ -147,7 +152,8 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
         if is_moe:
             y_rows, rows_E = comm.moe(h_rows, valid_T, layer.ffn)
         else:
-            y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
+            with jax.named_scope("dense_ffn"):
+                y_rows, rows_E = comm.dense_ffn(h_rows, valid_T, layer.ffn), jnp.zeros((0,), jnp.int32)
         return (comm.ffn_to_attn(y_rows, x_rows), kv_PSK, idx), rows_E
 
     kv = None if kv_LPSK is None else kv_LPSK.reshape(L * P, S, K)

@@ -32,7 +32,7 @@ from jaxdp.config import ModelConfig
 from jaxdp.model import prefill
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
-from jaxdp.model.layers import apply_rope, init_normal, rms_norm
+from jaxdp.model.layers import apply_rope, dot, init_normal, rms_norm
 from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
 
 
@@ -96,30 +96,33 @@ class MLA(nnx.Module):
         self.indexer = Indexer(cfg, rngs, dtype) if cfg.index_topk else None
 
     # ---- projections ---------------------------------------------------------------------------
+    @jax.named_scope("mla_projections")
     def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """q_nope [T, H, N], roped q_rope [T, H, R] and the q LoRA residual [T, Q] (None without q LoRA)."""
         cfg = self.cfg
         q_TQ = None
         if cfg.q_lora_rank is not None:
-            q_TQ = rms_norm(x_TD @ weight(self, "w_q_a_DQ"), self.q_a_norm[...], cfg.rms_norm_eps)
-            q_THK = jnp.einsum("tq,qhk->thk", q_TQ, weight(self, "w_q_b_QHK"))
+            q_TQ = rms_norm(dot("td,dq->tq", x_TD, weight(self, "w_q_a_DQ")), self.q_a_norm[...], cfg.rms_norm_eps)
+            q_THK = dot("tq,qhk->thk", q_TQ, weight(self, "w_q_b_QHK"))
         else:
-            q_THK = jnp.einsum("td,dhk->thk", x_TD, weight(self, "w_q_DHK"))
+            q_THK = dot("td,dhk->thk", x_TD, weight(self, "w_q_DHK"))
         q_nope_THN = q_THK[..., : cfg.qk_nope_head_dim]
         q_rope_THR = apply_rope(q_THK[..., cfg.qk_nope_head_dim :], positions_T, cfg)
         return q_nope_THN, q_rope_THR, q_TQ
 
+    @jax.named_scope("mla_projections")
     def latent(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The cache entry of each token: normalised latent, then the roped shared key."""
         cfg = self.cfg
-        kv_TK = x_TD @ weight(self, "w_kv_a_DK")
+        kv_TK = dot("td,dk->tk", x_TD, weight(self, "w_kv_a_DK"))
         latent_TL = rms_norm(kv_TK[:, : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.rms_norm_eps)
         k_rope_TR = apply_rope(kv_TK[:, None, cfg.kv_lora_rank :], positions_T, cfg)[:, 0]
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
+    @jax.named_scope("mla_projections")
     def output(self, o_THV: jax.Array) -> jax.Array:
         """o_proj over this device's heads: a partial sum when heads are split over tp."""
-        return jnp.einsum("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
+        return dot("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
 
     # ---- the two attention paths -----------------------------------------------------------------
     def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
@@ -185,9 +188,11 @@ class MLA(nnx.Module):
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
         cfg = self.cfg
-        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"))
+        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"),
+                            preferred_element_type=jnp.float32).astype(kv_XK.dtype)
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
+    @jax.named_scope("mla_attention")
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """Prompt path: each row over its own sequence's cached context, causally, in blocks (expanded per
         head, `prefill.attend_blocked`); with a DSA selection, over the selected latents in the absorbed form
@@ -200,10 +205,10 @@ class MLA(nnx.Module):
             attend = attend_dense if small <= prefill.DENSE_MAX_SCORES else attend_blocked
             return attend(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, kv_lora_rank=cfg.kv_lora_rank,
                           softmax_scale=cfg.softmax_scale)
-        q_latent_THL = jnp.einsum("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
+        q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
                                 softmax_scale=cfg.softmax_scale)
-        return jnp.einsum("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
+        return dot("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,
@@ -219,6 +224,7 @@ class MLA(nnx.Module):
         p_THU = jax.nn.softmax(s_THU, axis=-1)
         return jnp.einsum("thu,uhv->thv", p_THU.astype(v_THV.dtype), v_THV)
 
+    @jax.named_scope("mla_attention")
     def attend_absorbed(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None, sel_TK=None):
         """Decode path: one token per sequence (T == B); attention over the latent cache itself (with a
         DSA selection, over the selected latents only)."""
@@ -226,7 +232,7 @@ class MLA(nnx.Module):
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         w_uk_LHN = w_kv_b_LHX[..., : cfg.qk_nope_head_dim]
         w_uv_LHV = w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
-        q_latent_BHL = jnp.einsum("bhn,lhn->bhl", q_nope_THN, w_uk_LHN)
+        q_latent_BHL = dot("bhn,lhn->bhl", q_nope_THN, w_uk_LHN)
         if sel_TK is not None:
             S = kv_PSK.shape[1]
             page_BK = jnp.take_along_axis(batch.page_table_BN, sel_TK // S, axis=1)
@@ -241,7 +247,7 @@ class MLA(nnx.Module):
         else:
             o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                    softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
-        return jnp.einsum("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
+        return dot("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
 
 
 def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
@@ -251,6 +257,7 @@ def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:
     return jax.lax.cond(full, select, lambda: given_TK)
 
 
+@jax.named_scope("kv_write")
 def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page_offset=0,
                 pages_per_layer: int | None = None) -> jax.Array:
     """Scatter the step's entries into their slots; a slot past the layer's pages (padding) is dropped."""

@@ -28,8 +28,12 @@ matching up rows; the down projection's K is I, so TP needs I / devices to be a 
 (interpret mode on a CPU). `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by
 blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
 experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
-is `lax.ragged_dot` for every kind. The default: pallas on a GPU, xla elsewhere (on XLA:CPU the blocked
-form's loops add about 0.4 s to each compile of a MoE layer, which the suite's many engines would feel).
+is `lax.ragged_dot` for every kind. "auto", the default on a CPU, reads only the experts some row chose: with
+few (row, choice) pairs (at most a quarter of the experts held here) each pair multiplies its row by its own expert's
+weights, gathered (`gathered_experts`: no sort, no loop, and the step reads the chosen experts only; also when
+the gathered weights are small, `gathers`); with more, the blocked form. The default on a GPU is pallas.
+Nothing on the default paths multiplies an expert no row chose: `lax.ragged_dot` ("xla") is XLA's product per
+expert over every row, and on XLA:CPU it also copies every expert's weights each step.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class MoE(nnx.Module):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.quantization: str | None = None  # "nvfp4" once `to_nvfp4` ran
-        self.runner_backend = "xla"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: in the graph)
+        self.runner_backend = "auto"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: in the graph)
         self.router_DE = nnx.Param(init_normal(rngs, (D, E), jnp.float32, D))
         self.router_bias_E = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.w_gate_up_ED2I = nnx.Param(init_normal(rngs, (E, D, 2, I), dtype, D))
@@ -81,9 +85,11 @@ class MoE(nnx.Module):
         w = self.w_gate_up_packed if self.quantization == "nvfp4" else self.w_gate_up_ED2I
         return w.get_value().shape[0]
 
+    @jax.named_scope("router")
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         return route(x_TD, valid_T, self.router_DE[...], self.router_bias_E[...], self.cfg)
 
+    @jax.named_scope("routed_experts")
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
         if self.quantization == "nvfp4":
             q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
@@ -101,6 +107,7 @@ class MoE(nnx.Module):
         rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
         return dense_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")), rows_E
 
+    @jax.named_scope("shared_expert")
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
 
@@ -150,12 +157,26 @@ def _ragged(backend: str):
     return jax.lax.ragged_dot if backend == "xla" else grouped_matmul
 
 
-def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "xla"):
+GATHER_BYTES = 8 << 20  # gathered expert weights below this cost less than the blocked loop (compile and run)
+
+
+def gathers(backend: str, pairs: int, num_local: int, expert_bytes: int = 0) -> bool:
+    """Whether `routed_experts` gathers each (row, choice) pair's expert weights: under "auto", when the pairs
+    are at most a quarter of the experts held here (the gathered copy, which XLA:CPU writes and reads again, is
+    then at most half the layer's experts' bytes), or when what they gather is small (`GATHER_BYTES`: small
+    models, whose steps the blocked loop would only slow, and whose compiles it would lengthen)."""
+    return backend == "auto" and (4 * pairs <= num_local or pairs * expert_bytes <= GATHER_BYTES)
+
+
+def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "auto"):
     """Sum over a row's chosen experts (among those held here) of weight * expert(row).
 
     Returns (y_TD in float32, rows received per local expert [E_local]).
     """
     E_local, D, _, I = w_gate_up_ED2I.shape
+    expert_bytes = 3 * D * I * w_gate_up_ED2I.dtype.itemsize
+    if gathers(backend, idx_TK.size, E_local, expert_bytes):
+        return gathered_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset)
     ragged = _ragged(backend)
 
     def ffn(x_sorted, sizes_E):
@@ -165,6 +186,28 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
         return ragged(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
 
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def gathered_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0):
+    """`routed_experts` for few rows: each (row, choice) pair reads its own expert's weights (gathered) and
+    multiplies its row by them; pairs whose expert is not held here (another device's, the padding sentinel)
+    are computed with expert 0's weights and dropped by a select (never a product: NaN-safe)."""
+    T, K = idx_TK.shape
+    E_local = w_gate_up_ED2I.shape[0]
+    local_TK = idx_TK - expert_offset
+    held_TK = (local_TK >= 0) & (local_TK < E_local)
+    e_TK = jnp.where(held_TK, local_TK, 0)
+    D, I = x_TD.shape[1], w_down_EID.shape[1]
+    e_P = e_TK.reshape(-1)
+    # each pair's row beside a zero row: a product of two rows is one XLA:CPU runs fast in bf16 (layers.dot)
+    x_PMD = jnp.stack([jnp.repeat(x_TD, K, axis=0), jnp.zeros((T * K, D), x_TD.dtype)], axis=1)
+    h_PM2I = jnp.einsum("pmd,pdn->pmn", x_PMD, w_gate_up_ED2I[e_P].reshape(T * K, D, 2 * I),
+                        preferred_element_type=jnp.float32).reshape(T * K, 2, 2, I)
+    h_PMI = (jax.nn.silu(h_PM2I[:, :, 0]) * h_PM2I[:, :, 1]).astype(x_TD.dtype)
+    y_PD = jnp.einsum("pmi,pid->pmd", h_PMI, w_down_EID[e_P], preferred_element_type=jnp.float32)[:, 0]
+    y_TD = jnp.where(held_TK[..., None], y_PD.reshape(T, K, D) * w_TK[..., None], 0.0).sum(1)
+    rows_E = jnp.bincount(jnp.where(held_TK, local_TK, E_local).reshape(-1), length=E_local + 1)[:E_local]
+    return y_TD, rows_E.astype(jnp.int32)
 
 
 def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
@@ -177,7 +220,7 @@ def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
     return jnp.einsum("tei,eid->td", h_TEI.astype(x_TD.dtype), w_down_EID, preferred_element_type=jnp.float32)
 
 
-def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "xla"):
+def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "auto"):
     """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here)."""
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"MoE runner backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")

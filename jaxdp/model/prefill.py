@@ -209,4 +209,5 @@ def attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv
     s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
     s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
     p_BHX = jax.nn.softmax(s_BHX, axis=-1)
-    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL)
+    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL,
+                      preferred_element_type=jnp.float32).astype(latent_BXL.dtype)  # (XLA:CPU: bf16 fast only so)

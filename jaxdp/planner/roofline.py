@@ -10,6 +10,12 @@ main attention reads min(context, index_topk) latents, its indexer reads all `co
 routed experts a step reads are those its rows pick, expected under uniform independent routing
 (E * (1 - (1 - k/E)^rows)); SGLang routes padding rows like real rows, jaxdp masks them; under TP every
 device reads the latent cache of every request (MLA has one KV head), under attention DP only its own.
+
+The same model prices a step on any device that says its read bandwidth, dot throughput and link
+(`hbm_bytes_per_s`, `flops_per_s`, `link_bytes_per_s`): a GPU preset for the planner, or this machine as
+`jaxdp.bench.roofline` measures it, for the benchmarks' "N x the floor". An extend step is rows of
+`tokens_per_row` new tokens each, each reading `context` cached tokens plus its own (causally, half of
+them on average); `weight_dtype="fp32"` prices weights held in float32 (a CPU that computes in float32).
 """
 
 from __future__ import annotations
@@ -81,15 +87,20 @@ def expected_experts(rows: int, n_experts: int, top_k: int) -> float:
 def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int, ...], *,
                     context: int = 1024, expert_dtype: str = "bf16", kv_dtype: str = "bf16",
                     absorbed_copy: bool | None = None, placement: str = "sglang", latency_us: float = 10.0,
-                    padding: str = "sglang") -> Roofline:
+                    padding: str = "sglang", tokens_per_row: int = 1, weight_dtype: str = "bf16") -> Roofline:
     """One decode step on the busiest device; `padding` is "sglang" (padding rows reach the experts)
-    or "jaxdp" (the router masks them)."""
-    acct = account_step(layout, cfg, rows, is_extend=False)
+    or "jaxdp" (the router masks them). `tokens_per_row` > 1: an extend step (rows are sequences);
+    `weight_dtype` "fp32": the weights held in float32 (twice the bytes of bf16, experts included)."""
+    if weight_dtype not in ("bf16", "fp32"):
+        raise ValueError(f"weight dtype {weight_dtype!r} is unknown; use bf16 or fp32")
+    held = 2.0 if weight_dtype == "fp32" else 1.0  # bytes relative to the bf16 / expert_dtype figures
+    t = tokens_per_row
+    acct = account_step(layout, cfg, [r * t for r in rows], is_extend=t > 1)
     comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement)}
     bw, peak, link = gpu.hbm_bytes_per_s, gpu.flops_per_s, gpu.link_bytes_per_s
     n, tp = layout.world, layout.tp
     L, Lm, h, k = cfg.num_layers, cfg.num_moe_layers, cfg.hidden_size, cfg.num_experts_per_tok
-    att_rows = acct.bucket or max(rows)  # rows this device's attention runs (padded to the bucket)
+    att_rows = acct.bucket or max(rows) * t  # rows this device's attention runs (padded to the bucket)
     requests = sum(rows) if layout.dp == 1 else max(rows)  # caches this device reads
     moe_rows = acct.experts_sglang.computed if padding == "sglang" else acct.exact_rows
     if layout.moe == "ep":
@@ -102,25 +113,29 @@ def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int,
     def weights(name: str, rows_: int) -> None:
         c = comps.get(name)
         if c is not None:
-            add(name, c.bytes_per_device, 2 * c.params * (c.bytes_per_device / c.bytes_total) * rows_)
+            scale = 1.0 if name == "router" else held  # jaxdp's router is float32 already
+            add(name, c.bytes_per_device * scale, 2 * c.params * (c.bytes_per_device / c.bytes_total) * rows_)
 
     weights("attention projections", att_rows)
     weights("DSA indexer", att_rows)
     kvb = kv_bytes(cfg, kv_dtype)
-    attended = min(context, cfg.index_topk) if cfg.index_topk else context
-    kv_read = requests * L * (kvb.latent * attended + kvb.indexer * context)
+    cached = context + t  # what a row's sequence holds after the step
+    attended = min(cached, cfg.index_topk) if cfg.index_topk else cached
+    kv_read = requests * L * (kvb.latent * attended + kvb.indexer * cached) * (2 if held > 1 else 1)
     heads = cfg.num_heads / tp
-    kv_flops = requests * L * 2 * (heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * attended
-                                   + cfg.index_n_heads * cfg.index_head_dim * context)
+    per_token = context + (t + 1) / 2  # keys a new token attends to, on average (causal within the row)
+    attended_t = min(per_token, cfg.index_topk) if cfg.index_topk else per_token
+    kv_flops = requests * t * L * 2 * (heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * attended_t
+                                       + cfg.index_n_heads * cfg.index_head_dim * per_token)
     add("KV cache", kv_read, kv_flops)
     weights("router", moe_rows)
     experts = comps["routed experts"]
     touched = expected_experts(moe_rows, cfg.n_routed_experts, k) / cfg.n_routed_experts
-    add("routed experts", experts.bytes_total * touched / n,
+    add("routed experts", experts.bytes_total * touched / n * held,
         2 * 3 * h * cfg.moe_intermediate_size * Lm * moe_rows * k / n)
     weights("shared expert", moe_rows)
     weights("dense layers", acct.gathered_rows)
-    lm_rows = max(rows) if layout.dp_lm_head else sum(rows)
+    lm_rows = max(rows) if layout.dp_lm_head else sum(rows)  # one logits row per sequence
     weights("LM head", lm_rows)
     weights("norms", att_rows)
     coll_bytes = sum(c.wire_bytes * c.calls for c in acct.collectives if c.op != "cpu_all_gather")
