@@ -100,11 +100,12 @@ def check_crossover(r: dict) -> None:
 
 CHECKS = {"skew": check_skew, "single-request": check_single_request,
           "prompt-in-the-way": check_prompt_in_the_way, "ep": check_ep, "crossover": check_crossover}
-RECORDED = Path(__file__).parent.parent / "docs" / "experiments"
+RECORDED = Path(__file__).parent.parent / "docs" / "experiments"  # tables and plots
+RECORDED_JSON = Path(__file__).parent.parent / "benchmarks" / "results" / "experiments"  # their raw results
 
 
-def check_outputs(name: str, out: Path, quick: bool = True) -> None:
-    result = json.loads((out / f"{name}.json").read_text())
+def check_outputs(name: str, out: Path, quick: bool = True, json_dir: Path | None = None) -> None:
+    result = json.loads(((json_dir or out) / f"{name}.json").read_text())
     assert result["experiment"] == name and result["quick"] == quick
     CHECKS[name](result)
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -122,14 +123,14 @@ def test_quick_run_writes_results(name, tmp_path):
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_the_recorded_full_runs_pass_the_same_checks(name):
     """docs/experiments/full/ holds one full run of each (docs/experiments.md quotes them)."""
-    check_outputs(name, RECORDED / "full", quick=False)
+    check_outputs(name, RECORDED / "full", quick=False, json_dir=RECORDED_JSON / "full")
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_the_recorded_runs_pass_the_same_checks(name):
     """docs/experiments/ holds one --quick run of each: the checks hold on it, and fail on a broken copy."""
-    check_outputs(name, RECORDED)
-    broken = json.loads((RECORDED / f"{name}.json").read_text())
+    check_outputs(name, RECORDED, json_dir=RECORDED_JSON)
+    broken = json.loads((RECORDED_JSON / f"{name}.json").read_text())
     {"skew": lambda r: r["steady"]["skewed"].update(requests_per_dp_rank={"0": 64}),
      "single-request": lambda r: r["median_itl_ms"].update({"dp=4": float("nan")}),
      "prompt-in-the-way": lambda r: r["tests"]["pinned long"].update(prompts_done=0),

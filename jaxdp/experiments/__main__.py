@@ -1,4 +1,4 @@
-"""`python -m jaxdp.experiments NAME [--quick] [--output-dir D] [server flags such as --model-path]`."""
+"""`python -m jaxdp.experiments NAME [--quick] [--output-dir D] [--json-dir J] [server flags such as --model-path]`."""
 
 from __future__ import annotations
 
@@ -24,15 +24,19 @@ def main(argv: list[str] | None = None) -> int:
                epilog="Any other flag goes to every server the experiment starts (python -m jaxdp.serve --help).")
     p.add_argument("name", choices=[*EXPERIMENTS, "all"], help="the experiment (all: one after another)")
     p.add_argument("--quick", action="store_true", help="small loads: 2 to 6 minutes each on 2 shared CPU cores")
-    p.add_argument("--output-dir", default="experiments-out", help="where NAME.json, NAME.png, NAME.md go")
+    p.add_argument("--output-dir", default="experiments-out", help="where NAME.png and NAME.md go (and NAME.json "
+                   "unless --json-dir)")
+    p.add_argument("--json-dir", default=None, help="where the raw NAME.json goes (default: --output-dir)")
     try:
         args, server_flags = p.parse_known_args(argv)
         check_server_flags(server_flags)
         for name in EXPERIMENTS if args.name == "all" else [args.name]:
             t0 = time.time()
-            ctx = Context(name, args.quick, Path(args.output_dir), server_flags)
+            ctx = Context(name, args.quick, Path(args.output_dir), server_flags,
+                          json_dir=Path(args.json_dir) if args.json_dir else None)
             EXPERIMENTS[name].run(ctx)
-            print(f"[{name}] done in {time.time() - t0:.0f} s: {Path(args.output_dir) / name}.{{json,png,md}}")
+            print(f"[{name}] done in {time.time() - t0:.0f} s: {Path(args.output_dir) / name}.{{png,md}}, "
+                  f"{ctx.json_path}")
             print(Path(f"{Path(args.output_dir) / name}.md").read_text())
     except ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,13 +57,19 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class Context:
-    """One experiment's run: quick or full, where it writes, and the user's server flags."""
+    """One experiment's run: quick or full, where it writes (the table and plot to output_dir, the raw JSON to
+    json_dir, the same folder unless given), and the user's server flags."""
 
     name: str
     quick: bool
     output_dir: Path
     server_flags: list[str] = dataclasses.field(default_factory=list)
     start_timeout_s: float = 600.0
+    json_dir: Path | None = None
+
+    @property
+    def json_path(self) -> Path:
+        return (self.json_dir or self.output_dir) / f"{self.name}.json"
 
     @property
     def model_path(self) -> str:
@@ -136,10 +142,11 @@ class Context:
     def write(self, result: dict, fig, table: list[tuple[str, str, str]], notes: str = "") -> list[Path]:
         """NAME.json (with the config), NAME.png, NAME.md (a table: quantity | article | jaxdp)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
         base = self.output_dir / self.name
         result = {"experiment": self.name, "quick": self.quick, "server_flags": self.server_flags,
                   "machine": machine(), **result}
-        Path(f"{base}.json").write_text(json.dumps(result, indent=2) + "\n")
+        self.json_path.write_text(json.dumps(result, indent=2) + "\n")
         fig.savefig(f"{base}.png", dpi=110)
         lines = [f"### {self.name}{' (--quick)' if self.quick else ''}", "",
                  "| quantity | article (4x B300, GLM-5.3) | jaxdp (this run) |", "| --- | --- | --- |"]
@@ -147,7 +154,7 @@ class Context:
         if notes:
             lines += ["", notes]
         Path(f"{base}.md").write_text("\n".join(lines) + "\n")
-        return [Path(f"{base}.{ext}") for ext in ("json", "png", "md")]
+        return [self.json_path, Path(f"{base}.png"), Path(f"{base}.md")]
 
 
 def machine() -> str:
