@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.bench import serving
+from jaxdp.bench.launch import free_port
 
 
 def null_server(port: int, cpus: set[int], events: int, arrivals) -> None:
@@ -101,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cpus", default=str(every[-1]), help="CPUs of the client (default: the last)")
     ap.add_argument("--json", default="bench_client_cost.json")
     a = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     arrivals = mp.get_context("spawn").Queue()
     server = mp.get_context("spawn").Process(target=null_server, daemon=True, args=(
         port, {int(c) for c in a.server_cpus.split(",")}, a.output_len, arrivals))

@@ -31,14 +31,7 @@ from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from jaxdp.bench.launch import free_port
 
 # ---- 1. the exchange alone ---------------------------------------------------------------------------
 
@@ -113,7 +106,7 @@ def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str, tra
 
 
 def bench_exchange(nodes: int, rounds: int, transport: str) -> dict:
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.bench.multihost", "--exchange-worker", str(k),
@@ -161,7 +154,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def bench_serving(nodes: int, load: list[str], workdir: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     procs = []
     if nodes == 1:
@@ -169,9 +162,9 @@ def bench_serving(nodes: int, load: list[str], workdir: Path) -> dict:
         procs.append(_start([*SERVE_ARGS, "--port", str(port)], workdir / "node0.log", env))
     else:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nodes}"
-        addr = f"127.0.0.1:{_free_port()}"
+        addr = f"127.0.0.1:{free_port()}"
         for k in range(nodes):
-            procs.append(_start([*SERVE_ARGS, "--port", str(port if k == 0 else _free_port()), "--nnodes",
+            procs.append(_start([*SERVE_ARGS, "--port", str(port if k == 0 else free_port()), "--nnodes",
                                  str(nodes), "--node-rank", str(k), "--dist-init-addr", addr],
                                 workdir / f"node{k}.log", env))
     url = f"http://127.0.0.1:{port}"

@@ -25,11 +25,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from jaxdp.bench.launch import NotReady, free_port, wait_healthy
 from jaxdp.bench.peer_model import cache_dir, ensure_checkpoint
 
 VLLM_VERSION = "0.32.0"
@@ -51,29 +49,15 @@ def vllm_python() -> Path:
     return py
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout: float = 1800) -> subprocess.Popen:
     """Start a server and wait until /health answers (vLLM's compiled mode takes minutes to start)."""
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: {cmd[2]} exited before it was ready; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.kill()
-    raise SystemExit(f"error: {cmd[2]} was not ready within {timeout:.0f} s; see {log}")
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, timeout, poll_s=2, name=cmd[2])
+    except NotReady as e:
+        proc.kill()
+        raise SystemExit(f"error: {e}") from None
+    return proc
 
 
 def server_cmd(engine: str, model: Path, port: int, max_running: int) -> tuple[list[str], dict]:

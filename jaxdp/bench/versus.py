@@ -37,14 +37,7 @@ import httpx
 import numpy as np
 
 from jaxdp.bench.cpu import child_pids, process_cpu_seconds, thread_cpu_seconds
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jaxdp.bench.launch import NotReady, free_port, wait_healthy
 
 
 def _cpus(spec: str | None, default: set[int]) -> set[int]:
@@ -112,18 +105,12 @@ def start_server(args, flags: list[str], cpus: set[int] | None, port: int, log: 
            "--chunked-prefill-size", str(args.chunk_per_rank * args.dp), "--context-length", str(s["context"]),
            "--cuda-graph-bs", *map(str, s["buckets"]), *flags]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(cpus), stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: the server exited before it was ready; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"error: the server was not ready within 600 s; see {log}")
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, 600, poll_s=1)
+    except NotReady as e:
+        proc.kill()
+        raise SystemExit(f"error: {e}") from None
+    return proc
 
 
 def serve_rounds(args, port: int, server: subprocess.Popen, offline: Offline) -> tuple[list[dict], list[dict]]:
@@ -238,7 +225,7 @@ def serve_one(args, flags: list[str], engine_cpus, client_cpus, every: list[int]
     (medians over the rounds)."""
     split = "--no-engine-process" not in flags and client_cpus is not None
     http_cpus = _cpus(args.http_cpus, client_cpus) if split else None
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args, flags, engine_cpus, port, Path(tmp) / "server.log")
         try:

@@ -9,18 +9,16 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from jaxdp.bench import serving as bench
+from jaxdp.bench.launch import NotReady, free_port, wait_healthy
 
 # what the experiments choose themselves; a user flag for one of these would silently fight them
 OWNED_FLAGS = ("--mesh", "--host", "--port", "--tp-size", "--tp", "--attn-dp-size", "--dp-size", "--dp",
@@ -47,12 +45,6 @@ def check_server_flags(flags: list[str]) -> None:
     _, unknown = build_parser().parse_known_args(flags)
     if unknown:
         raise ExperimentError(f"{unknown[0]!r} is not a flag of python -m jaxdp.serve; see its --help")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -91,7 +83,10 @@ class Context:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(proc, url, log_path, self.start_timeout_s)
+            try:
+                wait_healthy(proc, url, log_path, self.start_timeout_s)
+            except NotReady as e:
+                raise ExperimentError(str(e)) from None
             yield url
         finally:
             _stop(proc)
@@ -200,21 +195,6 @@ def gap_ms(point: dict) -> float:
 
 def ms(value: float) -> str:
     return f"{value:.1f} ms"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
-            raise ExperimentError(f"the server exited with status {proc.returncode} before it was ready "
-                                  f"({tail[0][:300]}); see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    _stop(proc)
-    raise ExperimentError(f"the server was not ready within {timeout_s:.0f} s; see {log_path}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -1,0 +1,38 @@
+"""Servers that the benchmarks and experiments start: a free port on loopback, and the wait for /health."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+
+class NotReady(RuntimeError):
+    """A started server exited, or did not answer /health in time; the message says which and names its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, poll_s: float = 0.5,
+                 name: str = "the server") -> None:
+    """Return once `url`/health answers 200; NotReady if `proc` exits first (its last log line in the message)
+    or after `timeout_s` (the caller stops it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
+            raise NotReady(f"{name} exited with status {proc.returncode} before it was ready ({tail[0][:300]}); "
+                           f"see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(poll_s)
+    raise NotReady(f"{name} was not ready within {timeout_s:.0f} s; see {log}")
