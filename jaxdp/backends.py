@@ -80,7 +80,8 @@ def keep_freed_host_memory() -> bool:
     except OSError:  # not glibc
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 40))
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # (a Python int past a C int was cut to 0: trim always)
+    ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     if ok:
         logging.getLogger("jaxdp").info("CPU: freed host memory is kept for the next step (no mmap, no trim)")
     return ok

@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MLA decode: Pallas kernel or the XLA path (default: pallas on a GPU, xla on a CPU)")
     ap.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
                     help="routed experts: xla (lax.ragged_dot), blocked (jaxdp.model.grouped, not expanded per "
-                         "expert) or pallas (NVFP4's grouped GEMM, blocked for bf16 and FP8 experts) (default: "
-                         "pallas on a GPU, xla on a CPU; pallas on a CPU runs in interpret mode)")
+                         "expert), pallas (NVFP4's grouped GEMM, blocked for bf16 and FP8 experts) or auto (few rows "
+                         "gather their chosen experts, many run blocked) (default: pallas on a GPU, auto on a CPU; "
+                         "pallas on a CPU runs in interpret mode)")
     ap.add_argument("--quantization", choices=["nvfp4", "fp8"],
                     help="nvfp4: hold the routed experts as NVFP4, quantized at load (a ModelOpt NVFP4 or "
                          "jaxdp.quantize checkpoint is NVFP4 without it); fp8: the layers' Linear weights in "

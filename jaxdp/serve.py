@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS, default=None,
                    help="routed experts' grouped matmul: xla (lax.ragged_dot, which XLA expands per expert), "
                         "blocked (by blocks of rows, not expanded) or pallas (NVFP4's kernel, blocked for bf16 and "
-                        "FP8 experts) (default: pallas on a GPU, xla on a CPU)")
+                        "FP8 experts) or auto (few rows gather their chosen experts, many run blocked) "
+                        "(default: pallas on a GPU, auto on a CPU)")
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")

@@ -29,10 +29,6 @@ from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, e2m1_decode_arith
 _EXACT = jax.lax.Precision.HIGHEST
 
 
-def default_interpret() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -1,12 +1,16 @@
 """Tests run on the CPU with 8 host devices; the flag must be set before JAX is imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# jaxdp's cache (the machine's measured roofline figures that one_batch prints) apart from the user's: figures
+# measured under the suite's load must not be what benchmarks read later
+os.environ.setdefault("JAXDP_CACHE", tempfile.mkdtemp(prefix="jaxdp-test-cache-"))
 
 import pytest  # noqa: E402
 

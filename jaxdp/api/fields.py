@@ -157,18 +157,6 @@ REQUEST = {
 }
 
 
-def integer(body: dict, name: str, default: int | None, lo: int, hi: int, *, where: str = "",
-            param: str | None = None) -> int | None:
-    """An integer field in [lo, hi] (the range of the array it fills, or a cap)."""
-    return Range(int, lo, hi).check(body, name, default, where=where, param=param)
-
-
-def number(body: dict, name: str, default: float, lo: float, hi: float = FLOAT32_MAX, *, where: str = "",
-           lo_open: bool = False) -> float:
-    """A float field in [lo, hi] ((lo, hi] with lo_open) that stays finite and nonzero-where-asked in float32."""
-    return Range(float, lo, hi, lo_open).check(body, name, default, where=where)
-
-
 def int_list(value: Any, name: str, hi: int, *, max_len: int, where: str = "") -> list[int]:
     """A list of integers from 0 to hi - 1 (token ids), at most max_len of them (checked first)."""
     if not isinstance(value, list):

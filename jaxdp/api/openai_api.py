@@ -40,7 +40,7 @@ from jaxdp.api.fields import (
     sampling_params,
     token_ids,
 )
-from jaxdp.api.logprobs import completion_logprobs, vllm_prompt_logprobs
+from jaxdp.api.logprobs import completion_logprobs, token_text, vllm_prompt_logprobs
 
 router = APIRouter()
 
@@ -108,10 +108,6 @@ async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> li
     return await ctx.encode_chat(flat, rank)
 
 
-def _token_text(ctx: ServerContext, token: int) -> str:
-    return ctx.tokenizer.decode([token], skip_special_tokens=False) if ctx.tokenizer else str(token)
-
-
 def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0, k: int | None = None) -> dict:
     """k: the alternatives asked for (the request's own may be more, when prompt_logprobs asks for more)."""
     req = job.req
@@ -120,9 +116,9 @@ def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0, k: int | None =
     content = []
     for t, lp, alts in list(zip(ids, req.output_logprobs, tops, strict=False))[start:]:
         alts = alts[:k] if k is not None else alts
-        text = _token_text(ctx, t)
+        text = token_text(ctx.tokenizer, t)
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": (a := _token_text(ctx, tid)), "logprob": alp,
+                        "top_logprobs": [{"token": (a := token_text(ctx.tokenizer, tid)), "logprob": alp,
                                           "bytes": list(a.encode())} for tid, alp in alts]})
     return {"content": content}
 

@@ -85,15 +85,14 @@ class Buckets:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
-            out.append(self.prompt_logprob_shape(n))
-        return out
+        return out + [self.prompt_logprob_shape()]
 
-    def prompt_logprob_shape(self, pages_per_seq: int) -> StepShape:
+    def prompt_logprob_shape(self) -> StepShape:
         """The extend step that returns the logits of every row (a step where some request asks for prompt
-        logprobs): the largest extend bucket, padded (MAX_LEN), one per page-table width, so it adds one shape
-        per width to compile, and the steps of requests that do not ask are not changed."""
+        logprobs): the largest extend bucket, padded (MAX_LEN), with the widest page table, so it adds one shape
+        to compile, and the steps of requests that do not ask are not changed."""
         t = self.extend[-1]
-        return StepShape(False, t, self.extend_seqs(t), pages_per_seq, all_logits=True)
+        return StepShape(False, t, self.extend_seqs(t), self.pages[-1], all_logits=True)
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)

@@ -253,7 +253,7 @@ class Engine:
         """The compiled step of this batch; the every-row variant when a prompt read in it asks for logprobs."""
         if agreement.any_prompt_logprobs:
             self.prompt_logprob_steps += 1
-            return self.buckets.prompt_logprob_shape(self.buckets.page_bucket(agreement.max_pages))
+            return self.buckets.prompt_logprob_shape()
         return self.buckets.shape_for(rows, agreement)
 
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,

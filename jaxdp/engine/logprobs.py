@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxdp.engine.plan import RankPlan
 from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS, Request
-from jaxdp.engine.sampling import MAX_TOP_LOGPROBS
+from jaxdp.engine.sampling import top_logprobs
 
 
 @jax.jit
@@ -26,11 +26,10 @@ def prompt_logprobs(logits_RTV, seq_rows_RB, targets_RT, ids_RTM):
     """From the logits of every row [dp, T, V]: each sequence's sampling row [dp, B, V], the logprob of each
     row's target token [dp, T], the MAX_TOP_LOGPROBS best (ids, logprobs) [dp, T, K] and the logprobs of the
     chosen ids [dp, T, M], under the unmodified distribution."""
-    lp_RTV = jax.nn.log_softmax(logits_RTV.astype(jnp.float32), axis=-1)
     seq_RBV = jnp.take_along_axis(logits_RTV, seq_rows_RB[..., None], axis=1)
-    target_RT = jnp.take_along_axis(lp_RTV, targets_RT[..., None], axis=2)[..., 0]
-    values, ids = jax.lax.top_k(lp_RTV, MAX_TOP_LOGPROBS)
-    return seq_RBV, target_RT, ids.astype(jnp.int32), values, jnp.take_along_axis(lp_RTV, ids_RTM, axis=2)
+    # the target is one more id each row asks about, beside its chosen ids: one log-softmax for all
+    ids, values, asked_RTM = top_logprobs(logits_RTV, jnp.concatenate([targets_RT[..., None], ids_RTM], axis=2))
+    return seq_RBV, asked_RTM[..., 0], ids, values, asked_RTM[..., 1:]
 
 
 def chosen_ids(plans: list[RankPlan | None], num_seqs: int) -> np.ndarray:

@@ -145,7 +145,7 @@ def hf_state_dict(model: DeepseekV3, mtp: MTPLayer | None = None) -> dict[str, n
     for stack, first in ((model.dense_layers, 0), (model.moe_layers, cfg.num_dense_layers)):
         if stack is not None:
             for j in range(stack.attn_norm.get_value().shape[0]):
-                _put_layer(out, stack, j, f"model.layers.{first + j}", dense=first == 0)
+                _put_layer(out, stack, j, f"model.layers.{first + j}", dense=stack is model.dense_layers)
     if mtp is not None:
         pre = mtp_prefix(cfg)
         out[f"{pre}.enorm.weight"], out[f"{pre}.hnorm.weight"] = _a(mtp.enorm), _a(mtp.hnorm)

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+import jax
+
 from jaxdp.backends import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.config import UnsupportedConfigError, get_config
 from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
@@ -275,7 +277,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="--compile: decode attention, as the server's flag (default: the target's, pallas on a GPU)")
     p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
                    help="--compile: the routed experts' grouped matmul, as the server's flag (default: the "
-                        "target's; xla on a CPU: lax.ragged_dot, which XLA expands per expert; pallas on a GPU)")
+                        "target's: auto on a CPU, which is the blocked form at full size; pallas on a GPU)")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--plot", help="draw the situations to this PNG file")
     return p
@@ -285,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.compile and (args.compile_target or default_target()) == "gpu":
         # XLA:GPU compiles for simulated devices from JAX's CPU backend: without this JAX would look for a
-        # CUDA driver first (and the plugin fail to start where there is none); before JAX starts only
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # CUDA driver first (and the plugin fail to start where there is none); before JAX starts only (JAX read
+        # the environment when it was imported, so its config, not JAX_PLATFORMS, is what can still change)
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
     try:
         if min(args.gpus, args.context, args.decode_rows, args.extend_rows, args.page_size) < 1:
             raise PlanError("--gpus, --context, --decode-rows, --extend-rows and --page-size must be positive.")
