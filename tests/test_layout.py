@@ -419,12 +419,19 @@ def test_device_free_memory_and_layout_check_with_stats():
 
 
 def test_a_parameter_without_a_sharding_rule_fails_loudly():
-    """A new weight must say where it lives: an unknown name is refused, never silently replicated."""
+    """A new weight must say where it lives: one created without its logical axes is refused, never silently
+    replicated."""
+    import jax.numpy as jnp
+    from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp.parallel.sharding import param_spec
+    from jaxdp.config import PRESETS
+    from jaxdp.model.decoder import DeepseekV3
+    from jaxdp.parallel.sharding import param_spec, state_specs
 
+    model = nnx.eval_shape(lambda: DeepseekV3(PRESETS["tiny"], nnx.Rngs(0)))
+    model.moe_layers.ffn.w_new_XY = nnx.Param(jnp.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match=r"no sharding rule for the parameter .*w_new_XY"):
-        param_spec("['moe_layers']['mlp']['w_new_XY']", 3, Layout(dp=8))
-    assert param_spec("['embed_VD']", 2, Layout(dp=8)) == P()
-    assert param_spec("['lm_head_DV']", 2, Layout(dp=8)) == P(None, ("dp", "tp"))
+        state_specs(nnx.split(model)[1], Layout(dp=8))
+    assert param_spec("['embed_VD']", model.embed_VD, Layout(dp=8)) == P()
+    assert param_spec("['lm_head_DV']", model.lm_head_DV, Layout(dp=8)) == P(None, ("dp", "tp"))

@@ -257,7 +257,7 @@ def run_mtp_mesh(spec, target, mtp, hiddens, ranks):
     graphdef, state = nnx.split(mtp)
     specs = state_specs(state, lay)
     state = shard_state(state, lay, mesh)
-    head_spec = param_spec("['lm_head_DV']", 2, lay)
+    head_spec = param_spec("['lm_head_DV']", target.lm_head_DV, lay)
     embed = jax.device_put(target.embed_VD[...], NamedSharding(mesh, P()))
     head = jax.device_put(target.lm_head_weight(), NamedSharding(mesh, head_spec))
     pages = list(range(PAGES // 2))

@@ -104,3 +104,51 @@ def test_every_parameter_sits_where_the_rules_by_name_put_it(model, quantization
         for (path, x), s in zip(leaves, got, strict=True):
             where = jax.tree_util.keystr(path)
             assert _canonical(s) == _canonical(name_rule_spec(where, x.ndim, layout)), (spec, where, s)
+
+
+def _tiny_abstract():
+    from flax import nnx
+
+    from jaxdp.model.decoder import DeepseekV3
+
+    return nnx.eval_shape(lambda: DeepseekV3(PRESETS["tiny"], nnx.Rngs(0)))
+
+
+def test_a_weight_without_declared_axes_is_refused_by_name():
+    """A weight created as a bare nnx.Param (no logical axes) stops the sharding with its path, never replicated."""
+    from flax import nnx
+
+    from jaxdp.layout import Layout
+    from jaxdp.parallel.sharding import state_specs
+
+    model = _tiny_abstract()
+    model.dense_layers.attn.w_extra_DD = nnx.Param(jnp.zeros((1, 4, 4)))
+    with pytest.raises(ValueError, match=r"\['dense_layers'\]\['attn'\]\['w_extra_DD'\]: it declares no logical axes"):
+        state_specs(nnx.split(model)[1], Layout(dp=8))
+
+
+def test_an_axis_no_rule_knows_or_two_axes_on_one_mesh_axis_are_refused():
+    from flax import nnx
+
+    from jaxdp.layout import Layout
+    from jaxdp.model.layers import param
+    from jaxdp.parallel.sharding import logical_spec, state_specs
+
+    model = _tiny_abstract()
+    model.w_odd = param(jnp.zeros((4, 4)), ("embed", "odd_axis"))
+    with pytest.raises(ValueError, match=r"\['w_odd'\] declares the logical axis 'odd_axis'"):
+        state_specs(nnx.split(model)[1], Layout(dp=8))
+    with pytest.raises(ValueError, match="same mesh axis"):
+        logical_spec(("expert_mlp", "vocab_out"), Layout(dp=8))
+    with pytest.raises(ValueError, match="2 logical axes"):
+        param(jnp.zeros((4, 4, 4)), ("embed", "heads"))
+
+
+def test_stacked_weights_declare_the_layer_axis_first():
+    """The stacks' weights carry "layers" in front of the axes their layer declared (nnx.vmap adds it)."""
+    model = _tiny_abstract()
+    assert model.moe_layers.ffn.w_gate_up_ED2I.get_metadata("axes") == (
+        "layers", "experts", "embed", "gate_up", "expert_mlp")
+    assert model.dense_layers.ffn.w_down_FD.get_metadata("axes") == ("layers", "dense_mlp", "embed")
+    assert model.moe_layers.ffn.shared.w_down_FD.get_metadata("axes") == ("layers", "shared_mlp", "embed")
+    assert model.embed_VD.get_metadata("axes") == ("vocab_in", "embed")

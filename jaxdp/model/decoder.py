@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.indexer import selection_size
-from jaxdp.model.layers import MLP, init_normal, rms_norm
+from jaxdp.model.layers import MLP, init_normal, param, rms_norm
 from jaxdp.model.mla import MLA, AttnBatch, IndexState
 from jaxdp.model.moe import MoE
 
@@ -39,9 +39,9 @@ class Comm(Protocol):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, is_moe: bool):
-        self.attn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.attn_norm = param(jnp.ones((cfg.hidden_size,), dtype), ("embed",))
         self.attn = MLA(cfg, rngs, dtype)
-        self.ffn_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.ffn_norm = param(jnp.ones((cfg.hidden_size,), dtype), ("embed",))
         D, F = cfg.hidden_size, cfg.intermediate_size
         self.ffn = MoE(cfg, rngs, dtype) if is_moe else MLP(D, F, rngs, dtype)
 
@@ -50,8 +50,8 @@ def _layer_stack(cfg: ModelConfig, n: int, rngs: nnx.Rngs, dtype, is_moe: bool) 
     if n == 0:
         return None
 
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.split_rngs(splits=n)  # every weight's logical axes get the stack's "layers" in front
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"})
     def create(r: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(cfg, r, dtype, is_moe)
 
@@ -62,11 +62,13 @@ class DeepseekV3(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         D, V = cfg.hidden_size, cfg.vocab_size
-        self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, D), jnp.float32).astype(dtype))
+        self.embed_VD = param(jax.random.normal(rngs.params(), (V, D), jnp.float32).astype(dtype),
+                              ("vocab_in", "embed"))
         self.dense_layers = _layer_stack(cfg, cfg.num_dense_layers, rngs, dtype, is_moe=False)
         self.moe_layers = _layer_stack(cfg, cfg.num_moe_layers, rngs, dtype, is_moe=True)
-        self.final_norm = nnx.Param(jnp.ones((D,), dtype))
-        self.lm_head_DV = None if cfg.tie_word_embeddings else nnx.Param(init_normal(rngs, (D, V), dtype, D))
+        self.final_norm = param(jnp.ones((D,), dtype), ("embed",))
+        self.lm_head_DV = None if cfg.tie_word_embeddings else param(init_normal(rngs, (D, V), dtype, D),
+                                                                     ("embed", "vocab_out"))
 
     def lm_head_weight(self) -> jax.Array:
         return self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]

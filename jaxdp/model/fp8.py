@@ -106,7 +106,8 @@ def to_fp8(model, block: int, dtype) -> None:
                 w = param.get_value()
                 values, scale = quantize(w, scale_blocks(name, w.shape, block), jnp)
                 param.set_value(values)
-                setattr(m, name + SCALE_SUFFIX, nnx.Param(scale))
+                # the scales lie as the weight does (one value per block or per element): its logical axes
+                setattr(m, name + SCALE_SUFFIX, nnx.Param(scale, axes=param.get_metadata("axes")))
             m.fp8_block = block
             m.fp8_dtype = jnp.dtype(dtype).name
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model.layers import apply_rope, init_normal
+from jaxdp.model.layers import apply_rope, init_normal, param
 
 NEG_INF = -1e30
 LAYERNORM_EPS = 1e-6  # transformers' indexer k_norm
@@ -36,11 +36,11 @@ class Indexer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         D, Q, I, E = cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
         self.rope_cfg = cfg.with_(rope_interleave=cfg.index_rope_interleave)
-        self.w_q_QIE = nnx.Param(init_normal(rngs, (Q, I, E), dtype, Q))
-        self.w_k_DE = nnx.Param(init_normal(rngs, (D, E), dtype, D))
-        self.k_norm = nnx.Param(jnp.ones((E,), dtype))
-        self.k_norm_bias = nnx.Param(jnp.zeros((E,), dtype))
-        self.w_weights_DI = nnx.Param(init_normal(rngs, (D, I), dtype, D))
+        self.w_q_QIE = param(init_normal(rngs, (Q, I, E), dtype, Q), ("q_lora", "index_heads", "index_dim"))
+        self.w_k_DE = param(init_normal(rngs, (D, E), dtype, D), ("embed", "index_dim"))
+        self.k_norm = param(jnp.ones((E,), dtype), ("index_dim",))
+        self.k_norm_bias = param(jnp.zeros((E,), dtype), ("index_dim",))
+        self.w_weights_DI = param(init_normal(rngs, (D, I), dtype, D), ("embed", "index_heads"))
 
     def _rope(self, x_TNE: jax.Array, positions_T: jax.Array) -> jax.Array:
         R = self.rope_cfg.qk_rope_head_dim

@@ -1,7 +1,8 @@
 """Small building blocks: RMSNorm, DeepSeek rope (with YaRN), the SwiGLU MLP.
 
 Weights are stored as the einsums read them (`w_DF` maps D -> F); the loader transposes torch's
-[out, in] Linear weights once.
+[out, in] Linear weights once. Each is created with its logical axes (`param`), which
+`jaxdp.parallel.sharding` maps to the mesh under a layout.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 
 
+def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    """A weight with its logical axes, one name per dimension of one layer's weight (a stack's layer axis is
+    added where the stack is made, `jaxdp.model.decoder._layer_stack`); the names are those the rules of
+    `jaxdp.parallel.sharding` know."""
+    if len(axes) != len(value.shape):
+        raise ValueError(f"{len(axes)} logical axes {axes} for a weight of shape {value.shape}")
+    return nnx.Param(value, axes=tuple(axes))
+
+
 def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
     return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32, axis: str = "embed"):
+        self.weight = param(jnp.ones((dim,), dtype), (axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -131,11 +141,12 @@ def swiglu(x_TD: jax.Array, w_gate_up_D2F: jax.Array, w_down_FD: jax.Array) -> j
 
 
 class MLP(nnx.Module):
-    """The SwiGLU feed-forward of the dense layers and of the shared expert."""
+    """The SwiGLU feed-forward of the dense layers and of the shared expert (`mlp_axis`: the logical axis of its
+    intermediate dim, "dense_mlp" or "shared_mlp", which layouts place apart)."""
 
-    def __init__(self, hidden: int, inter: int, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.w_gate_up_D2F = nnx.Param(init_normal(rngs, (hidden, 2, inter), dtype, hidden))
-        self.w_down_FD = nnx.Param(init_normal(rngs, (inter, hidden), dtype, inter))
+    def __init__(self, hidden: int, inter: int, rngs: nnx.Rngs, dtype=jnp.float32, mlp_axis: str = "dense_mlp"):
+        self.w_gate_up_D2F = param(init_normal(rngs, (hidden, 2, inter), dtype, hidden), ("embed", "gate_up", mlp_axis))
+        self.w_down_FD = param(init_normal(rngs, (inter, hidden), dtype, inter), (mlp_axis, "embed"))
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         return swiglu(x_TD, weight(self, "w_gate_up_D2F"), weight(self, "w_down_FD"))

@@ -32,7 +32,7 @@ from jaxdp.config import ModelConfig
 from jaxdp.model import prefill
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
-from jaxdp.model.layers import apply_rope, dot, init_normal, rms_norm
+from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
 from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
 
 
@@ -79,20 +79,21 @@ class MLA(nnx.Module):
         D, H = cfg.hidden_size, cfg.num_heads
         self.cfg = cfg
         if cfg.q_lora_rank is not None:
-            self.w_q_a_DQ = nnx.Param(init_normal(rngs, (D, cfg.q_lora_rank), dtype, D))
-            self.q_a_norm = nnx.Param(jnp.ones((cfg.q_lora_rank,), dtype))
-            self.w_q_b_QHK = nnx.Param(
-                init_normal(rngs, (cfg.q_lora_rank, H, cfg.qk_head_dim), dtype, cfg.q_lora_rank)
-            )
+            self.w_q_a_DQ = param(init_normal(rngs, (D, cfg.q_lora_rank), dtype, D), ("embed", "q_lora"))
+            self.q_a_norm = param(jnp.ones((cfg.q_lora_rank,), dtype), ("q_lora",))
+            self.w_q_b_QHK = param(
+                init_normal(rngs, (cfg.q_lora_rank, H, cfg.qk_head_dim), dtype, cfg.q_lora_rank),
+                ("q_lora", "heads", "head_dim"))
         else:
-            self.w_q_DHK = nnx.Param(init_normal(rngs, (D, H, cfg.qk_head_dim), dtype, D))
-        self.w_kv_a_DK = nnx.Param(init_normal(rngs, (D, cfg.kv_cache_dim), dtype, D))
-        self.kv_a_norm = nnx.Param(jnp.ones((cfg.kv_lora_rank,), dtype))
-        self.w_kv_b_LHX = nnx.Param(
+            self.w_q_DHK = param(init_normal(rngs, (D, H, cfg.qk_head_dim), dtype, D), ("embed", "heads", "head_dim"))
+        self.w_kv_a_DK = param(init_normal(rngs, (D, cfg.kv_cache_dim), dtype, D), ("embed", "latent"))
+        self.kv_a_norm = param(jnp.ones((cfg.kv_lora_rank,), dtype), ("kv_lora",))
+        self.w_kv_b_LHX = param(
             init_normal(rngs, (cfg.kv_lora_rank, H, cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
-                        cfg.kv_lora_rank)
-        )
-        self.w_o_HVD = nnx.Param(init_normal(rngs, (H, cfg.v_head_dim, D), dtype, H * cfg.v_head_dim))
+                        cfg.kv_lora_rank),
+            ("kv_lora", "heads", "head_dim"))
+        self.w_o_HVD = param(init_normal(rngs, (H, cfg.v_head_dim, D), dtype, H * cfg.v_head_dim),
+                             ("heads", "head_dim", "embed"))
         self.indexer = Indexer(cfg, rngs, dtype) if cfg.index_topk else None
 
     # ---- projections ---------------------------------------------------------------------------

@@ -48,11 +48,20 @@ from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.grouped import grouped_matmul
-from jaxdp.model.layers import MLP, init_normal
+from jaxdp.model.layers import MLP, init_normal, param
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
                 "w_down_packed", "w_down_scale", "w_down_gscale")
+# their logical axes in one layer (a packed or scale dim keeps the name of the dim it packs: D/2 and D/16 are "embed")
+NVFP4_AXES = {
+    "w_gate_up_packed": ("experts", "gate_up", "expert_mlp", "embed"),
+    "w_gate_up_scale": ("experts", "gate_up", "expert_mlp", "embed"),
+    "w_gate_up_gscale": ("experts",),
+    "w_down_packed": ("experts", "embed", "expert_mlp"),
+    "w_down_scale": ("experts", "embed", "expert_mlp"),
+    "w_down_gscale": ("experts",),
+}
 
 
 class MoE(nnx.Module):
@@ -61,11 +70,13 @@ class MoE(nnx.Module):
         self.cfg = cfg
         self.quantization: str | None = None  # "nvfp4" once `to_nvfp4` ran
         self.runner_backend = "auto"  # the experts' matmul, one of MOE_RUNNER_BACKENDS (static: in the graph)
-        self.router_DE = nnx.Param(init_normal(rngs, (D, E), jnp.float32, D))
-        self.router_bias_E = nnx.Param(jnp.zeros((E,), jnp.float32))
-        self.w_gate_up_ED2I = nnx.Param(init_normal(rngs, (E, D, 2, I), dtype, D))
-        self.w_down_EID = nnx.Param(init_normal(rngs, (E, I, D), dtype, I))
-        self.shared = MLP(D, I * cfg.n_shared_experts, rngs, dtype) if cfg.n_shared_experts else None
+        self.router_DE = param(init_normal(rngs, (D, E), jnp.float32, D), ("embed", "expert_scores"))
+        self.router_bias_E = param(jnp.zeros((E,), jnp.float32), ("expert_scores",))
+        self.w_gate_up_ED2I = param(init_normal(rngs, (E, D, 2, I), dtype, D),
+                                    ("experts", "embed", "gate_up", "expert_mlp"))
+        self.w_down_EID = param(init_normal(rngs, (E, I, D), dtype, I), ("experts", "expert_mlp", "embed"))
+        self.shared = (MLP(D, I * cfg.n_shared_experts, rngs, dtype, mlp_axis="shared_mlp") if cfg.n_shared_experts
+                       else None)
 
     def to_nvfp4(self, params: dict[str, jax.Array] | None = None) -> None:
         """Hold the routed experts as NVFP4 from now on: quantize the dense weights (leading stacked
@@ -74,9 +85,10 @@ class MoE(nnx.Module):
             return
         if params is None:
             params = nvfp4_expert_params(weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"))
+        lead = self.w_gate_up_ED2I.get_metadata("axes")[:-4]  # a stack's "layers"
         del self.w_gate_up_ED2I, self.w_down_EID
         for name in NVFP4_PARAMS:
-            setattr(self, name, nnx.Param(params[name]))
+            setattr(self, name, param(params[name], (*lead, *NVFP4_AXES[name])))
         self.quantization = "nvfp4"
 
     @property

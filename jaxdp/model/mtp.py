@@ -60,7 +60,7 @@ from flax import nnx
 from jaxdp.config import ModelConfig
 from jaxdp.model.decoder import Comm, _layer_stack, _run_stack
 from jaxdp.model.indexer import selection_size
-from jaxdp.model.layers import init_normal, rms_norm
+from jaxdp.model.layers import init_normal, param, rms_norm
 from jaxdp.model.mla import AttnBatch
 
 
@@ -75,13 +75,14 @@ class MTPLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         D = cfg.hidden_size
-        self.enorm = nnx.Param(jnp.ones((D,), dtype))
-        self.hnorm = nnx.Param(jnp.ones((D,), dtype))
-        self.w_eh_XD = nnx.Param(init_normal(rngs, (2 * D, D), dtype, 2 * D))  # X = [embedding | hidden]
+        self.enorm = param(jnp.ones((D,), dtype), ("embed",))
+        self.hnorm = param(jnp.ones((D,), dtype), ("embed",))
+        # X = [embedding | hidden]
+        self.w_eh_XD = param(init_normal(rngs, (2 * D, D), dtype, 2 * D), ("embed_pair", "embed"))
         moe = mtp_layer_is_moe(cfg)
         self.dense_layers = None if moe else _layer_stack(cfg, 1, rngs, dtype, is_moe=False)
         self.moe_layers = _layer_stack(cfg, 1, rngs, dtype, is_moe=True) if moe else None
-        self.shared_head_norm = nnx.Param(jnp.ones((D,), dtype))
+        self.shared_head_norm = param(jnp.ones((D,), dtype), ("embed",))
 
     @property
     def stack_name(self) -> str:

@@ -1,10 +1,11 @@
 """The model's parameters created directly in their final sharding, abstractly or from a checkpoint.
 
-`param_table` says, per parameter, its shape, dtype and PartitionSpec for a config, a layout and a
-quantization: the one description of the state that `load_sharded` fills from safetensors (each device's
+`param_table` says, per parameter, its shape, dtype, logical axes and PartitionSpec for a config, a layout and
+a quantization: the one description of the state that `load_sharded` fills from safetensors (each device's
 piece read as a slice, `jax.make_array_from_callback`), `init_sharded` fills with random weights, and
-`abstract_state` turns into `jax.ShapeDtypeStruct`s (for compiling the step without weights). The specs
-are the step's own (`jaxdp.parallel.sharding`).
+`abstract_state` turns into `jax.ShapeDtypeStruct`s (for compiling the step without weights). All of it is
+read off the abstract model: the axes as each weight declared them where the model creates it, the specs
+the step's own rules make of them (`jaxdp.parallel.sharding`).
 
 The layer stacks [L, ...] are never assembled on the host: each is created on the mesh once (zeros),
 then every layer's piece is read and written into it in place (a donated dynamic_update_slice). On a GPU a
@@ -44,7 +45,6 @@ from jaxdp.parallel.sharding import check_divisible, state_specs
 
 log = logging.getLogger("jaxdp.loader")
 GiB = 1 << 30
-STACKS = ("dense_layers", "moe_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     dtype: np.dtype
     spec: P
+    axes: tuple[str, ...] = ()  # the logical axes the weight declared ("layers" first in a stack)
 
 
 @dataclasses.dataclass
@@ -77,17 +78,18 @@ def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None) -> 
 
 
 def param_table(cfg: ModelConfig, layout: Layout, dtype, quantization: str | None = None) -> dict[str, ParamInfo]:
-    """{dotted path: shape, dtype, PartitionSpec} of every parameter (stacks with their layer axis)."""
+    """{dotted path: shape, dtype, PartitionSpec, logical axes} of every parameter (stacks with their layer axis)."""
     return table_of(abstract_model(cfg, dtype, quantization), layout)
 
 
 def table_of(abstract, layout: Layout) -> dict[str, ParamInfo]:
     """`param_table` of an abstract module (the model, or its MTP layer)."""
     _, state = nnx.split(abstract)
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     specs = jax.tree.leaves(state_specs(state, layout), is_leaf=lambda x: isinstance(x, P))
-    return {_dotted(p): ParamInfo(tuple(x.shape), np.dtype(x.dtype), s)
-            for (p, x), s in zip(leaves, specs, strict=True)}
+    return {_dotted(p): ParamInfo(tuple(v.get_value().shape), np.dtype(v.get_value().dtype), s,
+                                  tuple(v.get_metadata("axes")))
+            for (p, v), s in zip(leaves, specs, strict=True)}
 
 
 def abstract_mtp(cfg: ModelConfig, dtype, quantization: str | None = None) -> MTPLayer:
@@ -281,7 +283,7 @@ def _checkpoint_config(model_dir, cfg: ModelConfig | None):
 
 def _layer_shapes(table: dict[str, ParamInfo]) -> dict[str, tuple[int, ...]]:
     """Per parameter its shape, the stacks' per layer (stack axis dropped)."""
-    return {p: i.shape[1:] if p.split(".")[0] in STACKS else i.shape for p, i in table.items()}
+    return {p: i.shape[1:] if i.axes[:1] == ("layers",) else i.shape for p, i in table.items()}
 
 
 def _check_and_read(ck, cfg, table, top, stacks, first, counts, layout, mesh, transpose_on_devices):

@@ -1,71 +1,92 @@
-"""Where each weight lives on the mesh: one table of rules, keyed by the parameter's name.
+"""Where each weight lives on the mesh: every parameter declares its logical axes where the model creates it
+(`jaxdp.model.layers.param`: one name per dimension, e.g. ("layers", "experts", "embed", "gate_up",
+"expert_mlp")), and the rules below map each logical axis to mesh axes under a layout.
 
 Mesh axes: `dp` (attention groups) x `tp` (devices in a group). ALL = both axes, i.e. every device of
 the model world.
-- attention projections: heads split over `tp`, whole in every group (replicated over `dp`);
+- attention heads split over `tp`, whole in every group (replicated over `dp`);
 - routed experts: TP MoE splits the intermediate dim of every expert over ALL; EP gives each device
   whole experts (the expert axis split over ALL); NVFP4 experts (see `jaxdp.model.moe`) the same, their
   per-expert global scales whole under TP;
 - shared expert and dense layers: split over ALL like TP experts when rows are gathered to them,
   whole on every device when they run on a rank's own rows (EP's shared expert, `dense_replicated`);
 - LM head: vocab split over ALL, or whole on every device with `dp_lm_head`;
-- embedding, norms, router: whole on every device.
+- every other axis (the layer stack, hidden, LoRA ranks, head dims, the embedding's vocab, the router's
+  expert scores, the DSA indexer's) whole on every device.
+A parameter that declares no axes, or an axis these rules do not name, is an error naming the parameter:
+a new weight must say where it lives, never silently replicated.
 """
 
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.layout import Layout
 
 ALL = ("dp", "tp")
-# Routed experts, stacked [L, E, ...]: the axis of the intermediate dim I that TP MoE splits (None: whole
-# under TP). EP splits the expert axis (1) of all of them.
-EXPERT_I_AXIS = {
-    "w_gate_up_ED2I": 4, "w_down_EID": 2,  # dense [L, E, D, 2, I], [L, E, I, D]
-    "w_gate_up_packed": 3, "w_gate_up_scale": 3, "w_gate_up_gscale": None,  # [L, E, 2, I, D/2 | D/16], [L, E]
-    "w_down_packed": 3, "w_down_scale": 3, "w_down_gscale": None,  # [L, E, D, I/2 | I/16], [L, E]
+AXES = "axes"  # the parameter's metadata field that holds its logical axes
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Logical axes whole on every device under every layout.
+WHOLE = (
+    "layers",  # a stack's layer axis
+    "embed",  # the hidden size D (NVFP4's packed D/2 and its D/16 scales too)
+    "embed_pair",  # the MTP layer's eh_proj input [embedding | hidden], 2 D
+    "vocab_in",  # the embedding's rows
+    "q_lora", "kv_lora",  # the LoRA ranks of q and kv
+    "latent",  # kv_a's output: kv_lora_rank + rope, the cache entry
+    "head_dim",  # per head: q/k (nope + rope), v, or kv_b's nope + v
+    "expert_scores",  # the router's output, one score per expert
+    "gate_up",  # SwiGLU's gate and up, stored side by side
+    "index_heads", "index_dim",  # the DSA indexer's heads and head dim
+)
+# The axes a layout decides, by what it decides: attention, the MoE layout, dense layers, the LM head.
+ATTENTION_RULES = {"heads": "tp"}
+MOE_RULES = {
+    "tp": {"experts": None, "expert_mlp": ALL, "shared_mlp": ALL},
+    "ep": {"experts": ALL, "expert_mlp": None, "shared_mlp": None},
 }
+DENSE_RULES = {False: {"dense_mlp": ALL}, True: {"dense_mlp": None}}  # by layout.dense_replicated
+LM_HEAD_RULES = {"split": {"vocab_out": ALL}, "a2a": {"vocab_out": ALL}, "replicated": {"vocab_out": None}}
 
 
-# Whole on every device: embedding, norms, router, the attention's down-projections (q_a, kv_a: their outputs
-# are LoRA latents every head needs), the DSA indexer's weights, the MTP layer's norms and eh_proj.
-REPLICATED = frozenset({
-    "embed_VD", "attn_norm", "ffn_norm", "final_norm", "weight", "q_a_norm", "kv_a_norm", "k_norm", "k_norm_bias",
-    "router_DE", "router_bias_E", "w_q_a_DQ", "w_kv_a_DK", "w_q_QIE", "w_k_DE", "w_weights_DI",
-    "enorm", "hnorm", "w_eh_XD", "shared_head_norm",  # the MTP layer's own (jaxdp.model.mtp; eh_proj as SGLang)
-})
+def axis_rules(layout: Layout) -> dict[str, MeshAxes]:
+    """Logical axis -> the mesh axes it is split over under `layout` (None: whole)."""
+    return {**dict.fromkeys(WHOLE), **ATTENTION_RULES, **MOE_RULES[layout.moe],
+            **DENSE_RULES[layout.dense_replicated], **LM_HEAD_RULES[lm_head_mode(layout)]}
 
 
-def param_spec(path: str, ndim: int, layout: Layout) -> P:
-    """PartitionSpec of the parameter at `path` (jax keystr of the model state); a name this module does not
-    know is an error (a new weight must say where it lives), never silently replicated."""
-    name = path.split("['")[-1].split("']")[0].removesuffix("_bscale")  # FP8 block scales: as their weight
-    in_dense = "dense_layers" in path
-    in_shared = "['shared']" in path
-    heads_on_tp = {
-        "w_q_b_QHK": P(None, None, "tp", None),
-        "w_q_DHK": P(None, None, "tp", None),
-        "w_kv_b_LHX": P(None, None, "tp", None),
-        "w_o_HVD": P(None, "tp", None, None),
-    }
-    if name in heads_on_tp:
-        return heads_on_tp[name]
-    if name in EXPERT_I_AXIS:
-        split = 1 if layout.moe == "ep" else EXPERT_I_AXIS[name]
-        return P(*(ALL if axis == split else None for axis in range(ndim)))
-    if name in ("w_gate_up_D2F", "w_down_FD"):
-        replicated = (in_dense and layout.dense_replicated) or (in_shared and layout.moe == "ep")
-        if replicated:
-            return P()
-        return P(None, None, None, ALL) if name == "w_gate_up_D2F" else P(None, ALL, None)
-    if name == "lm_head_DV":
-        return P() if lm_head_mode(layout) == "replicated" else P(None, ALL)
-    if name in REPLICATED:
-        return P()
-    raise ValueError(f"no sharding rule for the parameter {path}; add its name to jaxdp.parallel.sharding")
+def logical_spec(axes: tuple[str, ...], layout: Layout, where: str = "") -> P:
+    """The PartitionSpec of an array whose dimensions are the logical `axes` (P() when nothing is split)."""
+    rules = axis_rules(layout)
+    unknown = [a for a in axes if a not in rules]
+    if unknown:
+        raise ValueError(f"the parameter {where or axes} declares the logical axis {unknown[0]!r}, which no rule "
+                         "in jaxdp.parallel.sharding places; name one of its axes or add a rule")
+    mesh = [rules[a] for a in axes]
+    used = [m for x in mesh if x is not None for m in ((x,) if isinstance(x, str) else x)]
+    if len(set(used)) != len(used):
+        raise ValueError(f"the parameter {where or axes} would split two of its axes {tuple(axes)} over the same "
+                         f"mesh axis under --mesh {layout.spec()}; give one of them another logical axis")
+    return P() if not used else P(*mesh)
+
+
+def param_spec(path: str, param, layout: Layout) -> P:
+    """PartitionSpec of the parameter `param` (an nnx.Variable) at `path` (jax keystr of the model state), from
+    the logical axes it declared; one that declared none is an error, never silently replicated."""
+    axes = param.get_metadata().get(AXES) if isinstance(param, nnx.Variable) else None
+    if axes is None:
+        raise ValueError(f"no sharding rule for the parameter {path}: it declares no logical axes; create it with "
+                         "jaxdp.model.layers.param(value, axes) (axis names: jaxdp.parallel.sharding)")
+    ndim = len(param.get_value().shape)
+    if len(axes) != ndim:
+        raise ValueError(f"the parameter {path} declares {len(axes)} logical axes {tuple(axes)} for {ndim} "
+                         "dimensions; declare one per dimension")
+    return logical_spec(tuple(axes), layout, path)
 
 
 def lm_head_mode(layout: Layout) -> str:
@@ -76,8 +97,12 @@ def lm_head_mode(layout: Layout) -> str:
 
 
 def state_specs(state, layout: Layout):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: param_spec(jax.tree_util.keystr(p), x.ndim, layout), state)
+    """The model state's tree with each parameter's PartitionSpec in place of its value."""
+    def spec(path, v):
+        s = param_spec(jax.tree_util.keystr(path), v, layout)
+        return v.replace(s) if isinstance(v, nnx.Variable) else s
+
+    return jax.tree_util.tree_map_with_path(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_state(state, layout: Layout, mesh):
