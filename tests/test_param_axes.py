@@ -146,9 +146,11 @@ def test_an_axis_no_rule_knows_or_two_axes_on_one_mesh_axis_are_refused():
 
 def test_stacked_weights_declare_the_layer_axis_first():
     """The stacks' weights carry "layers" in front of the axes their layer declared (nnx.vmap adds it)."""
+    from jaxdp.model.layers import axes_of
+
     model = _tiny_abstract()
-    assert model.moe_layers.ffn.w_gate_up_ED2I.get_metadata("axes") == (
+    assert axes_of(model.moe_layers.ffn.w_gate_up_ED2I) == (
         "layers", "experts", "embed", "gate_up", "expert_mlp")
-    assert model.dense_layers.ffn.w_down_FD.get_metadata("axes") == ("layers", "dense_mlp", "embed")
-    assert model.moe_layers.ffn.shared.w_down_FD.get_metadata("axes") == ("layers", "shared_mlp", "embed")
-    assert model.embed_VD.get_metadata("axes") == ("vocab_in", "embed")
+    assert axes_of(model.dense_layers.ffn.w_down_FD) == ("layers", "dense_mlp", "embed")
+    assert axes_of(model.moe_layers.ffn.shared.w_down_FD) == ("layers", "shared_mlp", "embed")
+    assert axes_of(model.embed_VD) == ("vocab_in", "embed")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.indexer import selection_size
-from jaxdp.model.layers import MLP, init_normal, param, rms_norm
+from jaxdp.model.layers import AXES, MLP, init_normal, param, rms_norm
 from jaxdp.model.mla import MLA, AttnBatch, IndexState
 from jaxdp.model.moe import MoE
 
@@ -51,7 +51,7 @@ def _layer_stack(cfg: ModelConfig, n: int, rngs: nnx.Rngs, dtype, is_moe: bool) 
         return None
 
     @nnx.split_rngs(splits=n)  # every weight's logical axes get the stack's "layers" in front
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", AXES: "layers"})
     def create(r: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(cfg, r, dtype, is_moe)
 

@@ -94,6 +94,9 @@ def quantize(w, blocks: tuple[int, ...], xp=np):
 def to_fp8(model, block: int, dtype) -> None:
     """Hold every FP8_WEIGHTS weight of the layer stacks as e4m3 values plus block scales, in place
     (quantizing the values the model holds; under nnx.eval_shape this only builds the structure)."""
+    from jaxdp.model.layers import axes_of
+    from jaxdp.model.layers import param as declared
+
     for stack in (model.dense_layers, model.moe_layers):
         if stack is None:
             continue
@@ -107,7 +110,7 @@ def to_fp8(model, block: int, dtype) -> None:
                 values, scale = quantize(w, scale_blocks(name, w.shape, block), jnp)
                 param.set_value(values)
                 # the scales lie as the weight does (one value per block or per element): its logical axes
-                setattr(m, name + SCALE_SUFFIX, nnx.Param(scale, axes=param.get_metadata("axes")))
+                setattr(m, name + SCALE_SUFFIX, declared(scale, axes_of(param)))
             m.fp8_block = block
             m.fp8_dtype = jnp.dtype(dtype).name
 

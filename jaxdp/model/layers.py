@@ -17,6 +17,8 @@ from flax import nnx
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 
+AXES = "axes"  # the nnx.Param metadata field that holds a weight's logical axes
+
 
 def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
     """A weight with its logical axes, one name per dimension of one layer's weight (a stack's layer axis is
@@ -24,7 +26,12 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
     `jaxdp.parallel.sharding` know."""
     if len(axes) != len(value.shape):
         raise ValueError(f"{len(axes)} logical axes {axes} for a weight of shape {value.shape}")
-    return nnx.Param(value, axes=tuple(axes))
+    return nnx.Param(value, **{AXES: tuple(axes)})
+
+
+def axes_of(variable: nnx.Variable) -> tuple[str, ...] | None:
+    """The logical axes a weight declared (`param`), None when it declared none."""
+    return variable.get_metadata().get(AXES)
 
 
 def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:

@@ -48,7 +48,7 @@ from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.grouped import grouped_matmul
-from jaxdp.model.layers import MLP, init_normal, param
+from jaxdp.model.layers import MLP, axes_of, init_normal, param
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
@@ -85,7 +85,7 @@ class MoE(nnx.Module):
             return
         if params is None:
             params = nvfp4_expert_params(weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"))
-        lead = self.w_gate_up_ED2I.get_metadata("axes")[:-4]  # a stack's "layers"
+        lead = axes_of(self.w_gate_up_ED2I)[:-4]  # a stack's "layers"
         del self.w_gate_up_ED2I, self.w_down_EID
         for name in NVFP4_PARAMS:
             setattr(self, name, param(params[name], (*lead, *NVFP4_AXES[name])))

@@ -38,6 +38,7 @@ from jaxdp.layout import Layout
 from jaxdp.model import fp8, modelopt
 from jaxdp.model.checkpoint import Checkpoint, CheckpointError, Tiled, aligned_copy, aligned_empty, fill, memory_order
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.layers import axes_of
 from jaxdp.model.mtp import MTPLayer, apply_mtp_quantization, mtp_prefix
 from jaxdp.model.quant import apply_quantization, resolve_quantization
 from jaxdp.model.sources import Box, mtp_sources, sources
@@ -88,7 +89,7 @@ def table_of(abstract, layout: Layout) -> dict[str, ParamInfo]:
     leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     specs = jax.tree.leaves(state_specs(state, layout), is_leaf=lambda x: isinstance(x, P))
     return {_dotted(p): ParamInfo(tuple(v.get_value().shape), np.dtype(v.get_value().dtype), s,
-                                  tuple(v.get_metadata("axes")))
+                                  axes_of(v))
             for (p, v), s in zip(leaves, specs, strict=True)}
 
 

@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.layout import Layout
+from jaxdp.model.layers import axes_of
 
 ALL = ("dp", "tp")
-AXES = "axes"  # the parameter's metadata field that holds its logical axes
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -78,7 +78,7 @@ def logical_spec(axes: tuple[str, ...], layout: Layout, where: str = "") -> P:
 def param_spec(path: str, param, layout: Layout) -> P:
     """PartitionSpec of the parameter `param` (an nnx.Variable) at `path` (jax keystr of the model state), from
     the logical axes it declared; one that declared none is an error, never silently replicated."""
-    axes = param.get_metadata().get(AXES) if isinstance(param, nnx.Variable) else None
+    axes = axes_of(param) if isinstance(param, nnx.Variable) else None
     if axes is None:
         raise ValueError(f"no sharding rule for the parameter {path}: it declares no logical axes; create it with "
                          "jaxdp.model.layers.param(value, axes) (axis names: jaxdp.parallel.sharding)")
@@ -98,11 +98,8 @@ def lm_head_mode(layout: Layout) -> str:
 
 def state_specs(state, layout: Layout):
     """The model state's tree with each parameter's PartitionSpec in place of its value."""
-    def spec(path, v):
-        s = param_spec(jax.tree_util.keystr(path), v, layout)
-        return v.replace(s) if isinstance(v, nnx.Variable) else s
-
-    return jax.tree_util.tree_map_with_path(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(lambda p, v: v.replace(param_spec(jax.tree_util.keystr(p), v, layout)),
+                                            state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_state(state, layout: Layout, mesh):
