@@ -45,14 +45,17 @@ def mesh():
                          devices=jax.devices()[4:8])
 
 
-def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh):
-    room = (1 << 63) - 12345  # the router's rooms are 63-bit
+@pytest.mark.parametrize("page_size", [4, 32], ids=["pages-of-4", "pages-of-32-per-token"])
+def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh, page_size):
+    """The sender's pages hold 8 tokens, its chunks 16: pages of 4 take whole pages per copy, pages of 32
+    (more than a chunk) one token per copy."""
+    room = (1 << 63) - 12345 + page_size  # the router's rooms are 63-bit
     proc, port = _start_sender("ok", room)
     try:
         client = BootstrapClient()
         info = client.info("127.0.0.1", port)
         fmt = KVFormat.from_json(info.kv)
-        cache = _decode_pool(mesh)
+        cache = _decode_pool(mesh, page_size)
         assert fmt.mismatch(KVFormat.of(cache, fmt.chunk_tokens)) is None
         outcome = client.room("127.0.0.1", port, room, wait_s=10)
         assert outcome["status"] == "ready" and outcome["first_token"] == 42
@@ -60,7 +63,7 @@ def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh):
         target = next(s.device for s in cache["moe"].addressable_shards if s.index[0].start in (0, None))
         transport = make_transport(info.backend, target)
         chunks = transport.fetch(info.address, room, fmt.specs(n, SingleDeviceSharding(target)), timeout_s=30)
-        pages = [3, 0, 11, 5, 8, 13]  # ceil(21 / 4) pages of 4
+        pages = [3, 0, 11, 5, 8, 13][: -(-n // page_size)]
         new = write_request_kv(cache, rank, pages, n, fmt, chunks)
     finally:
         proc.stdin.close()
@@ -72,9 +75,9 @@ def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh):
         written = np.zeros(got.shape, bool)
         for t in range(n):
             src = want_rows[:, sender.PAGES[t // 8], t % 8]
-            np.testing.assert_array_equal(got[rank, :, pages[t // 4], t % 4], src)
-            written[rank, :, pages[t // 4], t % 4] = True
-        assert (got[~written] == 0).all(), "the write touched slots outside the request's tokens"
+            np.testing.assert_array_equal(got[rank, :, pages[t // page_size], t % page_size], src)
+        written[rank, :, pages] = True  # (a last page is written whole: its slots past n are the request's)
+        assert (got[~written] == 0).all(), "the write touched slots outside the request's pages"
         # every device of the rank's group holds the same pool (replicated over tp)
         for shard in new[name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data)[0], got[shard.index[0].start or 0])

@@ -66,14 +66,25 @@ def _describe(f: KVFormat) -> str:
     return ", ".join(f"{name} {layers} layers x {width} {dtype}" for name, layers, width, dtype in f.entries)
 
 
-def slots(pages: list[int], page_size: int, n_tokens: int, chunk: int, chunk_tokens: int,
-          out_of_range: int) -> np.ndarray:
-    """The pool slots (page * page_size + offset) of a chunk's tokens; tokens past n_tokens get out_of_range."""
-    t = chunk * chunk_tokens + np.arange(chunk_tokens)
+def _run(page_size: int, fmt: KVFormat) -> int:
+    """Tokens moved as one contiguous block: a whole page when a chunk holds whole pages, else one token."""
+    return page_size if fmt.chunk_tokens % page_size == 0 else 1
+
+
+def run_starts(pages: list[int], page_size: int, n_tokens: int, chunk: int, fmt: KVFormat) -> np.ndarray:
+    """The pool slot (page * page_size + offset) where each run of a chunk starts (0 past n_tokens: unused)."""
+    run = _run(page_size, fmt)
+    t = chunk * fmt.chunk_tokens + np.arange(0, fmt.chunk_tokens, run)
     live = t < n_tokens
     t = np.where(live, t, 0)
     page = np.asarray(pages, np.int64)[t // page_size] if len(pages) else np.zeros_like(t)
-    return np.where(live, page * page_size + t % page_size, out_of_range).astype(np.int32)
+    return np.where(live, page * page_size + t % page_size, 0).astype(np.int32)
+
+
+def _live_runs(n_tokens: int, chunk: int, run: int, fmt: KVFormat) -> np.int32:
+    """How many of a chunk's runs hold the request's tokens (a last partial page is moved whole: its slots past
+    the request's length are the request's own page, unread until written)."""
+    return np.int32(-(-min(fmt.chunk_tokens, n_tokens - chunk * fmt.chunk_tokens) // run))
 
 
 def _rank_shards(x: jax.Array, rank: int) -> list:
@@ -81,16 +92,27 @@ def _rank_shards(x: jax.Array, rank: int) -> list:
     return [s for s in x.addressable_shards if (s.index[0].start or 0) <= rank < (s.index[0].stop or x.shape[0])]
 
 
-@jax.jit
-def _gather(shard, slots_T):
+@functools.partial(jax.jit, static_argnums=2)
+def _gather(shard, starts_R, run: int):
     _, L, P, S, W = shard.shape
-    return shard.reshape(L, P * S, W)[:, slots_T]
+    blocks = shard.reshape(L, P * S // run, run, W)[:, starts_R // run]  # whole pages: [L, R, run, W]
+    return blocks.reshape(L, -1, W)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(shard, values, slots_T):
+# The write goes one run (a page) at a time, in a loop over the chunk's live runs: XLA:CPU lowers a scatter
+# into the pool as a pass over the whole pool, 7x slower than a per-token loop on a 1.1 GiB float32 pool (a
+# bf16 pool it widens to float32 either way, 2-11 s a chunk: keep bf16 pools to GPUs); the loop touches only
+# the request's slots and needs no "drop" for the padding.
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=4)
+def _scatter(shard, values, starts_R, live, run: int):
     _, L, P, S, W = shard.shape
-    return shard.reshape(L, P * S, W).at[:, slots_T].set(values.astype(shard.dtype), mode="drop").reshape(shard.shape)
+    values = values.astype(shard.dtype)
+
+    def body(i, flat):
+        block = jax.lax.dynamic_slice_in_dim(values, i * run, run, 1)
+        return jax.lax.dynamic_update_slice_in_dim(flat, block, starts_R[i], 1)
+
+    return jax.lax.fori_loop(0, live, body, shard.reshape(L, P * S, W)).reshape(shard.shape)
 
 
 def read_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt: KVFormat) -> list[dict]:
@@ -100,9 +122,8 @@ def read_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt
         chunk = {}
         for name, x in cache.items():
             shard = _rank_shards(x, rank)[0]
-            page_size = x.shape[3]
-            idx = slots(pages, page_size, n_tokens, c, fmt.chunk_tokens, 0)  # padding reads slot 0: never used
-            chunk[name] = _gather(shard.data, jax.device_put(idx, shard.device))
+            starts = run_starts(pages, x.shape[3], n_tokens, c, fmt)
+            chunk[name] = _gather(shard.data, jax.device_put(starts, shard.device), _run(x.shape[3], fmt))
         out.append(chunk)
     return out
 
@@ -113,15 +134,16 @@ def write_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fm
     the rank's shards are updated in place and every other shard is kept as is."""
     new = {}
     for name, x in cache.items():
-        page_size, num_pages = x.shape[3], x.shape[2]
+        run = _run(x.shape[3], fmt)
         mine = {s.device for s in _rank_shards(x, rank)}
         arrays = []
         for s in x.addressable_shards:
             data = s.data
             if s.device in mine:
                 for c, chunk in enumerate(chunks):
-                    idx = slots(pages, page_size, n_tokens, c, fmt.chunk_tokens, num_pages * page_size)
-                    data = _scatter(data, jax.device_put(chunk[name], s.device), jax.device_put(idx, s.device))
+                    starts = jax.device_put(run_starts(pages, x.shape[3], n_tokens, c, fmt), s.device)
+                    data = _scatter(data, jax.device_put(chunk[name], s.device), starts,
+                                    _live_runs(n_tokens, c, run, fmt), run)
             arrays.append(data)
         new[name] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays)
     return new
