@@ -1,7 +1,8 @@
 """The prefill side of tests/test_disagg_kv.py, in a process of its own: a dp=2 x tp=2 pool on 4 host devices
-holding known values, one request's KV read from rank 1's pages and offered through JAX's transfer server
-under a bootstrap room, the room published on the bootstrap endpoint. Prints the endpoint's port, then
-waits for stdin to close. argv: port, room, mode ("ok": as described; "big": offers 512 MiB instead)."""
+holding known values and a `PrefillSide` (transfer server and bootstrap endpoint). Prints the endpoint's port
+once the room is settled, then waits for stdin to close. argv: port, room, mode: "ok" hands one request's KV
+over from rank 1's pages; "refuse" announces the room as refused; "silent" never announces it; "big" offers
+512 MiB under the room instead (for killing the process mid-transfer)."""
 
 import sys
 
@@ -11,11 +12,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.disagg.bootstrap import BootstrapServer, PrefillInfo, RoomBoard
-from jaxdp.disagg.kv import KVFormat, read_request_kv
-from jaxdp.disagg.transfer import JaxTransport
+from jaxdp.disagg.handoff import PrefillSide
+from jaxdp.disagg.kv import KVFormat
 
-PAGES, N_TOKENS, RANK, CHUNK = [7, 2, 9], 21, 1, 16
+PAGES, N_TOKENS, RANK, CHUNK, MODEL = [7, 2, 9], 21, 1, 16, "test-model"
 
 
 def pool_values():
@@ -30,22 +30,19 @@ def main():
     jax.config.update("jax_num_cpu_devices", 4)  # (before the backend starts; the test's process imports this file too)
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     cache = {k: jax.device_put(v, NamedSharding(mesh, P("dp"))) for k, v in pool_values().items()}
-    fmt = KVFormat.of(cache, CHUNK)
-    transport = JaxTransport()
-    board = RoomBoard()
-    server = BootstrapServer(PrefillInfo("test-model", fmt.to_json(), 2, transport.name, transport.address()),
-                             board, "127.0.0.1", port)
-    if mode == "big":
-        arrays = [jnp.ones((128, 1024, 1024), jnp.float32)]
-    else:
-        arrays = read_request_kv(cache, RANK, PAGES, N_TOKENS, fmt)
-    jax.block_until_ready(arrays)
-    transport.offer(room, arrays, timeout_s=60)
-    board.publish(room, {"status": "ready", "rank": RANK, "n_tokens": N_TOKENS, "first_token": 42,
-                         "first_logprob": -0.5})
+    side = PrefillSide(KVFormat.of(cache, CHUNK), 2, MODEL, bootstrap_port=port, offer_timeout_s=60)
+    if mode == "ok":
+        side.hand_off(cache, room, RANK, PAGES, N_TOKENS, 42, -0.5)
+    elif mode == "refuse":
+        side.refuse(room, "the prompt has 9000 tokens but a rank holds at most 4096; shorten the prompt")
+    elif mode == "big":
+        big = [jnp.ones((128, 1024, 1024), jnp.float32)]
+        jax.block_until_ready(big)
+        side.transport.offer(room, big, 60)
+        side.board.publish(room, {"status": "ready"})
     print(port, flush=True)
     sys.stdin.read()
-    server.close()
+    side.close()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.bench.launch import free_port
 from jaxdp.disagg.bootstrap import BootstrapClient
-from jaxdp.disagg.kv import KVFormat, write_request_kv
+from jaxdp.disagg.handoff import DecodeSide, HandoffError
+from jaxdp.disagg.kv import KVFormat
 from jaxdp.disagg.transfer import JaxTransport, TransferError, make_transport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,36 +52,49 @@ def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh, page_siz
     (more than a chunk) one token per copy."""
     room = (1 << 63) - 12345 + page_size  # the router's rooms are 63-bit
     proc, port = _start_sender("ok", room)
+    cache = _decode_pool(mesh, page_size)
+    rank = 0  # the sender's rank 1 lands on this server's rank 0
+    side = DecodeSide(KVFormat.of(cache, 1), sender.MODEL)
     try:
-        client = BootstrapClient()
-        info = client.info("127.0.0.1", port)
-        fmt = KVFormat.from_json(info.kv)
-        cache = _decode_pool(mesh, page_size)
-        assert fmt.mismatch(KVFormat.of(cache, fmt.chunk_tokens)) is None
-        outcome = client.room("127.0.0.1", port, room, wait_s=10)
-        assert outcome["status"] == "ready" and outcome["first_token"] == 42
-        n, rank = outcome["n_tokens"], 0  # the sender's rank 1 lands on this server's rank 0
-        target = next(s.device for s in cache["moe"].addressable_shards if s.index[0].start in (0, None))
-        transport = make_transport(info.backend, target)
-        chunks = transport.fetch(info.address, room, fmt.specs(n, SingleDeviceSharding(target)), timeout_s=30)
-        pages = [3, 0, 11, 5, 8, 13][: -(-n // page_size)]
-        new = write_request_kv(cache, rank, pages, n, fmt, chunks)
+        device = next(s.device for s in cache["moe"].addressable_shards if s.index[0].start in (0, None))
+        arrived = side.fetch("127.0.0.1", port, room, sender.N_TOKENS, device)
+        assert (arrived.first_token, arrived.first_logprob, arrived.n_tokens) == (42, -0.5, sender.N_TOKENS)
+        pages = [3, 0, 11, 5, 8, 13][: -(-arrived.n_tokens // page_size)]
+        new = side.write(cache, rank, pages, arrived)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
-    expected = sender.pool_values()
-    for name, values in expected.items():
+    n = arrived.n_tokens
+    for name, values in sender.pool_values().items():
         got = np.asarray(new[name])
         want_rows = values[sender.RANK]  # [layers, pages, 8, width]
-        written = np.zeros(got.shape, bool)
         for t in range(n):
             src = want_rows[:, sender.PAGES[t // 8], t % 8]
             np.testing.assert_array_equal(got[rank, :, pages[t // page_size], t % page_size], src)
+        written = np.zeros(got.shape, bool)
         written[rank, :, pages] = True  # (a last page is written whole: its slots past n are the request's)
         assert (got[~written] == 0).all(), "the write touched slots outside the request's pages"
         # every device of the rank's group holds the same pool (replicated over tp)
         for shard in new[name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data)[0], got[shard.index[0].start or 0])
+
+
+@pytest.mark.parametrize("mode, fingerprint, n_tokens, words", [
+    ("refuse", sender.MODEL, sender.N_TOKENS, "the prompt has 9000 tokens"),
+    ("silent", sender.MODEL, sender.N_TOKENS, "did not finish bootstrap room 7 within 2 s"),
+    ("ok", "another-model", sender.N_TOKENS, "serves another model than this decode server"),
+    ("ok", sender.MODEL, sender.N_TOKENS + 1, "read 21 prompt tokens for bootstrap room 7 but this server has 22"),
+], ids=["refused", "never-ready", "another-model", "another-length"])
+def test_a_hand_off_that_cannot_happen_is_one_sentence(mesh, mode, fingerprint, n_tokens, words):
+    proc, port = _start_sender(mode, 7)
+    side = DecodeSide(KVFormat.of(_decode_pool(mesh), 1), fingerprint, timeout_s=2)
+    try:
+        with pytest.raises(HandoffError) as e:
+            side.fetch("127.0.0.1", port, 7, n_tokens, jax.devices()[4])
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_sender_that_dies_mid_transfer_fails_the_fetch_in_one_sentence(mesh):
