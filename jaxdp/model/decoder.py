@@ -74,14 +74,15 @@ class DeepseekV3(nnx.Module):
         return self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
 
     def __call__(self, tokens_T, valid_T, batch: AttnBatch, kv_cache: dict, logits_idx_B, comm: Comm, *,
-                 absorbed: bool, decode_kernel=None):
+                 absorbed: bool, decode_kernel=None, return_hidden: bool = False):
         """One step over the rows of this device.
 
         kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, plus with DSA (`cfg.index_topk`) the
         index keys {"dense_index": [Ld, P, S, E], "moe_index": ...}; or None: no cache, each sequence is
         the step's rows alone (training; `batch` needs only positions_T and seq_T). Returns
         (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache (None without one),
-        rows received per expert summed over MoE layers [E_local]).
+        rows received per expert summed over MoE layers [E_local]); with `return_hidden`, also the final
+        normed hidden state of the rows `logits_idx_B` [B, D] (what the MTP layer reads, `jaxdp.model.mtp`).
         """
         cfg = self.cfg
         with jax.named_scope("embedding"):  # (the scopes name the parts of `python -m jaxdp.bench.profile`)
@@ -115,7 +116,9 @@ class DeepseekV3(nnx.Module):
             one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
             h_BD = jnp.concatenate([h_BD, jnp.zeros_like(h_BD)]) if one else h_BD  # (jaxdp.model.layers.dot)
             logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
-            logits_BV = logits_BV[:1] if one else logits_BV
+            logits_BV, h_BD = (logits_BV[:1], h_BD[:1]) if one else (logits_BV, h_BD)
+        if return_hidden:
+            return logits_BV, new_cache, expert_rows, h_BD
         return logits_BV, new_cache, expert_rows
 
 

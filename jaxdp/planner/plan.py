@@ -35,6 +35,7 @@ from jaxdp.planner.weights import (
     EXPERT_DTYPES,
     KV_DTYPES,
     PLACEMENTS,
+    handoff,
     kv_bytes,
     kv_tokens,
     total_bytes,
@@ -197,7 +198,10 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
         "context": args.context, "latency_us": args.latency_us,
         "row_bytes": cfg.hidden_size * 2, "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype)),
-        "kv_bytes_per_token": per_token, "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
+        "kv_bytes_per_token": per_token,
+        "handoff": {"link_gbs": args.handoff_gbs,
+                    "prompts": handoff(per_token, tuple(_parse_prompts(args.handoff_prompts)), args.handoff_gbs)},
+        "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
                                                     "vocab": cfg.vocab_size, "model_type": cfg.model_type},
         "plan": main_plan, "tp": compare, "assumptions": ASSUMPTIONS,
     }
@@ -230,6 +234,16 @@ def _check_temp_fits(cfg: Any, layout: Layout, gpu: Any, plan: dict[str, Any], a
                       + (f", or {other}" if other.startswith("a layout") else ", or larger GPUs."))
     error.plan = plan
     raise error
+
+
+def _parse_prompts(text: str) -> list[int]:
+    try:
+        prompts = [int(x) for x in text.split(",")]
+    except ValueError:
+        prompts = []
+    if not prompts or min(prompts) <= 0:
+        raise PlanError(f"--handoff-prompts {text!r} must be prompt lengths in tokens, e.g. 1024,8192.")
+    return prompts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -278,6 +292,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
                    help="--compile: the routed experts' grouped matmul, as the server's flag (default: the "
                         "target's: auto on a CPU, which is the blocked form at full size; pallas on a GPU)")
+    p.add_argument("--handoff-gbs", type=float, default=50.0,
+                   help="prefill/decode disaggregation: GB/s between a prefill and a decode rank for the KV "
+                        "hand-off (default 50: one 400 Gb/s NIC per GPU)")
+    p.add_argument("--handoff-prompts", default="1024,8192", help="prompt lengths whose hand-off the plan prices")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--plot", help="draw the situations to this PNG file")
     return p

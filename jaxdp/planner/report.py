@@ -85,6 +85,9 @@ def format_report(plan: dict[str, Any]) -> str:
             f"  tokens in total            {total:>12,}" +
             (f"   TP: {tp['kv_tokens_total']:,} ({total / max(tp['kv_tokens_total'], 1):.1f}x)"
              if tp else "")]
+    ho = plan["handoff"]
+    out.append(f"  prefill/decode hand-off at {ho['link_gbs']:g} GB/s: " + "; ".join(
+        f"{p['tokens']:,} tokens {fmt_bytes(p['bytes'])} in {p['ms']:.1f} ms" for p in ho["prompts"]))
     if article and tp:
         at = ARTICLE_TOKENS
         out.append(f"  article: {at['dp'] / 1e6:.2f} M per GPU, {at['dp_total'] / 1e6:.1f} M in total, "

@@ -210,6 +210,13 @@ def kv_bytes(cfg: ModelConfig, kv_dtype: str = "bf16", include_mtp: bool = False
     return KVBytes(latent, indexer, cfg.num_layers + (1 if include_mtp and cfg.num_nextn_predict_layers else 0))
 
 
+def handoff(per_token: int, prompts: tuple[int, ...], link_gbs: float) -> list[dict[str, float]]:
+    """Prefill/decode disaggregation: the KV a prompt hands from the prefill server to the decode server (every
+    layer's entries of each of its tokens, `jaxdp.disagg.kv`) and the time it takes at `link_gbs` GB/s between the
+    two ranks, for each prompt length."""
+    return [{"tokens": t, "bytes": t * per_token, "ms": t * per_token / (link_gbs * 1e9) * 1e3} for t in prompts]
+
+
 def kv_tokens(budget_bytes: float, weight_bytes: float, per_token: int) -> int:
     """Tokens of KV cache one device holds when `budget_bytes` (mem_fraction_static x memory) must hold
     the weights and the cache; negative when the weights alone do not fit."""

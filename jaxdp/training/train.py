@@ -34,6 +34,7 @@ from tqdm import tqdm
 from jaxdp.config import PRESETS, ModelConfig
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mla import AttnBatch
+from jaxdp.model.mtp import MTPLayer
 from jaxdp.parallel.local import LocalComm
 from jaxdp.tokenizer import Tokenizer, save_default_tokenizer
 from jaxdp.training.data import (
@@ -74,27 +75,50 @@ def parse_overrides(items: list[str], cfg: ModelConfig) -> ModelConfig:
     return cfg.with_(**kw)
 
 
-def flat_logits(model: DeepseekV3, group: dict[str, jax.Array]) -> jax.Array:
+def flat_logits(model: DeepseekV3, group: dict[str, jax.Array], mtp: MTPLayer | None = None):
     """Logits [R, V] of one packed group (`jaxdp.training.data.pack_group`), run as one flat step of the decoder
-    without a cache: each sequence attends to its own rows; padding rows route to no expert."""
+    without a cache: each sequence attends to its own rows; padding rows route to no expert. With `mtp`, also
+    the MTP layer's logits [R, V]: at row r it reads the model's final normed hidden state of row r and the next
+    token of the sequence (row r's label) and predicts the one after (`mtp_targets`)."""
     max_seqs = group["seq_lens"].shape[0]
     R = group["tokens"].shape[0]
     batch = AttnBatch(positions_T=group["positions"], seq_T=group["seq"])
-    logits, _, _ = model(group["tokens"], group["seq"] < max_seqs, batch, None,
-                         jnp.arange(R, dtype=jnp.int32), LocalComm(dense_experts=True), absorbed=False)
-    return logits
+    valid, rows, comm = group["seq"] < max_seqs, jnp.arange(R, dtype=jnp.int32), LocalComm(dense_experts=True)
+    logits, _, _, hidden = model(group["tokens"], valid, batch, None, rows, comm, absorbed=False, return_hidden=True)
+    if mtp is None:
+        return logits
+    mtp_logits, _, _, _ = mtp(group["labels"], hidden, valid, batch, None, rows, comm, model.embed_VD[...],
+                              model.lm_head_weight(), absorbed=False)
+    return logits, mtp_logits
+
+
+def mtp_targets(group: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """What the MTP layer must predict at each row of a packed group, and where it counts: the token two
+    ahead in the same sequence (row r + 1's label), weighted as the main loss weights that token."""
+    same = jnp.concatenate([group["seq"][1:] == group["seq"][:-1], jnp.zeros((1,), bool)])
+    labels = jnp.concatenate([group["labels"][1:], group["labels"][-1:]])
+    mask = jnp.concatenate([group["loss_mask"][1:], jnp.zeros((1,), group["loss_mask"].dtype)])
+    return labels, jnp.where(same, mask, 0.0)
 
 
 class Trainer:
-    """The model split into (graph, trainable params, the rest) and the jitted steps over them."""
+    """The model split into (graph, trainable params, the rest) and the jitted steps over them. With
+    `mtp_weight` > 0 an MTP layer (`jaxdp.model.mtp`, DeepSeek-V3's multi-token prediction) trains with it,
+    jointly: its loss (the token two ahead) times `mtp_weight` is added to the model's (DeepSeek-V3 used 0.3,
+    then 0.1); it shares the model's embedding and head, and its gradient reaches the model's hidden states."""
 
     def __init__(self, cfg: ModelConfig, seed: int, shape: PackShape,
-                 optimizer: optax.GradientTransformation):
+                 optimizer: optax.GradientTransformation, mtp_weight: float = 0.0):
         model = DeepseekV3(cfg, nnx.Rngs(seed), jnp.float32)
-        self.cfg, self.shape = cfg, shape
+        self.cfg, self.shape, self.mtp_weight = cfg, shape, mtp_weight
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = nnx.to_pure_dict(params)
         self._template = params
+        if mtp_weight > 0:  # its own seed, so the model's initial weights are those of a run without it
+            mtp = MTPLayer(cfg, nnx.Rngs(seed + 1), jnp.float32)
+            self.mtp_graphdef, mtp_params, self.mtp_rest = nnx.split(mtp, nnx.Param, ...)
+            self._mtp_template = mtp_params
+            self.params = {"model": self.params, "mtp": nnx.to_pure_dict(mtp_params)}
         self.optimizer = optimizer
         self.opt_state = optimizer.init(self.params)
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
@@ -102,19 +126,32 @@ class Trainer:
 
     def model(self, params: dict) -> DeepseekV3:
         state = jax.tree.map(lambda x: x, self._template)
-        nnx.replace_by_pure_dict(state, params)
+        nnx.replace_by_pure_dict(state, params["model"] if self.mtp_weight > 0 else params)
         return nnx.merge(self.graphdef, state, self.rest)
 
-    def _logits(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
-        """Logits [G, R, V] of a batch of G packed groups, side by side."""
-        model = self.model(params)
-        return jax.vmap(lambda g: flat_logits(model, g))(batch)
+    def mtp(self, params: dict) -> MTPLayer | None:
+        if self.mtp_weight <= 0:
+            return None
+        state = jax.tree.map(lambda x: x, self._mtp_template)
+        nnx.replace_by_pure_dict(state, params["mtp"])
+        return nnx.merge(self.mtp_graphdef, state, self.mtp_rest)
+
+    def _logits(self, params: dict, batch: dict[str, jax.Array]):
+        """Logits [G, R, V] of a batch of G packed groups, side by side (with the MTP layer: and its logits)."""
+        model, mtp = self.model(params), self.mtp(params)
+        return jax.vmap(lambda g: flat_logits(model, g, mtp))(batch)
 
     def _loss(self, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
         logits = self._logits(params, batch)
+        if self.mtp_weight > 0:
+            logits, mtp_logits = logits
+            labels, mask = jax.vmap(mtp_targets)(batch)
+            ce = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, labels)
+            mtp_loss = (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
         mask = batch["loss_mask"]
-        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        loss = (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        return loss + self.mtp_weight * mtp_loss if self.mtp_weight > 0 else loss
 
     def _train_step(self, params, opt_state, batch):
         loss, grads = jax.value_and_grad(self._loss)(params, batch)
@@ -135,7 +172,8 @@ class Trainer:
                                PackShape(per_group * L, per_group, L), pad_id)
                 groups.append(g)
             batch = {k: jnp.asarray(np.stack([g[k] for g in groups])) for k in groups[0]}
-            logits = np.asarray(self.logits(self.params, batch))
+            logits = self.logits(self.params, batch)
+            logits = np.asarray(logits[0] if self.mtp_weight > 0 else logits)
             ends = [sum(len(x) for x in seqs[i - i % per_group:i + 1]) - 1 for i in range(len(seqs))]
             for i, s in enumerate(seqs):
                 if not active[i]:
@@ -175,7 +213,7 @@ def save_orbax(ckpt_dir: Path, step: int, trainer: Trainer) -> None:
 def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
     from jaxdp.model.loader import save_hf_checkpoint
 
-    save_hf_checkpoint(trainer.model(trainer.params), out_dir, dtype=np.dtype(dtype))
+    save_hf_checkpoint(trainer.model(trainer.params), out_dir, dtype=np.dtype(dtype), mtp=trainer.mtp(trainer.params))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, out_dir / name)
 
@@ -200,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-n", type=int, default=100, help="held-out problems per skill for the checks")
     ap.add_argument("--ckpt-every", type=int, default=1000)
     ap.add_argument("--export-dtype", choices=["float32", "float16"], default="float32")
+    ap.add_argument("--mtp-weight", type=float, default=0.0,
+                    help="train an MTP layer (speculative decoding's draft) jointly, its loss weighted so "
+                         "(DeepSeek-V3: 0.3); 0: none")
     return ap
 
 
@@ -226,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
     shape = PackShape(rows=args.rows, max_seqs=args.max_seqs)
-    trainer = Trainer(cfg, args.seed, shape, optimizer)
+    if args.mtp_weight < 0:
+        print(f"error: --mtp-weight {args.mtp_weight} must be 0 (no MTP layer) or more", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, args.seed, shape, optimizer, args.mtp_weight)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("model: %d params; %s", n_params, cfg)
     batches = train_batches(tok, args.seed, args.groups, shape, mix)
@@ -257,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
               "--groups", str(args.groups), "--rows", str(args.rows),
               "--max-seqs", str(args.max_seqs), "--mix", args.mix, "--lr", str(args.lr),
               "--warmup", str(args.warmup), "--weight-decay", str(args.weight_decay),
-              "--export-dtype", args.export_dtype]
+              "--export-dtype", args.export_dtype] + (["--mtp-weight", str(args.mtp_weight)] if args.mtp_weight else [])
     if args.config_overrides:
         replay += ["--config-overrides", *args.config_overrides]
     summary = {"args": replay, "train_seconds": round(train_s, 1), "params": n_params,

@@ -1,0 +1,126 @@
+"""The two ends of a request's hand-off, as an engine uses them (`--disaggregation-mode prefill|decode`).
+
+`PrefillSide` (in the prefill server's engine process, beside its devices): starts the transfer server and the
+bootstrap endpoint; when a request's prompt is read and its first token sampled, `hand_off` reads its KV from
+the rank's pages, offers it under the request's bootstrap room and announces the room (its rank, length, first
+token); the pages can go back to the pool at once, the offered copy is dropped by the transport after
+`offer_timeout_s` if no decode server takes it. `refuse` announces a room that will not come (the prompt was
+refused or failed), so the decode side ends that request at once instead of waiting out its timeout.
+
+`DecodeSide` (in the decode server's engine process): `fetch` (on a worker thread, never the engine loop)
+asks the prefill server's bootstrap endpoint for its model and KV format, refuses a prefill server of another
+model or cache in one sentence, waits for the room, and pulls the KV onto a device of the decode rank; the
+engine loop then `write`s it into its pool at the pages it allocated (between steps) and starts decoding from
+the first token. Every failure is a `HandoffError` whose message is the one sentence the request ends with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+
+import jax
+
+from jaxdp.disagg.bootstrap import BootstrapClient, BootstrapServer, PrefillInfo, RoomBoard
+from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
+from jaxdp.disagg.transfer import TransferError, make_transport
+
+
+class HandoffError(RuntimeError):
+    """A request's KV could not be handed over; the message is one sentence for its client."""
+
+
+def model_fingerprint(config: dict, name: str = "") -> str:
+    """What two servers must share to hand KV over: the model's architecture (its config.json fields) and name."""
+    text = json.dumps(config, sort_keys=True, default=str) + "|" + name
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrived:
+    """A request's KV on the decode side, ready to be written into the pool."""
+
+    room: int
+    n_tokens: int
+    first_token: int
+    first_logprob: float
+    chunks: list
+    fmt: KVFormat
+    seconds: float  # from asking the bootstrap endpoint to the last byte
+    nbytes: int
+
+
+class PrefillSide:
+    def __init__(self, fmt: KVFormat, dp: int, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",
+                 bootstrap_port: int, offer_timeout_s: float = 300.0):
+        self.fmt, self.offer_timeout_s = fmt, offer_timeout_s
+        self.transport = make_transport(backend, host=host)
+        self.board = RoomBoard(keep_s=offer_timeout_s)
+        info = PrefillInfo(fingerprint, fmt.to_json(), dp, self.transport.name, self.transport.address())
+        self.server = BootstrapServer(info, self.board, host, bootstrap_port)
+        self.offered_bytes = 0
+
+    def hand_off(self, cache: dict, room: int, rank: int, pages: list[int], n_tokens: int, first_token: int,
+                 first_logprob: float) -> None:
+        """Offer a request's KV (its first n_tokens at `rank`'s `pages` of pool `cache`) and announce the room.
+        Only dispatches the read: the caller may free the pages and run the next step at once."""
+        chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt)
+        self.transport.offer(room, chunks, self.offer_timeout_s)
+        self.offered_bytes += self.fmt.nbytes(n_tokens)
+        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens,
+                                  "first_token": int(first_token), "first_logprob": float(first_logprob)})
+
+    def refuse(self, room: int, sentence: str) -> None:
+        self.board.publish(room, {"status": "failed", "error": sentence})
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class DecodeSide:
+    def __init__(self, fmt: KVFormat, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",
+                 timeout_s: float = 60.0):
+        self.fmt, self.fingerprint, self.timeout_s = fmt, fingerprint, timeout_s
+        self.transport = make_transport(backend, host=host)
+        self.client = BootstrapClient()
+
+    def fetch(self, host: str, port: int, room: int, n_tokens: int, device: jax.Device) -> Arrived:
+        """The KV of `room` from the prefill server at bootstrap host:port, on `device`; HandoffError otherwise."""
+        t0 = time.monotonic()
+        try:
+            info = self.client.info(host, port)
+        except ConnectionError as e:
+            raise HandoffError(str(e)) from None
+        if info.model != self.fingerprint:
+            raise HandoffError(f"the prefill server at bootstrap {host}:{port} serves another model than this decode "
+                               "server; give both the same --model-path")
+        fmt = KVFormat.from_json(info.kv)
+        why = fmt.mismatch(KVFormat(self.fmt.entries, fmt.chunk_tokens))
+        if why:
+            raise HandoffError(why)
+        outcome = self.client.room(host, port, room, wait_s=self.timeout_s)
+        if outcome["status"] == "pending":
+            raise HandoffError(f"the prefill server at bootstrap {host}:{port} did not finish bootstrap room {room} "
+                               f"within {self.timeout_s:g} s")
+        if outcome["status"] != "ready":
+            raise HandoffError(outcome.get("error") or f"the prefill server refused bootstrap room {room}")
+        if outcome["n_tokens"] != n_tokens:
+            raise HandoffError(f"the prefill server read {outcome['n_tokens']} prompt tokens for bootstrap room {room} "
+                               f"but this server has {n_tokens}; give both servers the same tokenizer")
+        left = max(self.timeout_s - (time.monotonic() - t0), 1.0)
+        try:
+            specs = fmt.specs(n_tokens, jax.sharding.SingleDeviceSharding(device))
+            chunks = self.transport.fetch(info.address, room, specs, left)
+        except TransferError as e:
+            raise HandoffError(str(e)) from None
+        return Arrived(room, n_tokens, outcome["first_token"], outcome["first_logprob"], chunks, fmt,
+                       time.monotonic() - t0, fmt.nbytes(n_tokens))
+
+    def write(self, cache: dict, rank: int, pages: list[int], arrived: Arrived) -> dict:
+        """The pool with the request's KV at `rank`'s `pages` (on the engine loop, between steps)."""
+        return write_request_kv(cache, rank, pages, arrived.n_tokens, arrived.fmt, arrived.chunks)
+
+    def close(self) -> None:
+        self.client.close()

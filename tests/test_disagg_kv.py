@@ -1,0 +1,130 @@
+"""A request's KV from one server's pool into another's (`jaxdp.disagg`): read at the prefill rank's pages,
+offered through JAX's transfer server, announced on the bootstrap endpoint, fetched by another process and
+written at the decode rank's pages of a pool with another page size and layout; and the failures: a sender
+that dies mid-transfer, a room nobody offers, a decode pool of another format."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp.bench.launch import free_port
+from jaxdp.disagg.bootstrap import BootstrapClient
+from jaxdp.disagg.handoff import DecodeSide, HandoffError
+from jaxdp.disagg.kv import KVFormat
+from jaxdp.disagg.transfer import JaxTransport, TransferError, make_transport
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import disagg_sender as sender  # noqa: E402
+
+
+def _start_sender(mode: str, room: int):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "disagg_sender.py"), str(port), str(room), mode],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    assert line.strip() == str(port), f"the sender did not start: {line!r}"
+    return proc, port
+
+
+def _decode_pool(mesh, page_size=4, pages=20):
+    """The receiver: dp=2 x tp=2 (of this process's 8 host devices), page size 4 (the sender's is 8)."""
+    sharding = NamedSharding(mesh, P("dp"))
+    return {"dense": jax.device_put(np.zeros((2, 1, pages, page_size, 20), np.float32), sharding),
+            "moe": jax.device_put(np.zeros((2, 2, pages, page_size, 20), np.float32), sharding)}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[4:8])
+
+
+@pytest.mark.parametrize("page_size", [4, 32], ids=["pages-of-4", "pages-of-32-per-token"])
+def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh, page_size):
+    """The sender's pages hold 8 tokens, its chunks 16: pages of 4 take whole pages per copy, pages of 32
+    (more than a chunk) one token per copy."""
+    room = (1 << 63) - 12345 + page_size  # the router's rooms are 63-bit
+    proc, port = _start_sender("ok", room)
+    cache = _decode_pool(mesh, page_size)
+    rank = 0  # the sender's rank 1 lands on this server's rank 0
+    side = DecodeSide(KVFormat.of(cache, 1), sender.MODEL)
+    try:
+        device = next(s.device for s in cache["moe"].addressable_shards if s.index[0].start in (0, None))
+        arrived = side.fetch("127.0.0.1", port, room, sender.N_TOKENS, device)
+        assert (arrived.first_token, arrived.first_logprob, arrived.n_tokens) == (42, -0.5, sender.N_TOKENS)
+        pages = [3, 0, 11, 5, 8, 13][: -(-arrived.n_tokens // page_size)]
+        new = side.write(cache, rank, pages, arrived)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    n = arrived.n_tokens
+    for name, values in sender.pool_values().items():
+        got = np.asarray(new[name])
+        want_rows = values[sender.RANK]  # [layers, pages, 8, width]
+        for t in range(n):
+            src = want_rows[:, sender.PAGES[t // 8], t % 8]
+            np.testing.assert_array_equal(got[rank, :, pages[t // page_size], t % page_size], src)
+        written = np.zeros(got.shape, bool)
+        written[rank, :, pages] = True  # (a last page is written whole: its slots past n are the request's)
+        assert (got[~written] == 0).all(), "the write touched slots outside the request's pages"
+        # every device of the rank's group holds the same pool (replicated over tp)
+        for shard in new[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data)[0], got[shard.index[0].start or 0])
+
+
+@pytest.mark.parametrize("mode, fingerprint, n_tokens, words", [
+    ("refuse", sender.MODEL, sender.N_TOKENS, "the prompt has 9000 tokens"),
+    ("silent", sender.MODEL, sender.N_TOKENS, "did not finish bootstrap room 7 within 2 s"),
+    ("ok", "another-model", sender.N_TOKENS, "serves another model than this decode server"),
+    ("ok", sender.MODEL, sender.N_TOKENS + 1, "read 21 prompt tokens for bootstrap room 7 but this server has 22"),
+], ids=["refused", "never-ready", "another-model", "another-length"])
+def test_a_hand_off_that_cannot_happen_is_one_sentence(mesh, mode, fingerprint, n_tokens, words):
+    proc, port = _start_sender(mode, 7)
+    side = DecodeSide(KVFormat.of(_decode_pool(mesh), 1), fingerprint, timeout_s=2)
+    try:
+        with pytest.raises(HandoffError) as e:
+            side.fetch("127.0.0.1", port, 7, n_tokens, jax.devices()[4])
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sender_that_dies_mid_transfer_fails_the_fetch_in_one_sentence(mesh):
+    room = 99
+    proc, port = _start_sender("big", room)
+    try:
+        info = BootstrapClient().info("127.0.0.1", port)
+        assert BootstrapClient().room("127.0.0.1", port, room, wait_s=10)["status"] == "ready"
+        transport = JaxTransport(jax.devices()[4])
+        import threading
+        threading.Timer(0.15, proc.kill).start()
+        spec = [jax.ShapeDtypeStruct((128, 1024, 1024), np.float32, sharding=SingleDeviceSharding(jax.devices()[4]))]
+        with pytest.raises(TransferError, match="failed in transfer") as e:
+            transport.fetch(info.address, room, spec, timeout_s=30)
+        assert "\n" not in str(e.value)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    # the endpoint is gone with it: waiting on a room ends in a sentence, not a hang
+    outcome = BootstrapClient(timeout_s=2).room("127.0.0.1", port, room, wait_s=1)
+    assert outcome["status"] == "failed" and "stopped answering" in outcome["error"]
+
+
+def test_nobody_at_the_bootstrap_and_a_pool_of_another_format_are_sentences(mesh):
+    with pytest.raises(ConnectionError, match="no prefill server answers at bootstrap"):
+        BootstrapClient(timeout_s=1).info("127.0.0.1", free_port())
+    cache = _decode_pool(mesh)
+    fmt = KVFormat.of(cache, 16)
+    other = KVFormat.of({"dense": cache["dense"], "moe": cache["dense"]}, 16)
+    why = fmt.mismatch(other)
+    assert why and "differs from the decode server's" in why and "\n" not in why
+    with pytest.raises(ValueError, match="--disaggregation-transfer-backend 'nixl' is not available"):
+        make_transport("nixl")
