@@ -154,7 +154,8 @@ def test_an_exchange_frame_that_is_not_the_exchanges_is_refused_not_run():
     ex = HostExchange(2, 0, 8, timeout_s=1, client=FakeStore(), gather=gather_with(b""))
     update = Update("r", [1, 2], [], [[(5, -0.1)]], 0, None, None, None, [], None)
     flush = NodeFlush(1, range(4, 8), True, 16)
-    ex.gather = gather_with(encode(([Proposal(3, True, True)] * 4, NodeMessage(updates=[update], flushed=[(7, flush)]))))
+    good = NodeMessage(updates=[update], flushed=[(7, flush)])
+    ex.gather = gather_with(encode(([Proposal(3, True, True)] * 4, good)))
     full, messages = ex.exchange([Proposal(0, False, False)] * 8, NodeMessage())
     assert full[4:] == [Proposal(3, True, True)] * 4 and messages[1].updates == [update]
     assert messages[1].flushed == [(7, flush)] and messages[1].flushed[0][1].ranks == range(4, 8)

@@ -83,36 +83,12 @@ class ClientBase:
     failed: str | None
 
     def _init_intake(self) -> None:
-        self.controller = Controller(self.facts.layout.dp, self.facts.cfg.load_balance_method)  # (a server's
-        self._ids = itertools.count()  # ReplicaSet pins ranks itself: this one then counts nothing)
-
-    @property
-    def layout(self):
-        return self.facts.layout
-
-    @property
-    def cfg(self):
-        return self.facts.cfg
-
-    @property
-    def buckets(self):
-        return self.facts.buckets
-
-    @property
-    def model_cfg(self):
-        return self.facts.model_cfg
-
-    @property
-    def context_len(self) -> int:
-        return self.facts.context_len
-
-    @property
-    def local_ranks(self) -> range:
-        return self.facts.local_ranks
-
-    @property
-    def compiles_at_warmup(self) -> int:
-        return self.facts.compiles_at_warmup
+        """The facts' figures by the names the server reads, and the intake's controller and request ids."""
+        f = self.facts
+        self.layout, self.cfg, self.buckets, self.model_cfg = f.layout, f.cfg, f.buckets, f.model_cfg
+        self.context_len, self.local_ranks, self.compiles_at_warmup = f.context_len, f.local_ranks, f.compiles_at_warmup
+        self.controller = Controller(f.layout.dp, f.cfg.load_balance_method)  # (a server's ReplicaSet pins ranks
+        self._ids = itertools.count()  # itself: this one then counts nothing)
 
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
                      rid: str | None = None, rank: int | None = None) -> Request:

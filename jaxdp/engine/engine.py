@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.client import ClientBase, EngineFailed
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
@@ -138,7 +140,8 @@ class Engine(ClientBase):
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
         compile_steps(self.runner, self.pipeline.sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size)
-        self.facts = _replace(self.facts, compiles_at_warmup=compiles_total())
+        self.compiles_at_warmup = compiles_total()
+        self.facts = msgspec.structs.replace(self.facts, compiles_at_warmup=self.compiles_at_warmup)
 
     # ---- requests (any thread) ---------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -308,8 +311,3 @@ class Engine(ClientBase):
         self.stop()
         self.runner.close()
 
-
-def _replace(facts: EngineFacts, **changes) -> EngineFacts:
-    import msgspec
-
-    return msgspec.structs.replace(facts, **changes)

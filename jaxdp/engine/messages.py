@@ -4,7 +4,7 @@ MessagePack): the engine process's sockets (`jaxdp.engine.process`, `.remote`) a
 MessagePack, names an unknown kind, or has a field of the wrong type is a `WireError` in one sentence (the
 caller says which peer sent it), never a half-read message, and nothing in a frame is ever imported or run.
 
-- The engine process: the server sends `Command`s (`Submit`, `Abort`, `AskStates`, `AskFlush`, `Shutdown`);
+- The engine process: the server sends `Command`s (`Submit`, `Abort`, `Ask`, `Shutdown`);
   the child sends `Event`s (`Ready` once, `StepDone` after every step that changed something, and the answers
   `States`, `Flushed`, `CallFailed`).
 - The node exchange: each iteration every node sends one frame, its ranks' `Proposal`s and a `NodeMessage`.
@@ -13,7 +13,7 @@ caller says which peer sent it), never a half-read message, and nothing in a fra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -137,25 +137,20 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     rid: str
 
 
-class AskStates(msgspec.Struct, tag=True, array_like=True):
-    """Every rank's figures of an engine (answered by `States`)."""
+class Ask(msgspec.Struct, tag=True, array_like=True):
+    """A rare question about an engine: "rank_states" (every rank's figures, answered by `States`) or
+    "flush_cache" (a prefix-cache flush, answered by `Flushed`)."""
 
     call: int
     engine: int
-
-
-class AskFlush(msgspec.Struct, tag=True, array_like=True):
-    """A prefix-cache flush (answered by `Flushed`)."""
-
-    call: int
-    engine: int
+    question: Literal["rank_states", "flush_cache"]
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Submit | Abort | AskStates | AskFlush | Shutdown
+Command = Submit | Abort | Ask | Shutdown
 
 
 # ---- the engine process: the child's events -----------------------------------------------------------------

@@ -7,8 +7,8 @@ same flags; it builds the engines exactly as the server would (every start-up er
 and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a local
 path, typed messages of `jaxdp.engine.messages` (one codec, no pickle):
 
-- in, `Command`s: `Submit` (an engine, a request), `Abort`, `AskStates` and `AskFlush` for the rare questions
-  (the ranks' figures, a prefix-cache flush), `Shutdown`;
+- in, `Command`s: `Submit` (an engine, a request), `Abort`, `Ask` for the rare questions (the ranks' figures, a
+  prefix-cache flush), `Shutdown`;
 - out, `Event`s: `Ready` (each engine's `EngineFacts`) once; after every step of an engine `StepDone` (its
   requests' `Update`s from `jaxdp.engine.updates`, its new step records, counters, failure), one message a
   step however many requests ran; `States`, `Flushed` or `CallFailed` to answer a question.
@@ -29,24 +29,8 @@ import signal
 import threading
 import time
 
+from jaxdp.engine import messages as msg
 from jaxdp.engine import updates
-from jaxdp.engine.messages import Abort as AbortCommand
-from jaxdp.engine.messages import (
-    AskFlush,
-    AskStates,
-    CallFailed,
-    Command,
-    Counters,
-    Flushed,
-    Reader,
-    Ready,
-    Shutdown,
-    States,
-    StepDone,
-    Submit,
-    WireError,
-    encode,
-)
 from jaxdp.engine.stats import compiles_total
 
 log = logging.getLogger("jaxdp.serve")
@@ -64,13 +48,13 @@ def _socket(ctx, kind: int, addr: str):
     return sock
 
 
-def _send(sock, msg) -> None:
+def _send(sock, message) -> None:
     """Send without waiting: with the server's process gone there is nobody to wait for (this process then
     ends at the next poll)."""
     import zmq
 
     try:
-        sock.send(encode(msg), zmq.NOBLOCK)
+        sock.send(msg.encode(message), zmq.NOBLOCK)
     except zmq.Again:
         pass
 
@@ -108,12 +92,12 @@ class Outbox:
             counters = None
             if now - self._snapshot_at >= SNAPSHOT_EVERY_S:
                 d = self.engine.delayer
-                counters = Counters(compiles_total(), None if d is None else d.wait_passes,
+                counters = msg.Counters(compiles_total(), None if d is None else d.wait_passes,
                                     None if d is None else dict(d.outcomes))
                 self._snapshot_at = now
             if not out and not records and counters is None and not self.engine.failed:
                 return
-            _send(self.sock, StepDone(self.index, out, records, stats.steps, stats.compiles_in_steps,
+            _send(self.sock, msg.StepDone(self.index, out, records, stats.steps, stats.compiles_in_steps,
                                       self.engine.failed, counters))
 
 
@@ -133,13 +117,13 @@ def serve_engines(engines: list, addrs: str) -> int:
     for i, engine in enumerate(engines):
         outboxes.append(Outbox(i, engine, _socket(ctx, zmq.PUSH, events_addr)))
         engine.start(wakeups=outboxes[-1])  # the loop "wakes the streams" by sending their updates
-    read = Reader(Command)
+    read = msg.Reader(msg.Command)
     code = 1
     try:
         if os.getppid() != parent:
             log.warning("the server's process is gone; the engine process ends")
             return code
-        _send(replies, Ready([e.facts for e in engines]))
+        _send(replies, msg.Ready([e.facts for e in engines]))
         while True:
             if not commands.poll(1000):
                 if os.getppid() != parent:
@@ -148,11 +132,11 @@ def serve_engines(engines: list, addrs: str) -> int:
                 continue
             try:
                 cmd = read(commands.recv())
-            except WireError as e:
+            except msg.WireError as e:
                 log.error("the server's process sent a command that is not the engine process's (%s); the engine "
                           "process ends", e)
                 break
-            if isinstance(cmd, Shutdown):
+            if isinstance(cmd, msg.Shutdown):
                 code = 0
                 break
             if not 0 <= cmd.engine < len(engines):
@@ -160,11 +144,11 @@ def serve_engines(engines: list, addrs: str) -> int:
                           len(engines))
                 break
             engine = engines[cmd.engine]
-            if isinstance(cmd, Submit):
+            if isinstance(cmd, msg.Submit):
                 req = updates.received(cmd.request, engine.tokenizer)
                 req.on_update = outboxes[cmd.engine].note
                 engine.submit(req)
-            elif isinstance(cmd, AbortCommand):
+            elif isinstance(cmd, msg.Abort):
                 engine.abort(cmd.rid)
             else:
                 _send(replies, _answer(engine, cmd))
@@ -175,10 +159,10 @@ def serve_engines(engines: list, addrs: str) -> int:
     return code
 
 
-def _answer(engine, ask: AskStates | AskFlush) -> States | Flushed | CallFailed:
+def _answer(engine, ask: msg.Ask) -> msg.States | msg.Flushed | msg.CallFailed:
     try:  # an answer, not a dead engine process
-        if isinstance(ask, AskStates):
-            return States(ask.call, {rank: engine.rank_state(rank) for rank in engine.local_ranks})
-        return Flushed(ask.call, engine.flush_cache())
+        if ask.question == "rank_states":
+            return msg.States(ask.call, {rank: engine.rank_state(rank) for rank in engine.local_ranks})
+        return msg.Flushed(ask.call, engine.flush_cache())
     except Exception as e:
-        return CallFailed(ask.call, f"{type(e).__name__}: {e}")
+        return msg.CallFailed(ask.call, f"{type(e).__name__}: {e}")

@@ -21,24 +21,9 @@ import tempfile
 import threading
 import time
 
+from jaxdp.engine import messages as msg
 from jaxdp.engine import updates
 from jaxdp.engine.client import ClientBase, DelayerCounters, EngineFailed
-from jaxdp.engine.messages import (
-    Abort,
-    AskFlush,
-    AskStates,
-    CallFailed,
-    EngineFacts,
-    Event,
-    Reader,
-    Ready,
-    Shutdown,
-    States,
-    StepDone,
-    Submit,
-    WireError,
-    encode,
-)
 from jaxdp.engine.request import Request
 from jaxdp.engine.stats import StepStats
 from jaxdp.engine.streams import Result, Wakeups
@@ -73,7 +58,7 @@ class EngineProcess:
             addrs.append(f"ipc://{self._dir.name}/{name}")
             sock.bind(addrs[-1])
         self._send_lock = threading.Lock()  # the event loop, the monitor and /flush_cache all send
-        self._read_event = Reader(Event)
+        self._read_event = msg.Reader(msg.Event)
         self._calls: dict[int, Result] = {}
         self._call_ids = itertools.count()
         child = ",".join([*addrs, str(os.getpid())])  # the child ends if this pid is no longer its parent
@@ -88,15 +73,15 @@ class EngineProcess:
         while time.monotonic() < deadline:
             if self._events.poll(500):
                 try:
-                    msg = self._read_event(self._events.recv())
-                except WireError as e:
+                    event = self._read_event(self._events.recv())
+                except msg.WireError as e:
                     self.proc.kill()
                     self._close()
                     print(f"error: the engine process sent a message that is not one of its events ({e}); check "
                           "that the server and its engine process run the same jaxdp", file=sys.stderr)
                     raise EngineProcessError(1) from None
-                if isinstance(msg, Ready):
-                    return [RemoteEngine(self, i, f, tokenizer) for i, f in enumerate(msg.engines)]
+                if isinstance(event, msg.Ready):
+                    return [RemoteEngine(self, i, f, tokenizer) for i, f in enumerate(event.engines)]
             elif (code := self.proc.poll()) is not None:
                 self._close()
                 raise EngineProcessError(code)  # it printed its one sentence already
@@ -106,10 +91,10 @@ class EngineProcess:
         raise EngineProcessError(1)
 
     # ---- to the child ----------------------------------------------------------------------------
-    def send(self, msg: Submit | Abort | AskStates | AskFlush | Shutdown) -> None:
+    def send(self, command: msg.Submit | msg.Abort | msg.Ask | msg.Shutdown) -> None:
         import zmq
 
-        data = encode(msg)
+        data = msg.encode(command)
         with self._send_lock:
             if self._commands.closed:  # (after shutdown, a late abort of a stream goes nowhere)
                 return
@@ -125,15 +110,15 @@ class EngineProcess:
             raise EngineFailed(self.failed)
         call_id, result = next(self._call_ids), Result()
         self._calls[call_id] = result
-        self.send({"rank_states": AskStates, "flush_cache": AskFlush}[what](call_id, index))
+        self.send(msg.Ask(call_id, index, what))
         answer = result.wait(CALL_TIMEOUT_S)
         self._calls.pop(call_id, None)
         if answer is None:
             raise EngineFailed(self.failed or f"the engine process did not answer {what} within "
                                f"{CALL_TIMEOUT_S:.0f} s")
-        if isinstance(answer, CallFailed):
+        if isinstance(answer, msg.CallFailed):
             raise RuntimeError(f"the engine process failed {what}: {answer.error}")
-        return answer.states if isinstance(answer, States) else answer.reports
+        return answer.states if isinstance(answer, msg.States) else answer.reports
 
     # ---- from the child --------------------------------------------------------------------------
     def _read(self) -> None:
@@ -147,22 +132,22 @@ class EngineProcess:
                         return
                     continue
                 try:
-                    msg = self._read_event(self._events.recv())
-                    if isinstance(msg, Ready):
-                        raise WireError("a second Ready")
-                    if isinstance(msg, StepDone) and not 0 <= msg.engine < len(self.engines):
-                        raise WireError(f"a step of engine {msg.engine}; it runs {len(self.engines)}")
-                except WireError as e:
+                    event = self._read_event(self._events.recv())
+                    if isinstance(event, msg.Ready):
+                        raise msg.WireError("a second Ready")
+                    if isinstance(event, msg.StepDone) and not 0 <= event.engine < len(self.engines):
+                        raise msg.WireError(f"a step of engine {event.engine}; it runs {len(self.engines)}")
+                except msg.WireError as e:
                     self.proc.kill()
                     self._lost(f"the engine process sent a message that is not one of its events ({e}); check that "
                                "the server and its engine process run the same jaxdp, and restart the server")
                     return
-                if isinstance(msg, StepDone):
-                    self.engines[msg.engine].receive(msg)
+                if isinstance(event, msg.StepDone):
+                    self.engines[event.engine].receive(event)
                 else:
-                    result = self._calls.get(msg.call)
+                    result = self._calls.get(event.call)
                     if result is not None:
-                        result.set_result(msg)
+                        result.set_result(event)
         finally:
             self._events.close(linger=0)
 
@@ -180,7 +165,7 @@ class EngineProcess:
         self._stopping = True
         if self.proc.poll() is None:
             try:
-                self.send(Shutdown())
+                self.send(msg.Shutdown())
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 log.warning("the engine process did not stop within 30 s; killing it")
@@ -201,7 +186,7 @@ class EngineProcess:
 class RemoteEngine(ClientBase):
     """One of the child's engines, as the server uses a `jaxdp.Engine`: an EngineClient."""
 
-    def __init__(self, link: EngineProcess, index: int, facts: EngineFacts, tokenizer):
+    def __init__(self, link: EngineProcess, index: int, facts: msg.EngineFacts, tokenizer):
         self.link, self.index, self.facts, self.tokenizer = link, index, facts, tokenizer
         self.failed: str | None = None
         self._init_intake()
@@ -220,7 +205,7 @@ class RemoteEngine(ClientBase):
         req.submitted = True
         if not self.failed:
             self.requests[req.rid] = req
-            self.link.send(Submit(self.index, updates.sent(req)))
+            self.link.send(msg.Submit(self.index, updates.sent(req)))
         failed = self.failed or self.link.failed  # (the child may have died while this was sent)
         if failed and not req.finished and self.requests.pop(req.rid, req) is req:
             self._end(req, failed)
@@ -228,26 +213,26 @@ class RemoteEngine(ClientBase):
         return req
 
     def abort(self, rid: str) -> None:
-        self.link.send(Abort(self.index, rid))
+        self.link.send(msg.Abort(self.index, rid))
 
     def stream(self, req: Request):
         return self.wakeups.stream(req, self.submit, self.abort)
 
     # ---- from the child (the link's thread) -------------------------------------------------------
-    def receive(self, msg: StepDone) -> None:
-        updates.apply(self.requests, msg.updates, time.perf_counter())
-        for update in msg.updates:
+    def receive(self, step: msg.StepDone) -> None:
+        updates.apply(self.requests, step.updates, time.perf_counter())
+        for update in step.updates:
             if update.finish is not None:
                 self.requests.pop(update.rid, None)
-        self.stats.records.extend(msg.records)
-        self.stats.steps, self.stats.compiles_in_steps = msg.steps, msg.compiles_in_steps
-        if (c := msg.counters) is not None:
+        self.stats.records.extend(step.records)
+        self.stats.steps, self.stats.compiles_in_steps = step.steps, step.compiles_in_steps
+        if (c := step.counters) is not None:
             self.compiles = c.compiles
             if self.delayer is not None and c.delayer_wait_passes is not None:
                 self.delayer.wait_passes = c.delayer_wait_passes
                 self.delayer.outcomes.update(c.delayer_outcomes or {})
-        if msg.failed and not self.failed:
-            self.failed = msg.failed
+        if step.failed and not self.failed:
+            self.failed = step.failed
         self._messages += 1  # a step ran: the ranks' figures are asked afresh
         self.wakeups.deliver()
 
