@@ -149,3 +149,21 @@ def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, ca
     commands.close(linger=0)
     events.close(linger=0)
     ctx.term()
+
+
+def test_the_engine_and_the_engine_process_stand_in_are_engine_clients():
+    from jaxdp.bench.engine import HostOnlyRunner
+    from jaxdp.engine import Engine
+    from jaxdp.engine.client import EngineClient
+    from jaxdp.engine.remote import RemoteEngine
+
+    cfg = EngineConfig(max_running_requests=4, chunked_prefill_size=16, decode_buckets=[1, 2], extend_buckets=[8])
+    engine = Engine(HostOnlyRunner("tiny", "dp=2", 16, 4), "dp=2", cfg)
+    stand_in = RemoteEngine(SimpleNamespace(failed=None, proc=SimpleNamespace(poll=lambda: None)), 0, facts(), None)
+    assert isinstance(engine, EngineClient) and isinstance(stand_in, EngineClient)
+    assert (engine.facts.num_pages, engine.facts.page_size) == (16, 4)  # the runner's pool
+    # both refuse a prompt past the context by the one rule, on their own facts (64 tokens here, 32 in the facts)
+    with pytest.raises(Exception, match="the prompt has 64 tokens but a rank holds at most 64"):
+        engine.make_request(list(range(64)), SamplingParams())
+    with pytest.raises(Exception, match="the prompt has 32 tokens but a rank holds at most 32"):
+        stand_in.make_request(list(range(32)), SamplingParams())

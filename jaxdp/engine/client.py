@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from jaxdp.engine.controller import Controller
+from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.messages import EngineFacts, NodeFlush
 from jaxdp.engine.request import Request, SamplingParams, new_request
 from jaxdp.engine.scheduler import check_admission
@@ -46,7 +47,7 @@ class EngineClient(Protocol):
     tokenizer: Any
     failed: str | None  # why it stopped serving (then every request gets a 503)
     stats: StepStats  # step records and counters (the engine's own, or the ones its process reported)
-    delayer: DelayerCounters | Any | None  # --enable-prefill-delayer's counters
+    delayer: DelayerCounters | PrefillDelayer | None  # --enable-prefill-delayer's counters (wait_passes, outcomes)
 
     @property
     def compiles(self) -> int:

@@ -33,7 +33,7 @@ from jaxdp.engine.nodes import NodeLink, Nodes, OneNode
 from jaxdp.engine.options import EngineConfig, ModelOptions
 from jaxdp.engine.pipeline import StepPipeline
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import Request
+from jaxdp.engine.request import Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
@@ -197,10 +197,9 @@ class Engine(ClientBase):
         return n
 
     # ---- offline use ---------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params=None, *, ranks: list[int | None] | None = None
-                 ) -> list[Request]:
-        """Run prompts (token ids) to completion and return the finished requests, in order. `params`: one
-        SamplingParams for all, or a list of one per prompt."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, ranks: list[int | None] | None = None) -> list[Request]:
+        """Run prompts (token ids) to completion and return the finished requests, in order."""
         if self._thread is not None:
             raise RuntimeError("generate() runs the loop itself; use submit()/stream() while the loop runs")
         plist = params if isinstance(params, list) else [params] * len(prompts)
