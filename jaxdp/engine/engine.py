@@ -37,6 +37,7 @@ from jaxdp.engine.request import Request, SamplingParams
 from jaxdp.engine.rows import RankRows, RowArrays
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
+from jaxdp.engine.setup import model_options as model_options_of
 from jaxdp.engine.stats import compiles_total
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.engine.threads import start_thread
@@ -59,13 +60,15 @@ class Engine(ClientBase):
         page size and page count (`config`'s, when it builds the runner; a ready runner's own otherwise).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
-        c = self.cfg_in = config or EngineConfig()
-        if isinstance(model, StepRunner) or not isinstance(model, str | ModelOptions):
+        c = config or EngineConfig()
+        if isinstance(model, str | ModelOptions):
+            runner = make_runner(model_options_of(model, **model_options), mesh, c.pool_pages, c.pool_page_size)
+        elif model_options:
+            raise TypeError(f"{', '.join(model_options)}: model options apply when the engine builds its runner, "
+                            "not to a ready one")
+        else:
             runner = model
             c.check_runner(runner)
-        else:
-            options = model if isinstance(model, ModelOptions) else ModelOptions(model, **model_options)
-            runner = make_runner(options, mesh, c.pool_pages, c.pool_page_size)
         self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
