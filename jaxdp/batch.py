@@ -13,9 +13,40 @@ import dataclasses
 
 import numpy as np
 
-STEP_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
-               "logits_idx_B")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "keys")
+
+@dataclasses.dataclass(frozen=True)
+class StepArray:
+    """One array of a step: its name, its shape as letters after the leading rank axis (T token rows, B
+    sequences, N pages per sequence, L logits rows: B, or T when the step returns every row's logits, K the two
+    words of a PRNG key), its dtype and what a padding entry holds (a number; "B": the sequence past the last,
+    so a padding token belongs to none; "slot": a cache slot past the pool's end, so its write is dropped)."""
+
+    name: str
+    dims: str
+    dtype: type
+    pad: int | float | bool | str
+
+    def shape(self, dp: int, sizes: dict[str, int]) -> tuple[int, ...]:
+        return (dp, *(sizes[d] for d in self.dims))
+
+
+# what the compiled step reads (`jaxdp.parallel.step`), in its argument order
+STEP_SPEC = (StepArray("tokens_T", "T", np.int32, 0), StepArray("valid_T", "T", np.bool_, False),
+             StepArray("positions_T", "T", np.int32, 0), StepArray("seq_T", "T", np.int32, "B"),
+             StepArray("slots_T", "T", np.int32, "slot"), StepArray("page_table_BN", "BN", np.int32, 0),
+             StepArray("seq_lens_B", "B", np.int32, 0), StepArray("logits_idx_B", "L", np.int32, 0))
+# what the sampler reads (`jaxdp.engine.sampling`); a padding sequence samples greedily
+SAMPLING_SPEC = (StepArray("temperature", "B", np.float32, 0.0), StepArray("top_p", "B", np.float32, 1.0),
+                 StepArray("top_k", "B", np.int32, -1), StepArray("min_p", "B", np.float32, 0.0),
+                 StepArray("keys", "BK", np.uint32, 0))
+STEP_FIELDS = tuple(a.name for a in STEP_SPEC)
+SAMPLING_KEYS = tuple(a.name for a in SAMPLING_SPEC)
+
+
+def step_sizes(num_rows: int, num_seqs: int, pages_per_seq: int, num_logits: int | None = None) -> dict[str, int]:
+    """The sizes of the shape letters of `StepArray.dims`."""
+    return {"T": num_rows, "B": num_seqs, "N": pages_per_seq, "L": num_seqs if num_logits is None else num_logits,
+            "K": 2}
 
 
 @dataclasses.dataclass
@@ -26,15 +57,10 @@ class Piece:
 
 
 def empty_step(dp: int, num_rows: int, num_seqs: int, pages_per_seq: int, pad_slot: int) -> dict[str, np.ndarray]:
-    """All-padding arrays of a step: T = num_rows token rows and B = num_seqs sequences per rank."""
-    T, B, N = num_rows, num_seqs, pages_per_seq
-    return {"tokens_T": np.zeros((dp, T), np.int32), "valid_T": np.zeros((dp, T), bool),
-            "positions_T": np.zeros((dp, T), np.int32), "seq_T": np.full((dp, T), B, np.int32),
-            "slots_T": np.full((dp, T), pad_slot, np.int32), "page_table_BN": np.zeros((dp, B, N), np.int32),
-            "seq_lens_B": np.zeros((dp, B), np.int32), "logits_idx_B": np.zeros((dp, B), np.int32),
-            "temperature": np.zeros((dp, B), np.float32), "top_p": np.ones((dp, B), np.float32),
-            "top_k": np.full((dp, B), -1, np.int32), "min_p": np.zeros((dp, B), np.float32),
-            "keys": np.zeros((dp, B, 2), np.uint32)}
+    """All-padding arrays of a step and its sampling: T = num_rows token rows and B = num_seqs sequences per rank."""
+    sizes, fill = step_sizes(num_rows, num_seqs, pages_per_seq), {"B": num_seqs, "slot": pad_slot}
+    return {a.name: np.full(a.shape(dp, sizes), fill[a.pad] if isinstance(a.pad, str) else a.pad, a.dtype)
+            for a in (*STEP_SPEC, *SAMPLING_SPEC)}
 
 
 def fill_pieces(out: dict[str, np.ndarray], r: int, pieces: list[Piece], page_size: int) -> None:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -36,6 +37,11 @@ CPU_KV_BUDGET = 2**28  # bytes per rank on a CPU (256 MiB), times --mem-fraction
 
 class UserError(ValueError):
     pass
+
+
+if TYPE_CHECKING:
+    from jaxdp.api.context import Limits
+    from jaxdp.engine.options import EngineConfig, ModelOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +180,9 @@ def server_limits(args):
                   args.graceful_shutdown_timeout)
 
 
-def engine_config(args, num_pages: int):
+def engine_config(args, num_pages: int | None = None):
+    """The engine's options from the flags, checked (a UserError names the flag). `num_pages` unset: the
+    runner's (each replica's pool is sized from the memory it has, `pool_pages`)."""
     from jaxdp.engine import EngineConfig
     from jaxdp.engine.delayer import DelayerConfig
     from jaxdp.parallel.accounting import decode_buckets
@@ -202,52 +210,91 @@ def engine_config(args, num_pages: int):
                         enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer)
 
 
-def pool_pages(args, runner, replica: int, replicas: int) -> int:
-    """KV pages per rank for one replica (see the module docstring)."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class PoolSizing:
+    """How each replica's KV pool is sized (see the module docstring): the flags, checked."""
 
-    from jaxdp.layout import GiB
+    mem_fraction_static: float = 0.88
+    max_total_tokens: int | None = None
+    replica_num_pages: list[int] | None = None
 
-    S = args.page_size
+
+def pool_sizing(args, page_size: int, replicas: int) -> PoolSizing:
+    pages = None
     if args.replica_num_pages:
         sizes = [s.strip() for s in args.replica_num_pages.split(",")]
         if len(sizes) != replicas or not all(s.isdigit() and int(s) > 0 for s in sizes):
             raise UserError(f"--replica-num-pages {args.replica_num_pages} must give {replicas} positive page "
                             f"counts, one per replica of --dp-size {replicas}")
-        return int(sizes[replica])
-    if args.max_total_tokens is not None:
-        if args.max_total_tokens < S:
-            raise UserError(f"--max-total-tokens {args.max_total_tokens} is less than one page of {S} tokens")
-        return args.max_total_tokens // S
-    if not 0 < args.mem_fraction_static <= 1:
+        pages = [int(s) for s in sizes]
+    elif args.max_total_tokens is not None:
+        if args.max_total_tokens < page_size:
+            raise UserError(f"--max-total-tokens {args.max_total_tokens} is less than one page of {page_size} tokens")
+    elif not 0 < args.mem_fraction_static <= 1:
         raise UserError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
+    return PoolSizing(args.mem_fraction_static, args.max_total_tokens, pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """What the flags say about the model, the engines, their pools and the HTTP limits: built once from them
+    (`serve_config`, which checks them) and handed down; the HTTP side reads the rest of the flags itself."""
+
+    model: ModelOptions
+    engine: EngineConfig  # (num_pages unset: each replica's runner has its own, sized by `pool`)
+    pool: PoolSizing
+    limits: Limits
+
+
+def serve_config(args, layout) -> ServeConfig:
+    """The flags as a ServeConfig (a UserError names a flag to change). After `resolve_model`: the model's path."""
+    from jaxdp.backends import default_dtype
+    from jaxdp.engine.options import ModelOptions
+
+    engine = engine_config(args)
+    model = ModelOptions(args.model_path, args.dtype if args.dtype != "auto" else default_dtype(), args.random_seed,
+                         args.quantization, args.attention_backend, args.moe_runner_backend,
+                         None if args.index_key_dtype == "auto" else args.index_key_dtype)
+    return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), server_limits(args))
+
+
+def pool_pages(sizing: PoolSizing, runner, replica: int) -> int:
+    """KV pages per rank for one replica (see the module docstring)."""
+    import jax
+
+    from jaxdp.layout import GiB
+
+    S = runner.page_size
+    if sizing.replica_num_pages:
+        return sizing.replica_num_pages[replica]
+    if sizing.max_total_tokens is not None:
+        return sizing.max_total_tokens // S
+    fraction = sizing.mem_fraction_static
     page_bytes = S * runner.pool_bytes_per_token
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]  # this node's
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if not all(s and "bytes_limit" in s for s in stats):
-        return max(1, int(args.mem_fraction_static * CPU_KV_BUDGET) // page_bytes)
-    limit = min(s["bytes_limit"] for s in stats) * args.mem_fraction_static
+        return max(1, int(fraction * CPU_KV_BUDGET) // page_bytes)
+    limit = min(s["bytes_limit"] for s in stats) * fraction
     used = max(s.get("bytes_in_use", 0) for s in stats)
     pages = int(limit - used) // page_bytes
     if pages < 2:
         raise UserError(f"the weights take {used / GiB:.2f} GiB of the {limit / GiB:.2f} GiB that "
-                        f"--mem-fraction-static {args.mem_fraction_static} allows per device, leaving no room "
+                        f"--mem-fraction-static {fraction} allows per device, leaving no room "
                         "for the KV cache; raise --mem-fraction-static or spread the model over more devices")
     return pages
 
 
-def build_backend(args, layout, tokenizer, dist=None):
+def build_backend(config: ServeConfig, layout, tokenizer, dist=None):
     """Load the model once, then one StepRunner + Engine per replica on its own contiguous sub-mesh."""
     import jax
 
     from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.backends import default_dtype
     from jaxdp.engine import Engine
-    from jaxdp.engine.hosts import HostExchange, world_devices
+    from jaxdp.engine.hosts import HostExchange, parse_dist_addr, world_devices
     from jaxdp.engine.setup import build_runners
 
     devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
-    dtype = args.dtype if args.dtype != "auto" else default_dtype()
     if dist and dist.multi:  # each node checks the balance of its own devices
         from jaxdp.layout import check_memory_balance, device_free_memory
 
@@ -259,28 +306,25 @@ def build_backend(args, layout, tokenizer, dist=None):
     meshes = layout.replica_meshes(devices) if layout.replicas > 1 else [layout.make_mesh(devices[: layout.world])]
     one = dataclasses.replace(layout, replicas=1)
     t0 = time.perf_counter()
-    runners = build_runners(args.model_path, one, meshes, dtype=dtype, seed=args.random_seed,
-                            quantization=args.quantization, num_pages=1, page_size=args.page_size,
-                            attention_backend=args.attention_backend, moe_backend=args.moe_runner_backend,
-                            index_key_dtype=None if args.index_key_dtype == "auto" else args.index_key_dtype)
+    runners = build_runners(config.model, one, meshes, num_pages=1, page_size=config.engine.page_size)
     cfg = runners[0].cfg
     one.validate(n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
     log.info("Load weight end. elapsed=%.2f s, model=%s, %d layers, layout %s", time.perf_counter() - t0,
-             args.model_path, cfg.num_layers, layout.describe())
+             config.model.path, cfg.num_layers, layout.describe())
     engines = []
     hosts = None
     if dist and dist.multi:
-        hosts = HostExchange(dist.nnodes, dist.node_rank, one.dp, dist.timeout_s, init_timeout_s=dist.init_timeout_s)
+        hosts = HostExchange(dist.nnodes, dist.node_rank, one.dp, dist.timeout_s, init_timeout_s=dist.init_timeout_s,
+                             coordinator_host=parse_dist_addr(dist.addr)[0])
     for r, runner in enumerate(runners):
-        runner.resize_pool(pool_pages(args, runner, r, len(runners)))
+        runner.resize_pool(pool_pages(config.pool, runner, r))
         for rank in (hosts.local_ranks() if hosts else range(one.dp)):
             where = f"replica {r}" if len(runners) > 1 else f"rank {rank}"
             log.info("KV Cache is allocated (%s). dtype: %s, #tokens: %d, pages: %d x %d", where,
-                     jax.numpy.dtype(runner.cache_dtype).name, runner.num_pages * args.page_size, runner.num_pages,
-                     args.page_size, extra={"dp": r * one.dp + rank})
-        engines.append(Engine(runner, config=engine_config(args, runner.num_pages), tokenizer=tokenizer,
-                              seed=args.random_seed, hosts=hosts))
-    return ReplicaSet(engines, args.load_balance_method)
+                     jax.numpy.dtype(runner.cache_dtype).name, runner.num_pages * runner.page_size, runner.num_pages,
+                     runner.page_size, extra={"dp": r * one.dp + rank})
+        engines.append(Engine(runner, config=dataclasses.replace(config.engine), tokenizer=tokenizer, hosts=hosts))
+    return ReplicaSet(engines, config.engine.load_balance_method)
 
 
 def resolve_model(args):
@@ -351,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
             layout = layout_from_args(args, num_devices=len(jax.devices()))
             tokenizer = resolve_model(args)
-            backend = build_backend(args, layout, tokenizer, dist)
+            backend = build_backend(serve_config(args, layout), layout, tokenizer, dist)
     except (LayoutError, UserError, DistError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -413,7 +457,7 @@ def run_server(args, layout, backend, tokenizer) -> int:
 
     server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
     server_args.update(layout=layout.describe(), mesh=layout.spec(), context_length=backend.context_len(),
-                       num_pages=[e.cfg.num_pages for e in backend.engines])
+                       num_pages=[e.facts.num_pages for e in backend.engines])
     name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
                                       else args.model_path)
     metrics = ServerMetrics(backend, name)

@@ -11,6 +11,8 @@ import time
 import pytest
 
 from jaxdp.engine.hosts import HostExchange, PeerFailure, StoreGather, ZmqGather
+from jaxdp.engine.messages import NodeFlush, NodeMessage, encode, frame_reader
+from jaxdp.engine.updates import Update
 from jaxdp.parallel.places import Proposal
 
 
@@ -90,7 +92,7 @@ def test_store_exchange_gives_every_node_the_same_proposals_and_deletes_old_keys
     run_nodes(nodes, 8, 200, lambda k: StoreGather(nodes, k, 10, store))
     # the keys of finished iterations are deleted, a directory of BLOCK at a time
     assert len(store.data) <= 2 * StoreGather.BLOCK * nodes
-    assert max(pickle.loads(v)[1]["step"] for v in store.data.values()) == 199
+    assert max(frame_reader(dict)(v)[1]["step"] for v in store.data.values()) == 199
 
 
 @pytest.mark.parametrize("transport", ["zmq", "store"])
@@ -136,29 +138,34 @@ def test_the_exchange_names_the_node_whose_connection_dropped():
 
 
 class _Boom:
-    def __reduce__(self):  # what a forged frame would carry: pickle imports and calls os.system
+    def __reduce__(self):  # what a forged pickle frame would carry: pickle imports and calls os.system
 
         return os.system, ("touch /tmp/jaxdp-exchange-pwned",)
 
 
-def test_an_exchange_frame_naming_another_class_is_refused_not_run():
-    """The exchange reads plain data and its own classes; a frame that names any other callable is a
+def test_an_exchange_frame_that_is_not_the_exchanges_is_refused_not_run():
+    """The exchange reads typed frames (`jaxdp.engine.messages`): a good one arrives whole, and a pickled frame
+    (which would import and call os.system), an unknown field's wrong type or a short proposal list is a
     PeerFailure in one sentence, and nothing in it runs."""
 
-    from jaxdp.engine.nodes import NodeFlush  # noqa: F401  (one of the classes a message may carry)
-
     def gather_with(payload: bytes):
-        return lambda mine: [mine, payload]
+        return lambda mine, timeout_s=None: [mine, payload]
 
     ex = HostExchange(2, 0, 8, timeout_s=1, client=FakeStore(), gather=gather_with(b""))
-    good = pickle.dumps(([Proposal(3, True, True)] * 4, {"updates": [("r", [1, 2], [], [[(5, -0.1)]], 0, None, None)],
-                                                         "ranks": range(4, 8)}))
-    ex.gather = gather_with(good)
-    full, messages = ex.exchange([Proposal(0, False, False)] * 8, {})
-    assert full[4:] == [Proposal(3, True, True)] * 4 and messages[1]["ranks"] == range(4, 8)
-    ex.gather = gather_with(pickle.dumps(([Proposal(0, False, False)] * 4, {"x": _Boom()})))
-    with pytest.raises(PeerFailure, match=r"node 1 sent a message that is not the exchange's \(posix.system is not"):
-        ex.exchange([Proposal(0, False, False)] * 8, {})
+    update = Update("r", [1, 2], [], [[(5, -0.1)]], 0, None, None, None, [], None)
+    flush = NodeFlush(1, range(4, 8), True, 16)
+    good = NodeMessage(updates=[update], flushed=[(7, flush)])
+    ex.gather = gather_with(encode(([Proposal(3, True, True)] * 4, good)))
+    full, messages = ex.exchange([Proposal(0, False, False)] * 8, NodeMessage())
+    assert full[4:] == [Proposal(3, True, True)] * 4 and messages[1].updates == [update]
+    assert messages[1].flushed == [(7, flush)] and messages[1].flushed[0][1].ranks == range(4, 8)
+    forged = [pickle.dumps(([Proposal(0, False, False)] * 4, {"x": _Boom()})),  # not MessagePack at all
+              encode(([Proposal(0, False, False)] * 4, {"abort": "not a list"})),  # a field of the wrong type
+              encode(([Proposal(0, False, False)] * 3, NodeMessage()))]  # 3 proposals for 4 ranks
+    for frame in forged:
+        ex.gather = gather_with(frame)
+        with pytest.raises(PeerFailure, match=r"^node 1 sent (a message that is not the exchange's|3 proposals)"):
+            ex.exchange([Proposal(0, False, False)] * 8, NodeMessage())
     assert not os.path.exists("/tmp/jaxdp-exchange-pwned")
 
 

@@ -290,14 +290,14 @@ def test_cli_help_and_user_errors():
 
 
 class _FakeEngine:
-    """What ReplicaSet reads of an Engine: its ranks, their pools, context length, make_request."""
+    """What ReplicaSet reads of an EngineClient: its ranks, their pools, context length, make_request."""
 
     def __init__(self, dp: int, pages: int):
         from types import SimpleNamespace
 
         self.layout = SimpleNamespace(dp=dp)
         self.context_len = 4096
-        self.schedulers = [SimpleNamespace(pool=SimpleNamespace(num_pages=pages, page_size=16)) for _ in range(dp)]
+        self.facts = SimpleNamespace(num_pages=pages, page_size=16)
 
     def make_request(self, ids, params, rid, rank):
         from jaxdp.engine import Request

@@ -152,7 +152,7 @@ class _StateCollector:
         yield g
         yield from self.m.sglang.gauges(states, self.m.gen_throughput)
         # with --engine-process the child counts its own
-        compiles = max([compiles_total()] + [getattr(e, "compiles", 0) for e in backend.engines])
+        compiles = max([compiles_total()] + [e.compiles for e in backend.engines])
         yield CounterMetricFamily(P + "compiles", "XLA compilations in the engines' process", value=compiles)
         c = CounterMetricFamily(P + "compiles_in_steps", "Compilations inside serving steps (after warm-up: a "
                                 "missing bucket)", labels=["replica"])
@@ -171,7 +171,7 @@ def _delayer_metrics(engines):
     outcomes = CounterMetricFamily(P + "prefill_delayer_outcomes", "Passes with a prompt on some rank, by the "
                                    "prefill delayer's decision", labels=["replica", "kind"])
     for i, e in enumerate(engines):
-        if (d := getattr(e, "delayer", None)) is not None:
+        if (d := e.delayer) is not None:
             waits.add_metric([str(i)], d.wait_passes)
             for kind in OUTCOMES[1:]:
                 outcomes.add_metric([str(i), kind], d.outcomes[kind])

@@ -41,7 +41,7 @@ def run_node(args, engine) -> int:
             time.sleep(0.2)
     except KeyboardInterrupt:
         exit_now(130)
-    if engine.link.node_0_stopped:
+    if engine.nodes.node_0_stopped:
         log.info("node 0 shut down; node %d ends", args.node_rank)
         try:
             engine.hosts.barrier("stopped", engine.hosts.timeout_s)  # node 0 keeps the runtime up until here

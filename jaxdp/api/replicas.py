@@ -17,7 +17,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from jaxdp.engine import Engine, Request, SamplingParams
+from jaxdp.engine import Request, SamplingParams
+from jaxdp.engine.client import EngineClient
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.nodes import NodeFlush
 
@@ -32,13 +33,14 @@ class RankCounters:
 
 
 class ReplicaSet:
-    """Same interface for the app whether it serves one Engine or several replicas."""
+    """Same interface for the app whether it serves one engine or several replicas (each an EngineClient: an
+    Engine here, or the stand-in of one in the engine process)."""
 
-    def __init__(self, engines: list[Engine], method: str = "round_robin"):
+    def __init__(self, engines: list[EngineClient], method: str = "round_robin"):
         if not engines:
             raise ValueError("a ReplicaSet needs at least one engine")
         self.engines = engines
-        self.ranks: list[tuple[Engine, int]] = [(e, j) for e in engines for j in range(e.layout.dp)]
+        self.ranks: list[tuple[EngineClient, int]] = [(e, j) for e in engines for j in range(e.layout.dp)]
         self.controller = Controller(len(self.ranks), method, [self.capacity(r) for r in range(len(self.ranks))])
         self.method = method
         self._lock = threading.Lock()
@@ -65,14 +67,10 @@ class ReplicaSet:
     def model_cfg(self):
         return self.engines[0].model_cfg
 
-    def scheduler(self, rank: int):
-        engine, local = self.ranks[rank]
-        return engine.schedulers[local]
-
     def capacity(self, rank: int) -> int:
-        """Tokens the rank's KV pool holds."""
-        pool = self.scheduler(rank).pool
-        return pool.num_pages * pool.page_size
+        """Tokens the rank's KV pool holds (every rank of an engine has the same pool)."""
+        facts = self.ranks[rank][0].facts
+        return facts.num_pages * facts.page_size
 
     def context_len(self, rank: int | None = None) -> int:
         if rank is None:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 # how a pass ended, as SGLang names them: no rank had a prompt, all had one without waiting, all had one after
 # waiting, the watermark let the prompts go, a wait pass, the wait limit let the prompts go
-KEY = "prefill_delayer"  # its entry in a node's message of the exchange
 OUTCOMES = ("no_prompt", "no_wait", "wait_success", "token_watermark", "delay", "wait_timeout")
 
 
@@ -92,17 +91,19 @@ class PrefillDelayer:
         return self.announced[rank] and not self.decision.hold
 
     def signals(self, prompt_ready: Sequence[bool], token_usage: Sequence[float]) -> list[tuple[bool, bool]]:
-        """This node's ranks' numbers for the exchange (plain tuples, so they pickle small)."""
+        """This node's ranks' numbers for the exchange (plain tuples: small on the wire)."""
         w = self.cfg.token_usage_low_watermark
         return [dataclasses.astuple(rank_signal(p, u, w)) for p, u in zip(prompt_ready, token_usage, strict=True)]
 
-    def post(self, message: dict, schedulers: Sequence) -> None:
-        """Add this node's ranks' numbers (their schedulers, in rank order) to its message of the exchange."""
-        message[KEY] = self.signals([s.prompt_ready for s in schedulers], [s.token_usage for s in schedulers])
+    def post(self, message, schedulers: Sequence) -> None:
+        """Add this node's ranks' numbers (their schedulers, in rank order) to its message of the exchange (a
+        `jaxdp.engine.messages.NodeMessage`)."""
+        message.prefill_delayer = self.signals([s.prompt_ready for s in schedulers],
+                                               [s.token_usage for s in schedulers])
 
-    def read(self, messages: Sequence[dict]) -> Decision:
+    def read(self, messages: Sequence) -> Decision:
         """Every node's message of this pass, in node order (each node's ranks are contiguous)."""
-        return self.update([signal for m in messages for signal in m[KEY]])
+        return self.update([signal for m in messages for signal in m.prefill_delayer])
 
     def update(self, signals: Sequence[RankSignal | tuple[bool, bool]]) -> Decision:
         """Take every rank's numbers from this pass's agreement; the decision applies to the next pass."""

@@ -1,149 +1,152 @@
 """`jaxdp.Engine`: the schedulers of all DP ranks of this host, driven by one loop, over one StepRunner.
 
-Each iteration (`step`): every rank's scheduler picks its batch; the ranks agree (`agree_on_step`: rows
-per rank, the decode-bucket vote, "any rank reads a prompt"); when a prompt is read anywhere, decoding
-ranks present their batch as one-token extends so all ranks share one extend step (the relabeling);
-ranks without work run an idle (all-padding) batch while any rank has work; nothing runs when all are
-idle. The compiled step is chosen from the busiest rank; tokens are sampled on the device.
+The engine is an `EngineClient` (`jaxdp.engine.client`): requests are made and checked here (`make_request`),
+queued from any thread (`submit`, `abort`, `stream`) into an inbox, and the loop takes them in before each
+iteration of the step pipeline (`jaxdp.engine.pipeline.StepPipeline`: plan, agree, queue, book). This module
+is the loop: the inbox, the thread, the failures that end the engine; the pipeline is the step.
 
-Use it offline (`generate`) or from a server (`start`, then `submit` / `stream` from other threads).
+Use it offline (`generate`, or `step` / `run_until_idle`) or from a server (`start`, then `submit` / `stream`
+from other threads).
 
-Across several nodes (`hosts`, see `jaxdp.engine.hosts` and `.nodes`) every node runs an Engine over the mesh; its
-loop schedules only its own ranks, the agreement's exchange carries the other nodes' proposals, and node 0
-(the one with the HTTP server) keeps a stand-in for each request it sent to another node, which the
-exchange keeps up to date with that node's tokens.
+Across several nodes (`hosts`, see `jaxdp.engine.hosts` and `.nodes`) every node runs an Engine over the mesh;
+its loop schedules only its own ranks, the agreement's exchange carries the other nodes' proposals, and node 0
+(the one with the HTTP server) keeps a stand-in for each request it sent to another node, which the exchange
+keeps up to date with that node's tokens. All of that is behind `jaxdp.engine.nodes.Nodes`: on one node
+(`OneNode`) neither the loop nor the pipeline has a branch for it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 
-import numpy as np
+import msgspec
 
-from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS
 from jaxdp.engine.buckets import Buckets
-from jaxdp.engine.controller import Controller
-from jaxdp.engine.delayer import PrefillDelayer
-from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
-from jaxdp.engine.logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
-from jaxdp.engine.nodes import NodeFlush, NodeLink, flush_ranks
-from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.plan import RankPlan, rank_proposals
+from jaxdp.engine.client import ClientBase, EngineFailed
+from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
+from jaxdp.engine.messages import EngineFacts, NodeFlush
+from jaxdp.engine.nodes import NodeLink, Nodes, OneNode
+from jaxdp.engine.options import EngineConfig, ModelOptions
+from jaxdp.engine.pipeline import StepPipeline
 from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import Request, SamplingParams, new_request
-from jaxdp.engine.rows import RankRows, RowArrays, plan_arrays
-from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
+from jaxdp.engine.request import Request, SamplingParams
+from jaxdp.engine.rows import RankRows, RowArrays
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
-from jaxdp.engine.stats import InFlight, StepStats, compiles_on_this_thread, compiles_total
+from jaxdp.engine.setup import model_options as model_options_of
+from jaxdp.engine.stats import compiles_total
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.engine.threads import start_thread
 from jaxdp.engine.updates import end as end_request
-from jaxdp.parallel.places import LocalExchange, agree_on_step
-from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.parallel.step import StepRunner
+
+__all__ = ["Engine", "EngineFailed"]
 
 log = logging.getLogger("jaxdp.engine")
 
 
-class EngineFailed(Exception):
-    """The engine cannot serve any more (another node died); the message says what happened (HTTP 503)."""
-
-
-class Engine:
-    def __init__(self, model: str | StepRunner = "default", mesh: str = "dp=1", config: EngineConfig | None = None,
-                 *, dtype: str = "float32", tokenizer=None, warmup: bool = True, attention_backend: str | None = None,
-                 moe_runner_backend: str | None = None, quantization: str | None = None, seed: int = 0,
-                 hosts: HostExchange | None = None):
-        """`model`: a checkpoint directory, "default" (the embedded model), a preset (random weights, seeded)
-        or a ready StepRunner (or a stand-in of its interface: `jaxdp.bench.engine.HostOnlyRunner`). `mesh`: a
-        --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset).
+class Engine(ClientBase):
+    def __init__(self, model: str | ModelOptions | StepRunner = "default", mesh: str = "dp=1",
+                 config: EngineConfig | None = None, *, tokenizer=None, warmup: bool = True,
+                 hosts: HostExchange | None = None, **model_options):
+        """`model`: a ready StepRunner (or a stand-in of its interface: `jaxdp.bench.engine.HostOnlyRunner`),
+        or what to build one from: a checkpoint directory, "default" (the embedded model) or a preset (random
+        weights, seeded), with `model_options` (`ModelOptions`' fields: dtype, seed, ...), or a ModelOptions.
+        `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset). The runner owns the pool's
+        page size and page count (`config`'s, when it builds the runner; a ready runner's own otherwise).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
-        self.cfg = config or EngineConfig()
-        self.runner = runner = model if not isinstance(model, str) else make_runner(
-            model, mesh, self.cfg, dtype, attention_backend, seed, quantization, moe_runner_backend)
-        self._sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
-        self.model_cfg, self.layout = runner.cfg, runner.layout
+        c = config or EngineConfig()
+        if isinstance(model, str | ModelOptions):
+            runner = make_runner(model_options_of(model, **model_options), mesh, c.pool_pages, c.pool_page_size)
+        elif model_options:
+            raise TypeError(f"{', '.join(model_options)}: model options apply when the engine builds its runner, "
+                            "not to a ready one")
+        else:
+            runner = model
+            c.check_runner(runner)
+        self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
-        dp, c = self.layout.dp, self.cfg
-        if c.num_pages > runner.num_pages:
-            raise ValueError(f"num_pages {c.num_pages} exceeds the step runner's pool of {runner.num_pages}")
-        if c.page_size != runner.page_size:  # the slots the host computes would land in the wrong places
-            raise ValueError(f"page_size {c.page_size} differs from the step runner's {runner.page_size}; build "
-                             "both from one EngineConfig")
-        self.max_running_per_rank = max(1, c.max_running_requests // dp)
+        self.failed: str | None = None  # why the engine stopped serving (another node failed)
+        model_cfg, layout, page_size, num_pages = runner.cfg, runner.layout, runner.page_size, runner.num_pages
+        dp = layout.dp
+        max_running = max(1, c.max_running_requests // dp)
         chunk = max(1, c.chunked_prefill_size // dp)
         if dp > 1:
             log.info("DP attention is enabled. chunked prefill size is adjusted from %d to %d.",
                      c.chunked_prefill_size, chunk)
         conservativeness = c.schedule_conservativeness * (0.3 if dp > 1 else 1.0)
-        self.context_len = context_len = min(c.context_length or self.model_cfg.max_position_embeddings,
-                                             c.num_pages * c.page_size)
-        self.pages_per_seq = -(-context_len // c.page_size)
-        sched_cfg = SchedulerConfig(chunk, self.max_running_per_rank, context_len, conservativeness,
-                                    self.model_cfg.eos_token_ids, self.model_cfg.vocab_size, c.seed)
-        self.rows = RowArrays.zeros(dp, self.max_running_per_rank, self.pages_per_seq)  # the persistent batch
+        context_len = min(c.context_length or model_cfg.max_position_embeddings, num_pages * page_size)
+        pages_per_seq = -(-context_len // page_size)
+        sched_cfg = SchedulerConfig(chunk, max_running, context_len, conservativeness, model_cfg.eos_token_ids,
+                                    model_cfg.vocab_size, c.seed)
+        rows = RowArrays.zeros(dp, max_running, pages_per_seq)  # the persistent batch
         self.schedulers = []
         for r in range(dp):
-            pool = PagePool(c.num_pages, c.page_size)
+            pool = PagePool(num_pages, page_size)
             self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
-                                             RankRows(self.rows.rank(r), c.page_size)))
-        self.controller = Controller(dp, c.load_balance_method)  # (a server's ReplicaSet pins ranks itself)
-        runner.ensure_token_carry(max(self.max_running_per_rank, *(c.decode_buckets or [1])))  # tokens read back
-        self.buckets = Buckets.make(self.max_running_per_rank, chunk, dp, c.decode_buckets, c.extend_buckets,
-                                    c.max_len_extend_rows).with_pages(self.pages_per_seq, c.page_size)
-        self.stats = StepStats(dp)
-        self.delayer = PrefillDelayer(c.prefill_delayer, dp) if c.prefill_delayer else None
+                                             RankRows(rows.rank(r), page_size)))
+        runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
+        buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
+                               c.max_len_extend_rows).with_pages(pages_per_seq, page_size)
+        self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
         self.hosts = hosts
-        self.exchange = hosts if hosts is not None else LocalExchange()
-        self.local_ranks = hosts.local_ranks() if hosts is not None else range(dp)
-        self.link = NodeLink(self, hosts) if hosts is not None else None  # what rides on the exchange
-        self.failed: str | None = None  # why the engine stopped serving (another node failed)
+        self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes)
+        self.facts = EngineFacts(layout, c, buckets, model_cfg, context_len, self.nodes.local_ranks, sched_cfg,
+                                 num_pages, page_size, 0, {r: self.schedulers[r].state() for r in range(dp)})
+        self._init_intake()
         self._fail_lock = threading.Lock()
-        self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
-        self._inflight: InFlight | None = None
         self.wakeups = Wakeups()  # the streams' event loops, woken once per step
-        self._steps = itertools.count()
-        self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.requests: dict[str, Request] = {}
         self._requests_limit = 4096  # past this many, finished requests are forgotten
-        self.compiles_at_warmup = 0
-        self.prompt_logprob_steps = 0  # steps that returned every row's logits (a request asked for prompt logprobs)
         if warmup and not c.disable_cuda_graph:
             self.warmup()
+
+    # ---- the pipeline's figures, by the names the server and the tests read -------------------------------
+    @property
+    def stats(self):
+        return self.pipeline.stats
+
+    @property
+    def delayer(self):
+        return self.pipeline.delayer
+
+    @delayer.setter
+    def delayer(self, delayer) -> None:  # (experiments turn it on and off between runs)
+        self.pipeline.delayer = delayer
+
+    @property
+    def blocked(self) -> tuple[float, str] | None:
+        return self.pipeline.blocked
+
+    @property
+    def _inflight(self):
+        return self.pipeline.inflight
+
+    @property
+    def prompt_logprob_steps(self) -> int:
+        return self.pipeline.prompt_logprob_steps
+
+    @property
+    def compiles(self) -> int:
+        return compiles_total()
 
     # ---- start-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
-        compile_steps(self.runner, self._sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size)
+        compile_steps(self.runner, self.pipeline.sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size)
         self.compiles_at_warmup = compiles_total()
+        self.facts = msgspec.structs.replace(self.facts, compiles_at_warmup=self.compiles_at_warmup)
 
-    # ---- requests ------------------------------------------------------------------------------
-    def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
-                     rid: str | None = None, rank: int | None = None) -> Request:
-        """A validated request (token ids, or text when the model has a tokenizer) on a rank: `rank`, or the
-        controller's choice (then it counts in the controller's ledger; a caller that pins ranks, such as
-        the server's ReplicaSet, keeps its own); raises BadRequest."""
-        if self.failed:
-            raise EngineFailed(self.failed)
-        rid = rid or f"req-{next(self._ids)}"
-        self.controller.check_rid(rid)
-        req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
-                          check=self.schedulers[0].check)  # (every rank of an engine has the same pool and context)
-        req.rank = req.dp_rank = self.controller.choose(rank)
-        if rank is None:
-            self.controller.add(req, req.rank)
-        return req
-
+    # ---- requests (any thread) ---------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         """Queue a request made by `make_request` (thread-safe); the loop admits it on its next iteration."""
         req.submitted = True
@@ -157,7 +160,7 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         if len(self.requests) > self._requests_limit:  # forget finished ones (their owners hold them)
-            keep = self.link.origin if self.link else {}  # finished, but not yet reported to node 0
+            keep = self.nodes.keep()  # finished, but not yet reported to node 0
             self.requests = {rid: r for rid, r in self.requests.items() if not r.finished or rid in keep}
             self._requests_limit = max(4096, 2 * len(self.requests))  # amortised: not every step past 4096 live
         while True:
@@ -167,23 +170,15 @@ class Engine:
                 return
             now = time.perf_counter()
             if cmd == "add":
-                if arg.rank not in self.local_ranks:  # node 0: another node's rank
-                    self.link.forward(arg)
-                    continue
-                self.schedulers[arg.rank].add(arg)
-                self.requests[arg.rid] = arg
+                if not self.nodes.send_away(arg):  # (node 0: another node's rank goes there)
+                    self.schedulers[arg.rank].add(arg)
+                    self.requests[arg.rid] = arg
             elif cmd == "abort":
                 req = self.requests.get(arg)
-                if req is not None and not req.finished:
-                    if req.rank in self.local_ranks:
-                        self.schedulers[req.rank].abort(arg, now)
-                    else:
-                        self.link.forward_abort(req, now)
-            elif cmd == "flush":  # several nodes: every node's ranks, the others' through the exchange
-                if self.link:
-                    self.link.flush(arg)
-                else:
-                    arg.set_result([flush_ranks(self.schedulers, self.local_ranks, 0, self.busy)])
+                if not self.nodes.abort_away(arg, now) and req is not None and not req.finished:
+                    self.schedulers[req.rank].abort(arg, now)
+            elif cmd == "flush":  # every node's ranks (the others' through the exchange)
+                self.nodes.flush(arg, self.busy)
 
     @property
     def busy(self) -> bool:
@@ -191,148 +186,10 @@ class Engine:
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> bool:
-        """One iteration of the loop; False when every rank is idle and nothing is in flight.
-
-        With `overlap`, step N+1 is planned and queued on the device before step N's tokens are read
-        back: rows whose input token is still in flight carry a marker (-1-j: the j-th token step N
-        sampled on this rank) that the step resolves on the device, and step N is booked while N+1 runs."""
+        """Take in the inbox, then one iteration of the step pipeline; False when every rank is idle and
+        nothing is in flight."""
         self._drain_inbox()
-        t0 = time.perf_counter()
-        d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
-        plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
-                                        for r, s in enumerate(self.schedulers)]
-        ta = time.perf_counter()
-        self.blocked = (ta, "exchanging the step's proposals")
-        message = self.link.message() if self.link else {}
-        if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
-            d.post(message, [self.schedulers[r] for r in self.local_ranks])
-        mine = self._proposals(plans)
-        proposals, messages = self.exchange.exchange(mine, message)
-        self.blocked = None
-        if self.link:
-            self.link.receive(messages)
-        if d:
-            d.read(messages)
-        agreement = agree_on_step(proposals)
-        agree_s = time.perf_counter() - ta
-        if not agreement.run:
-            if self._inflight is None:
-                return bool(d and d.pass_again)  # a prompt announced or held: the next pass decides, at once
-            self._book(self._inflight, t0)
-            self._inflight = None
-            return True
-        rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
-        shape = self._shape_for(rows, agreement)
-        compiles_before = compiles_on_this_thread()
-        step = next(self._steps)
-        try:
-            current = self._queue(plans, shape, rows, agreement, t0, agree_s)
-        except Exception:
-            if self.link:  # a step across the nodes: every node must run it; the loop fails the engine
-                raise
-            # not a user error (requests are validated, sampling clamps): find the request that fails it
-            log.exception("engine step failed; retrying its requests in smaller steps to find the one that fails")
-            if self._inflight is not None:
-                self._book(self._inflight, time.perf_counter())
-                self._inflight = None
-            self._isolate(plans)
-            return True
-        for r, plan in enumerate(plans):
-            if plan:
-                self.schedulers[r].commit(plan, step)
-        previous, self._inflight = self._inflight, current
-        if previous is not None:
-            self._book(previous, time.perf_counter())
-        if current is not None and not self.cfg.overlap:
-            self._book(current, time.perf_counter())
-            self._inflight = None
-        self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before
-        return True
-
-    def _shape_for(self, rows: list[int], agreement) -> StepShape:
-        """The compiled step of this batch; the every-row variant when a prompt read in it asks for logprobs."""
-        if agreement.any_prompt_logprobs:
-            self.prompt_logprob_steps += 1
-            return self.buckets.prompt_logprob_shape()
-        return self.buckets.shape_for(rows, agreement)
-
-    def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
-               t0: float, agree_s: float) -> InFlight:
-        """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
-        c = self.cfg
-        out = plan_arrays(plans, self.rows, shape, c.page_size, c.num_pages * c.page_size)
-        out["rows_R"] = np.asarray(rows, np.int32)
-        params = [self.runner.put(out[k]) for k in SAMPLING_KEYS]
-        asks = prompt_inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
-        t1 = time.perf_counter()
-        prev = self._inflight.tokens if self._inflight is not None else None
-        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
-        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
-        logits, _ = self.runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
-        prompt = None
-        if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
-            logits, *prompt = prompt_logprobs(logits, *(self.runner.put(a) for a in asks))
-        tokens, logprobs = self._sample(logits, *params, width=self.runner.token_carry)
-        self.blocked = None
-        t2 = time.perf_counter()  # top logprobs: on every node together (the agreement says), or on none
-        top = top_logprobs(logits, self.runner.put(chosen_ids(plans, shape.num_seqs))) if agreement.any_top else None
-        return InFlight(plans, tokens, logprobs, shape, rows, agreement, self.runner.last_account,
-                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s, top=top, prompt=prompt)
-
-    def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
-        tops = [s.top_logprob_requests > 0 for s in self.schedulers]
-        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
-
-    def _isolate(self, plans: list[RankPlan | None]) -> None:
-        """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
-        that fails, until the request that fails is alone; it fails, the others run (and are booked) as usual.
-        Only this node's ranks (a step across nodes does not get here)."""
-        todo = [(r, p) for r, p in enumerate(plans) if p]
-        while todo:
-            r, plan = todo.pop()
-            plan = plan.unfinished()
-            if plan is None:
-                continue
-            only: list[RankPlan | None] = [None] * self.layout.dp
-            only[r] = plan
-            agreement = agree_on_step(self._proposals(only))
-            rows = list(agreement.rows_per_rank)
-            shape = self._shape_for(rows, agreement)
-            step, t0 = next(self._steps), time.perf_counter()
-            try:
-                f = self._queue(only, shape, rows, agreement, t0, 0.0)
-            except Exception as e:
-                if len(plan.reqs) > 1:
-                    todo += [(r, half) for half in plan.halves()]
-                    continue
-                req = plan.reqs[0]
-                log.error("request %s fails the engine step (%s); it alone is aborted", req.rid, first_line(e, 160))
-                req.error = f"this request failed the engine step ({first_line(e, 120)}); see the server log"
-                self.schedulers[r].finish(req, "abort", time.perf_counter())
-                continue
-            self.schedulers[r].commit(plan, step)
-            self._book(f, time.perf_counter())
-
-    def _book(self, f: InFlight, t_start: float) -> None:
-        t0 = time.perf_counter()
-        self.blocked = (t0, "waiting for a step that runs on every node")
-        tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
-        logprobs = self.runner.local_values(f.logprobs)
-        self.blocked = None
-        t1 = time.perf_counter()
-        top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
-        prompt = None if f.prompt is None else [self.runner.local_values(a) for a in f.prompt]
-        for r, plan in enumerate(f.plans):
-            if plan:
-                if prompt is not None and plan.pieces:
-                    book_prompt_logprobs(plan, *(a[r] for a in prompt))
-                if top is not None:
-                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, *(a[r] for a in top))
-                self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
-        t2 = time.perf_counter()
-        self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
-                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
-                          new_tokens=sum(p.num_sampled for p in f.plans if p))
+        return self.pipeline.step()
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0
@@ -356,15 +213,18 @@ class Engine:
                 self._drain_inbox()
         return reqs
 
-    # ---- background loop and streaming -----------------------------------------------------------
-    def start(self) -> None:
+    # ---- the background loop and streaming -----------------------------------------------------------
+    def start(self, wakeups=None) -> None:
+        """Start the loop in a thread of its own. `wakeups`: what the loop tells of the requests a step changed
+        (default: this process's streams, `Wakeups`; the engine process's `Outbox` sends them to the server)."""
+        if wakeups is not None:
+            self.wakeups = wakeups
         if self._thread is None:
-            if self.hosts is not None:  # nodes finish compiling at different times: meet before the first step
-                self.hosts.barrier("ready", self.hosts.init_timeout_s)
             self._stop = False
-            self._thread = start_thread(self._loop, "jaxdp-engine")
-            if self.link:
-                self.link.start_watchdog()
+            self.nodes.start(self._start_thread)  # (several nodes: meets them first, then watches the waits)
+
+    def _start_thread(self) -> None:
+        self._thread = start_thread(self._loop, "jaxdp-engine")
 
     def _loop(self) -> None:
         while not self._stop:
@@ -377,12 +237,12 @@ class Engine:
                 self.fail(str(e))
                 return
             except Exception as e:
-                if self.link and self.failed is None:  # a collective with a dead node fails here
-                    self.fail(f"a step across the nodes failed ({first_line(e, 120)}); {self.link.suspects()} died")
+                if self.failed is None and (message := self.nodes.step_failed(e)) is not None:
+                    self.fail(message)  # a collective with a dead node fails here
                     return
                 # a bug outside the step's own requests (a failed step is isolated in `step`): fail loudly
                 log.exception("the engine loop failed; aborting all requests")
-                self._inflight = None  # its requests are aborted below; never booked again
+                self.pipeline.drop_inflight()  # its requests are aborted below; never booked again
                 now = time.perf_counter()
                 for s in self.schedulers:
                     for req in [*s.running.values(), *s.waiting]:
@@ -392,14 +252,13 @@ class Engine:
             self.wakeups.deliver()
             if self.failed:
                 return
-            if not ran and (self.hosts is None or self.hosts.node_rank == 0):
+            if not ran and self.nodes.waits_for_requests:
                 # idle: wait for a request (other nodes wait inside the next exchange, for node 0)
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-        if self.link and self.link.is_node_0 and not self.failed:
-            self.link.say_stop()
+        if not self.failed:
+            self.nodes.stop()
 
-    # ---- failure (several nodes) ------------------------------------------------------------------
     def fail(self, message: str, level: int = logging.ERROR) -> None:
         """Stop serving: every unfinished request ends with the message, new ones get it (HTTP 503)."""
         with self._fail_lock:  # the watchdog thread and the loop may both get here
@@ -408,7 +267,7 @@ class Engine:
             self.failed = message
         log.log(level, "%s", message if level != logging.ERROR else f"{message}; this engine stops serving")
         now = time.perf_counter()
-        for req in list(self.requests.values()):
+        for req in [*self.requests.values(), *self.nodes.requests_elsewhere()]:
             if not req.finished:
                 req.error_status = 503
                 end_request(req, "abort", message, now)
@@ -418,9 +277,8 @@ class Engine:
 
     def rank_state(self, rank: int) -> dict:
         """The scheduler's figures of a rank of this engine (another node's: as of the last exchange)."""
-        if rank in self.local_ranks:
-            return self.schedulers[rank].state()
-        return self.link.remote_state.get(rank) or self.schedulers[rank].state()
+        state = self.nodes.rank_state(rank)
+        return self.schedulers[rank].state() if state is None else state
 
     def stream(self, req: Request) -> AsyncIterator[Request]:
         """Yield the request after every new token and once when it finishes (the loop must be running); the
@@ -454,3 +312,4 @@ class Engine:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
         self.runner.close()
+

@@ -6,21 +6,20 @@ the tokenizer and the controller; every node runs an `Engine` whose loop drives 
 ranks and feeds their rows to the same compiled step (multi-controller SPMD: each process supplies its
 devices' shards, the collectives run across processes; gloo on the CPU).
 
-Each loop iteration the nodes trade one message each (`HostExchange.exchange`, over ZeroMQ sockets whose
-addresses go through the runtime's key-value store once): their ranks' proposals (the agreement's few
-integers per rank), so every node reaches the same bucket and mode; riding on it, node 0's new requests and
-aborts for other nodes' ranks and admin commands (a cache flush), and from the other nodes their requests'
-new tokens, their ranks' states and their answers to those commands. Every wait is bounded by `timeout_s`:
-a node that dies or stops answering ends the others with a `PeerFailure` that names it.
+Each loop iteration the nodes trade one frame each (`HostExchange.exchange`, typed messages of
+`jaxdp.engine.messages`, over ZeroMQ sockets whose addresses are traded once through a JAX collective): their
+ranks' proposals (the agreement's few integers per rank), so every node reaches the same bucket and mode;
+riding on it, node 0's new requests and aborts for other nodes' ranks and admin commands (a cache flush), and
+from the other nodes their requests' new tokens, their ranks' states and their answers to those commands.
+Every wait is bounded by `timeout_s`: a node that dies or stops answering ends the others with a `PeerFailure`
+that names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import ipaddress
 import logging
-import pickle
 import socket
 import struct
 import time
@@ -161,18 +160,41 @@ def world_devices(world: int, nnodes: int) -> list[Any]:
     return [d for p in sorted(by_node) for d in by_node[p][:per]]
 
 
-def _client():
-    from jax._src import distributed
+class CollectiveAddressBook:
+    """The two key-value calls `ZmqGather` makes at start-up (post this node's socket address, then read every
+    other node's) answered by one all-gather over every process with JAX's public collectives
+    (`multihost_utils.process_allgather`). JAX 0.10 exposes its distributed runtime's key-value store only
+    through a private module (its public `jax.distributed` has initialize, shutdown and is_initialized); the
+    collective needs nothing private. Every node posts once,
+    then reads: the first read runs the all-gather (all nodes make their exchange at the same point of start-up,
+    after `jax.distributed.initialize` saw every node join)."""
 
-    if distributed.global_state.client is None:
-        raise RuntimeError("jax.distributed is not initialized; call init_distributed first")
-    return distributed.global_state.client
+    WIDTH = 512  # bytes of one node's (key, address)
 
+    def __init__(self):
+        self._posted: tuple[str, str] | None = None
+        self._book: dict[str, str] | None = None
 
-def _coordinator_host() -> str:
-    from jax._src import distributed
+    def key_value_set(self, key: str, value: str) -> None:
+        self._posted = (key, value)
 
-    return parse_dist_addr(distributed.global_state.coordinator_address)[0]
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        if self._book is None:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            from jaxdp.engine.messages import Reader, encode
+
+            data = encode(self._posted)
+            if len(data) > self.WIDTH - 4:
+                raise DistError(f"this node's exchange address {self._posted[1]!r} is too long to trade")
+            row = np.zeros(self.WIDTH, np.uint8)
+            row[:4] = np.frombuffer(np.int32(len(data)).tobytes(), np.uint8)
+            row[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+            rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, self.WIDTH)
+            read = Reader(tuple[str, str])
+            self._book = dict(read(r[4:4 + int(r[:4].view(np.int32)[0])].tobytes()) for r in rows)
+        return self._book[key]
 
 
 class ZmqGather:
@@ -195,6 +217,7 @@ class ZmqGather:
         url_host = f"[{host}]" if ":" in host else host
         self.pull = self._socket(zmq.PULL)
         port = self.pull.bind_to_random_port(f"tcp://{url_host}")
+        client = client or CollectiveAddressBook()
         client.key_value_set(f"{prefix}/zmq/n{node_rank}", f"tcp://{url_host}:{port}")
         self.push, self.monitors, self.connected = {}, {}, {}
         for node in range(nnodes):
@@ -219,7 +242,9 @@ class ZmqGather:
         sock.setsockopt(zmq.LINGER, 0)
         return sock
 
-    def __call__(self, payload: bytes) -> list[bytes]:
+    def __call__(self, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
+        """Every node's payload of this iteration, in node order; waits up to `timeout_s` (default: the
+        exchange's) for the others'."""
         import zmq
 
         header = struct.pack("<qi", self.seq, self.node_rank)
@@ -230,13 +255,14 @@ class ZmqGather:
                 raise PeerFailure(f"node {node} stopped reading the step exchange (#{self.seq}): it died or "
                                   "stopped") from None
         got, self._next = self._next, {}
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(got) < self.nnodes - 1:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0 or not self.pull.poll(left_ms):
                 missing = ", ".join(f"node {k}" for k in self.push if k not in got)
                 raise PeerFailure(f"no answer from {missing} to the step exchange #{self.seq} within "
-                                  f"{self.timeout_s:.0f} s: it died or stopped")
+                                  f"{timeout_s:.0f} s: it died or stopped")
             head, body = self.pull.recv_multipart()
             seq, node = struct.unpack("<qi", head)
             if node not in self.push or seq not in (self.seq, self.seq + 1):  # not one of this world's nodes
@@ -279,8 +305,8 @@ def _reachable_address(coordinator_host: str) -> str:
 
 
 class StoreGather:
-    """The same all-gather through the runtime's key-value store (a set, then a blocking get per other node):
-    how the exchange went before, kept to measure against and to test without processes. Keys live in
+    """The same all-gather through a key-value store such as the runtime's (a set, then a blocking get per other
+    node): how the exchange went before, kept to test without processes. Keys live in
     directories of BLOCK iterations, which node 0 deletes once every node is past."""
 
     BLOCK = 64
@@ -292,7 +318,8 @@ class StoreGather:
     def _key(self, seq: int, node: int) -> str:
         return f"{self.prefix}/b{seq // self.BLOCK}/x{seq}/n{node}"
 
-    def __call__(self, payload: bytes) -> list[bytes]:
+    def __call__(self, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.client.key_value_set_bytes(self._key(self.seq, self.node_rank), payload)
         out = []
         for node in range(self.nnodes):
@@ -301,10 +328,10 @@ class StoreGather:
                 continue
             try:
                 out.append(self.client.blocking_key_value_get_bytes(self._key(self.seq, node),
-                                                                    int(self.timeout_s * 1000)))
+                                                                    int(timeout_s * 1000)))
             except Exception as e:
                 raise PeerFailure(f"no answer from node {node} to the step exchange #{self.seq} within "
-                                  f"{self.timeout_s:.0f} s ({_short(e)}): it died or stopped") from None
+                                  f"{timeout_s:.0f} s ({_short(e)}): it died or stopped") from None
         # every node has posted this iteration, so every node has read all keys of the ones before it
         if self.node_rank == 0 and self.seq % self.BLOCK == 0 and self.seq > 0:
             try:
@@ -318,46 +345,41 @@ class StoreGather:
         pass
 
 
-EXCHANGE_CLASSES = {("jaxdp.parallel.places", "Proposal"), ("jaxdp.engine.nodes", "NodeFlush"), ("builtins", "range")}
+def load_frame(read, raw: bytes, node: int):
+    """Another node's frame of the exchange, read by `read` (`jaxdp.engine.messages.frame_reader`); anything
+    else is a PeerFailure in one sentence."""
+    from jaxdp.engine.messages import WireError
 
-
-class _ExchangeUnpickler(pickle.Unpickler):
-    """Reads an exchange message: plain data and the exchange's own classes only. A frame that names any other
-    class (pickle would import and call it) is refused, so a process that reaches the port cannot run code."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in EXCHANGE_CLASSES:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of the node exchange")
-        return super().find_class(module, name)
-
-
-def load_message(raw: bytes, node: int):
     try:
-        return _ExchangeUnpickler(io.BytesIO(raw)).load()
-    except Exception as e:
-        raise PeerFailure(f"node {node} sent a message that is not the exchange's ({first_line(e, 160)}); check "
-                          "that every node runs the same jaxdp and that nothing else can reach --dist-init-addr's "
-                          "ports") from None
+        return read(raw)
+    except WireError as e:
+        raise PeerFailure(f"node {node} sent a message that is not the exchange's ({e}); check that every node "
+                          "runs the same jaxdp and that nothing else can reach --dist-init-addr's ports") from None
 
 
 class HostExchange:
     """The agreement's exchange across nodes: every iteration each node sends the others its own ranks'
-    proposals and a message (pickled together), and receives theirs; all return the same full list of
-    proposals and all messages. `gather` moves the bytes (default: `ZmqGather`, sockets set up through
-    the runtime's key-value store; `StoreGather` uses the store for every message).
+    proposals and a message (one frame of `jaxdp.engine.messages`' codec), and receives theirs; all return the
+    same full list of proposals and all messages. Every node sends messages of one type, and reads the others'
+    as that type (a `NodeMessage` in the engine). `gather` moves the bytes (default: `ZmqGather`, its sockets'
+    addresses traded once through `client`, a key-value store, by default `CollectiveAddressBook`;
+    `StoreGather` uses a store for every message). `coordinator_host`: node 0's host (--dist-init-addr's), to
+    find the interface the others reach this node on.
     """
 
     def __init__(self, nnodes: int, node_rank: int, dp: int, timeout_s: float, *, init_timeout_s: float = 300.0,
-                 client=None, gather=None, prefix="jaxdp"):
+                 client=None, gather=None, prefix="jaxdp", coordinator_host: str | None = None):
         if dp % nnodes:
             raise DistError(f"{dp} DP ranks do not split evenly over --nnodes {nnodes}")
         self.nnodes, self.node_rank, self.dp, self.timeout_s = nnodes, node_rank, dp, timeout_s
         self.init_timeout_s = init_timeout_s
         self.per_node = dp // nnodes
-        self.client = client or _client()
-        self.prefix = prefix
-        self.gather = gather or ZmqGather(nnodes, node_rank, timeout_s, self.client, _coordinator_host(),
+        if gather is None and coordinator_host is None:
+            raise ValueError("HostExchange needs the coordinator's host (or a gather of its own)")
+        self.gather = gather or ZmqGather(nnodes, node_rank, timeout_s, client, coordinator_host,
                                           init_timeout_s=init_timeout_s, prefix=prefix)
+        self._readers: dict[type, object] = {}
+        self._name_reader = None
 
     def lost_nodes(self, wait_s: float = 2.0) -> list[int]:
         """The other nodes known to be gone (an empty list when the transport cannot tell)."""
@@ -368,26 +390,41 @@ class HostExchange:
         node = self.node_rank if node is None else node
         return range(node * self.per_node, (node + 1) * self.per_node)
 
-    def exchange(self, proposals: list, message: dict) -> tuple[list, list[dict]]:
+    def exchange(self, proposals: list, message, timeout_s: float | None = None) -> tuple[list, list]:
+        from jaxdp.engine.messages import encode, frame_reader
+
         mine = self.local_ranks()
-        payloads = self.gather(pickle.dumps((proposals[mine.start:mine.stop], message), pickle.HIGHEST_PROTOCOL))
+        read = self._readers.get(type(message))
+        if read is None:
+            read = self._readers[type(message)] = frame_reader(type(message))
+        payloads = self.gather(encode((proposals[mine.start:mine.stop], message)), timeout_s)
         full, messages = list(proposals), []
         for node, raw in enumerate(payloads):
             if node == self.node_rank:
                 messages.append(message)
                 continue
-            theirs, msg = load_message(raw, node)
+            theirs, msg = load_frame(read, raw, node)
             r = self.local_ranks(node)
+            if len(theirs) != len(r):
+                raise PeerFailure(f"node {node} sent {len(theirs)} proposals for its {len(r)} ranks; check that every "
+                                  "node runs with the same --mesh and --nnodes")
             full[r.start:r.stop] = theirs
             messages.append(msg)
         return full, messages
 
     def barrier(self, name: str, timeout_s: float) -> None:
-        """Wait for every node (after start-up compiles, which take different times on different nodes)."""
+        """Wait for every node (after start-up compiles, which take different times on different nodes): one
+        round of the exchange, with `timeout_s` to wait, in which every node names the same barrier."""
+        from jaxdp.engine.messages import Reader, encode
+
+        self._name_reader = self._name_reader or Reader(str)
         try:
-            self.client.wait_at_barrier(f"{self.prefix}/{name}", int(timeout_s * 1000))
-        except Exception as e:
-            raise PeerFailure(f"not every node reached '{name}' within {timeout_s:.0f} s ({_short(e)})") from None
+            payloads = self.gather(encode(name), timeout_s)
+            names = [load_frame(self._name_reader, raw, node) for node, raw in enumerate(payloads)]
+        except PeerFailure as e:
+            raise PeerFailure(f"not every node reached '{name}' within {timeout_s:.0f} s ({e})") from None
+        if any(other != name for other in names):
+            raise PeerFailure(f"the nodes are out of step: this node waits at '{name}', the others at {names}")
 
 
 def first_line(e: Exception, limit: int = 200) -> str:

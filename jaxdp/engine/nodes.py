@@ -1,4 +1,6 @@
-"""An Engine's side of the other nodes (several nodes, see `jaxdp.engine.hosts`): what rides on the exchange.
+"""An engine's side of the other nodes: the one interface (`Nodes`) its loop and step pipeline talk to, so that
+neither has a branch for several nodes. `OneNode` is the single-node case (every rank is here, the exchange is
+the list itself); `NodeLink` is the case of several (see `jaxdp.engine.hosts`): what rides on the exchange.
 
 Node 0 (HTTP, controller) keeps a stand-in `Request` for each request it sends to another node's rank; the
 message it posts each iteration carries those new requests and their aborts. Every other node adds what it
@@ -15,24 +17,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from jaxdp.engine import updates as updates_mod
-from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
+from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
+from jaxdp.engine.messages import NodeFlush, NodeMessage
 from jaxdp.engine.request import Request
 from jaxdp.engine.scheduler import Scheduler
 from jaxdp.engine.threads import start_thread
 from jaxdp.parallel.places import Proposal
 
+__all__ = ["NodeFlush", "NodeLink", "Nodes", "OneNode", "flush_ranks"]
+
 STATES_EVERY_S = 0.25  # rank states for /get_load and metrics: four times a second is enough
 
 
 class EngineSide(Protocol):
-    """What a NodeLink uses of its engine (`jaxdp.Engine`), so that this module need not import it."""
+    """What the nodes interface uses of its engine (`jaxdp.Engine`), so that this module need not import it."""
 
     requests: dict[str, Request]
     schedulers: list[Scheduler]
-    local_ranks: range
     tokenizer: Any
     failed: str | None
     blocked: tuple[float, str] | None
@@ -47,12 +52,108 @@ class EngineSide(Protocol):
     def fail(self, message: str) -> None: ...
 
 
+class Nodes(Protocol):
+    """The other nodes as an engine sees them (none: `OneNode`)."""
+
+    local_ranks: range  # the ranks this node schedules
+    waits_for_requests: bool  # an idle loop waits for a request (else it waits inside the next exchange)
+    bisects_failures: bool  # a failed step is retried in parts to find its request (not across nodes)
+
+    def message(self) -> NodeMessage:
+        """What this node tells the others this iteration."""
+
+    def exchange(self, proposals: list[Proposal], message: NodeMessage) -> tuple[list[Proposal], list[NodeMessage]]:
+        """Every rank's proposal and every node's message of this iteration."""
+
+    def receive(self, messages: list[NodeMessage]) -> None:
+        """Apply the other nodes' messages of this iteration."""
+
+    def send_away(self, req: Request) -> bool:
+        """Node 0: send a request for another node's rank there (True), or leave it to this node (False)."""
+
+    def abort_away(self, rid: str, now: float) -> bool:
+        """Abort a request another node runs (True), or leave it to this node (False)."""
+
+    def requests_elsewhere(self) -> list[Request]:
+        """Node 0: its stand-ins of the requests that other nodes run."""
+
+    def flush(self, result: Any, busy: bool) -> None:
+        """/flush_cache on every node's ranks; `result.set_result` gets one NodeFlush per node."""
+
+    def rank_state(self, rank: int) -> dict | None:
+        """Another node's rank's figures as of the last exchange (None: a rank of this node)."""
+
+    def keep(self) -> dict[str, int]:
+        """Finished requests still to be reported to node 0 (the engine does not forget them yet)."""
+
+    def start(self, start_loop: Callable[[], None]) -> None:
+        """Start the engine's loop: after meeting the other nodes, and watching every wait on them."""
+
+    def step_failed(self, e: Exception) -> str | None:
+        """What a failed step means for the engine: a message to fail it with, or None (this node's own)."""
+
+    def stop(self) -> None:
+        """The loop ends in order: tell the others (node 0)."""
+
+
+class OneNode:
+    """Every rank on this node: the exchange is the list itself, nothing rides on it, nobody to tell."""
+
+    waits_for_requests = True
+    bisects_failures = True
+
+    def __init__(self, engine: EngineSide, dp: int):
+        self.engine, self.local_ranks = engine, range(dp)
+
+    def message(self) -> NodeMessage:
+        return NodeMessage()
+
+    def exchange(self, proposals: list[Proposal], message: NodeMessage) -> tuple[list[Proposal], list[NodeMessage]]:
+        return list(proposals), [message]
+
+    def receive(self, messages: list[NodeMessage]) -> None:
+        pass
+
+    def send_away(self, req: Request) -> bool:
+        return False
+
+    def abort_away(self, rid: str, now: float) -> bool:
+        return False
+
+    def requests_elsewhere(self) -> list[Request]:
+        return []
+
+    def flush(self, result: Any, busy: bool) -> None:
+        result.set_result([flush_ranks(self.engine.schedulers, self.local_ranks, 0, busy)])
+
+    def rank_state(self, rank: int) -> dict | None:
+        return None
+
+    def keep(self) -> dict[str, int]:
+        return {}
+
+    def start(self, start_loop: Callable[[], None]) -> None:
+        start_loop()
+
+    def step_failed(self, e: Exception) -> str | None:
+        return None
+
+    def stop(self) -> None:
+        pass
+
+
 class NodeLink:
+    """The other nodes of a model world that spans several (`hosts`: the exchange with them)."""
+
+    bisects_failures = False  # a step across the nodes: every node must run it; a failure fails the engine
+
     def __init__(self, engine: EngineSide, hosts: HostExchange):
         self.engine, self.hosts = engine, hosts
-        self.is_node_0 = hosts.node_rank == 0
+        self.local_ranks = hosts.local_ranks()
+        self.is_node_0 = self.waits_for_requests = hosts.node_rank == 0  # (other nodes wait for node 0's message)
         self.remote_state: dict[int, dict] = {}  # node 0: the other nodes' ranks' states
-        self._outgoing: dict[str, list] = {"new": [], "abort": []}  # node 0: for other nodes' ranks
+        self.standins: dict[str, Request] = {}  # node 0: the requests other nodes run, kept up to date here
+        self._outgoing = NodeMessage()  # node 0: for other nodes' ranks
         self.origin: dict[str, int] = {}  # other nodes: node 0's requests here -> tokens reported back
         self._states_sent = 0.0
         self.node_0_stopped = False  # other nodes: node 0 said "stop" (an orderly end, not a failure)
@@ -61,17 +162,28 @@ class NodeLink:
         self._flush_answers: list[tuple[int, NodeFlush]] = []  # other nodes: answers for the next message
 
     # ---- node 0 -------------------------------------------------------------------------------------
-    def forward(self, req: Request) -> None:
+    def send_away(self, req: Request) -> bool:
         """A request for another node's rank: it goes out with the next message; the stand-in stays here."""
-        self.engine.requests[req.rid] = req
-        self._outgoing["new"].append(updates_mod.sent(req))
+        if req.rank in self.local_ranks:
+            return False
+        self.standins[req.rid] = req
+        self._outgoing.new.append(updates_mod.sent(req))
+        return True
 
-    def forward_abort(self, req: Request, now: float) -> None:
+    def abort_away(self, rid: str, now: float) -> bool:
         """The owning node frees the pages; the stand-in ends now."""
-        self._outgoing["abort"].append(req.rid)
-        updates_mod.end(req, "abort", None, now)
+        req = self.standins.pop(rid, None)
+        if req is None:
+            return False
+        if not req.finished:
+            self._outgoing.abort.append(rid)
+            updates_mod.end(req, "abort", None, now)
+        return True
 
-    def flush(self, result: Any) -> None:
+    def requests_elsewhere(self) -> list[Request]:
+        return list(self.standins.values())
+
+    def flush(self, result: Any, busy: bool) -> None:
         """/flush_cache on every node: node 0 flushes its ranks now and asks the others in the next message;
         `result.set_result` gets one NodeFlush per node once all have answered. Every request comes through
         node 0, so node 0 knows whether any runs anywhere: then no node flushes (as SGLang)."""
@@ -79,31 +191,40 @@ class NodeLink:
         if engine.failed:  # the other nodes will not answer
             result.set_result(None)
             return
-        busy = any(s.running or s.waiting for s in engine.schedulers) or any(
-            not r.finished for r in engine.requests.values())
-        mine = flush_ranks(engine.schedulers, self.engine.local_ranks, 0, busy)
+        busy = busy or any(not r.finished for r in self.standins.values())
+        mine = flush_ranks(engine.schedulers, self.local_ranks, 0, busy)
         if busy:
             result.set_result([mine] + [dataclasses.replace(mine, node=k, ranks=hosts.local_ranks(k))
                                         for k in range(1, hosts.nnodes)])
             return
         flush_id = next(self._flush_ids)
         self._flushing[flush_id] = (result, {0: mine})
-        self._outgoing.setdefault("flush", []).append(flush_id)
+        self._outgoing.flush.append(flush_id)
 
-    def say_stop(self) -> None:
+    def rank_state(self, rank: int) -> dict | None:
+        if rank in self.local_ranks:
+            return None
+        return self.remote_state.get(rank) or self.engine.schedulers[rank].state()
+
+    def stop(self) -> None:
         """Node 0 leaving in order: the others read "stop" in the next exchange and end."""
+        if not self.is_node_0:
+            return
         try:
             empty = [Proposal(0, False, False)] * self.hosts.dp
-            self.hosts.exchange(empty, {"stop": True, "new": [], "abort": []})
+            self.hosts.exchange(empty, NodeMessage(stop=True))
             self.hosts.barrier("stopped", self.hosts.timeout_s)  # they have read it: the coordinator may go
         except PeerFailure:
             pass
 
     # ---- every node -----------------------------------------------------------------------------------
-    def message(self) -> dict:
+    def exchange(self, proposals: list[Proposal], message: NodeMessage) -> tuple[list[Proposal], list[NodeMessage]]:
+        return self.hosts.exchange(proposals, message)
+
+    def message(self) -> NodeMessage:
         """What this node tells the others this iteration."""
         if self.is_node_0:
-            out, self._outgoing = self._outgoing, {"new": [], "abort": []}
+            out, self._outgoing = self._outgoing, NodeMessage()
             return out
         requests, updates = self.engine.requests, []
         flushed, self._flush_answers = self._flush_answers, []
@@ -115,44 +236,46 @@ class NodeLink:
             update, self.origin[rid] = updates_mod.report(req, sent)
             if update is not None:
                 updates.append(update)
-            if req.finished:
+            if req.finished:  # (the engine forgets it once it is not in `keep`)
                 del self.origin[rid]
-                del requests[rid]
-        msg = {"updates": updates, "flushed": flushed} if flushed else {"updates": updates}
+        msg = NodeMessage(updates=updates, flushed=flushed)
         now = time.perf_counter()
         if now - self._states_sent >= STATES_EVERY_S:
-            msg["states"] = {r: self.engine.schedulers[r].state() for r in self.engine.local_ranks}
+            msg.states = {r: self.engine.schedulers[r].state() for r in self.local_ranks}
             self._states_sent = now
         return msg
 
-    def receive(self, messages: list[dict]) -> None:
+    def receive(self, messages: list[NodeMessage]) -> None:
         """Apply the other nodes' messages of this iteration."""
         if not self.is_node_0:
             self._receive_from_node_0(messages[0])
             return
         now = time.perf_counter()
         for msg in messages[1:]:
-            self.remote_state.update(msg.get("states", {}))
-            for flush_id, answer in msg.get("flushed", ()):
+            self.remote_state.update(msg.states or {})
+            for flush_id, answer in msg.flushed:
                 self._flush_answered(flush_id, answer)
-            updates_mod.apply(self.engine.requests, msg.get("updates", ()), now)
+            updates_mod.apply(self.standins, msg.updates, now)
+            for u in msg.updates:
+                if u.finish:
+                    self.standins.pop(u.rid, None)
 
-    def _receive_from_node_0(self, msg: dict) -> None:
-        if msg.get("stop"):
+    def _receive_from_node_0(self, msg: NodeMessage) -> None:
+        if msg.stop:
             self.node_0_stopped = True
             raise PeerStopped("node 0 shut down; this node ends too")
         engine = self.engine
-        for flush_id in msg.get("flush", ()):  # before this message's new requests, which came after it
-            busy = any(engine.schedulers[r].running or engine.schedulers[r].waiting for r in engine.local_ranks)
-            answer = flush_ranks(engine.schedulers, engine.local_ranks, self.hosts.node_rank, busy)
+        for flush_id in msg.flush:  # before this message's new requests, which came after it
+            busy = any(engine.schedulers[r].running or engine.schedulers[r].waiting for r in self.local_ranks)
+            answer = flush_ranks(engine.schedulers, self.local_ranks, self.hosts.node_rank, busy)
             self._flush_answers.append((flush_id, answer))
-        for fields in msg.get("new", ()):
-            if fields[3] not in engine.local_ranks:
+        for sent in msg.new:
+            if sent.rank not in self.local_ranks:
                 continue
-            req = updates_mod.received(fields, engine.tokenizer)
+            req = updates_mod.received(sent, engine.tokenizer)
             self.origin[req.rid] = 0
             engine.submit(req)
-        for rid in msg.get("abort", ()):
+        for rid in msg.abort:
             if rid in self.origin:
                 engine.abort(rid)
 
@@ -167,13 +290,20 @@ class NodeLink:
             del self._flushing[flush_id]
             result.set_result([answers[k] for k in sorted(answers)])
 
-    def suspects(self) -> str:
-        """Which node a failed step across the nodes lost: the one whose connection dropped, else the only
-        other node, else "another node"."""
-        gone = self.hosts.lost_nodes() or ([1 - self.hosts.node_rank] if self.hosts.nnodes == 2 else [])
-        return " and ".join(f"node {k}" for k in gone) or "another node"
+    def keep(self) -> dict[str, int]:
+        return self.origin
 
-    def start_watchdog(self) -> None:
+    def step_failed(self, e: Exception) -> str:
+        """A collective with a dead node fails here: which node a failed step across the nodes lost: the one
+        whose connection dropped, else the only other node, else "another node"."""
+        gone = self.hosts.lost_nodes() or ([1 - self.hosts.node_rank] if self.hosts.nnodes == 2 else [])
+        who = " and ".join(f"node {k}" for k in gone) or "another node"
+        return f"a step across the nodes failed ({first_line(e, 120)}); {who} died"
+
+    def start(self, start_loop: Callable[[], None]) -> None:
+        """Nodes finish compiling at different times: meet before the first step; then watch the waits."""
+        self.hosts.barrier("ready", self.hosts.init_timeout_s)
+        start_loop()
         start_thread(self._watchdog, "jaxdp-watchdog")
 
     def _watchdog(self) -> None:
@@ -188,28 +318,6 @@ class NodeLink:
                 engine.fail(f"no answer from {who} for {timeout:.0f} s while {blocked[1]}; it died or stalled")
                 return
             time.sleep(0.2)
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeFlush:
-    """What a prefix-cache flush did on one node's ranks."""
-
-    node: int
-    ranks: range
-    flushed: bool
-    freed_tokens: int = 0  # cached tokens whose pages went back to the pools
-    reason: str | None = None  # why not flushed
-    states: dict = dataclasses.field(default_factory=dict)  # its ranks' figures right after (node 0 shows them)
-
-    def describe(self) -> str:
-        where = f"node {self.node} (rank{'s' if len(self.ranks) > 1 else ''} {_span(self.ranks)})"
-        if self.flushed:
-            return f"{where}: flushed, {self.freed_tokens} cached tokens freed"
-        return f"{where}: not flushed, {self.reason}"
-
-
-def _span(ranks: range) -> str:
-    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
 def flush_ranks(schedulers: list[Scheduler], ranks: range, node: int, busy: bool) -> NodeFlush:

@@ -1,4 +1,8 @@
-"""The engine's options (what `python -m jaxdp.serve` flags set), in one dataclass."""
+"""The options of an engine and of the model it runs (what `python -m jaxdp.serve` flags set), each in one
+dataclass: `ModelOptions` builds the weights and the step runner (`jaxdp.engine.setup.build_runners`),
+`EngineConfig` the schedulers and the loop. The runner owns the KV pool's page size and page count; an
+EngineConfig's `page_size` / `num_pages` say what to build it with (unset: 16 tokens, 256 pages), and an
+engine given a ready runner reads them from it."""
 
 from __future__ import annotations
 
@@ -6,11 +10,26 @@ import dataclasses
 
 from jaxdp.engine.delayer import DelayerConfig
 
+DEFAULT_PAGE_SIZE, DEFAULT_NUM_PAGES = 16, 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    path: str | None = "default"  # a checkpoint directory, "default" (the embedded model) or a preset
+    dtype: str = "float32"
+    seed: int = 0  # a preset's random weights
+    quantization: str | None = None  # "nvfp4" | "fp8" (a quantized checkpoint says so itself)
+    attention_backend: str | None = None  # MLA decode: "xla" | "pallas" (None: the platform's default)
+    moe_backend: str | None = None  # one of jaxdp.backends.MOE_RUNNER_BACKENDS (None: the platform's default)
+    index_key_dtype: str | None = None  # DSA models: None (the cache's dtype) or "fp8"
+    num_layers: int | None = None  # fewer layers than the checkpoint's (experiments)
+    tiny_width: bool = False  # the model's layers at a tiny width (experiments)
+
 
 @dataclasses.dataclass
 class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 256  # per DP rank
+    page_size: int | None = None  # tokens per KV page (None: a ready runner's, or 16)
+    num_pages: int | None = None  # per DP rank (None: a ready runner's, or 256)
     max_running_requests: int = 64  # all ranks together (divided among them)
     chunked_prefill_size: int = 256  # all ranks together (divided among them under attention DP)
     context_length: int | None = None  # default: min(max_position_embeddings, pool size)
@@ -25,3 +44,21 @@ class EngineConfig:
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
     enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
     prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
+
+    @property
+    def pool_page_size(self) -> int:
+        """The page size to build a runner with."""
+        return DEFAULT_PAGE_SIZE if self.page_size is None else self.page_size
+
+    @property
+    def pool_pages(self) -> int:
+        """The pages per rank to build a runner with."""
+        return DEFAULT_NUM_PAGES if self.num_pages is None else self.num_pages
+
+    def check_runner(self, runner) -> None:
+        """A ready runner's pool must be the one this config asks for, where it asks (the slots the host
+        computes would land in the wrong places)."""
+        for name in ("page_size", "num_pages"):
+            if (mine := getattr(self, name)) is not None and mine != getattr(runner, name):
+                raise ValueError(f"{name} {mine} differs from the step runner's {getattr(runner, name)}; leave it "
+                                 "unset to use the runner's")

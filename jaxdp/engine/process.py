@@ -5,13 +5,16 @@ manager); vLLM's engine core is a process of its own too. Then the HTTP side tak
 interpreter lock from the loop that feeds the devices. Here the server's process spawns this one with the
 same flags; it builds the engines exactly as the server would (every start-up error is the same one sentence
 and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a local
-path:
+path, typed messages of `jaxdp.engine.messages` (one codec, no pickle):
 
-- in: ("submit", engine, request fields), ("abort", engine, rid), ("call", id, what, engine, args) for the
-  rare questions (the ranks' figures, a prefix-cache flush), ("shutdown",);
-- out: ("ready", facts per engine) once; after every step of an engine ("step", engine, token updates, its
-  new step records, counters, failure) with the token updates of `jaxdp.engine.updates`, one message a step
-  however many requests ran; ("reply", id, ok, value) for a call.
+- in, `Command`s: `Submit` (an engine, a request), `Abort`, `Ask` for the rare questions (the ranks' figures, a
+  prefix-cache flush), `Shutdown`;
+- out, `Event`s: `Ready` (each engine's `EngineFacts`) once; after every step of an engine `StepDone` (its
+  requests' `Update`s from `jaxdp.engine.updates`, its new step records, counters, failure), one message a
+  step however many requests ran; `States`, `Flushed` or `CallFailed` to answer a question.
+
+A command that is not one of these ends this process with one line saying so (the server then fails its
+requests with a 503), never a guess at what it meant.
 
 The server's side (`jaxdp.engine.remote`) applies the updates to its stand-in requests and wakes the
 streams. This process ends when told to, or when the server's process is gone.
@@ -22,11 +25,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import signal
 import threading
 import time
 
+from jaxdp.engine import messages as msg
 from jaxdp.engine import updates
 from jaxdp.engine.stats import compiles_total
 
@@ -45,13 +48,13 @@ def _socket(ctx, kind: int, addr: str):
     return sock
 
 
-def _send(sock, msg: tuple) -> None:
+def _send(sock, message) -> None:
     """Send without waiting: with the server's process gone there is nobody to wait for (this process then
     ends at the next poll)."""
     import zmq
 
     try:
-        sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+        sock.send(msg.encode(message), zmq.NOBLOCK)
     except zmq.Again:
         pass
 
@@ -81,31 +84,21 @@ class Outbox:
                     out.append(update)
                 if req.finished:
                     self.sent.pop(rid, None)
-                    self.engine.requests.pop(rid, None)
             stats = self.engine.stats
             new = min(stats.steps - self._steps_sent, len(stats.records))
             records = list(itertools.islice(reversed(stats.records), new))[::-1] if new > 0 else []
             self._steps_sent = stats.steps
             now = time.perf_counter()
-            snapshot = None
+            counters = None
             if now - self._snapshot_at >= SNAPSHOT_EVERY_S:
                 d = self.engine.delayer
-                snapshot = {"compiles": compiles_total(),
-                            "delayer": None if d is None else (d.wait_passes, dict(d.outcomes))}
+                counters = msg.Counters(compiles_total(), None if d is None else d.wait_passes,
+                                    None if d is None else dict(d.outcomes))
                 self._snapshot_at = now
-            if not out and not records and snapshot is None and not self.engine.failed:
+            if not out and not records and counters is None and not self.engine.failed:
                 return
-            _send(self.sock, ("step", self.index, out, records, stats.steps, stats.compiles_in_steps,
-                              self.engine.failed, snapshot))
-
-
-def facts(engine) -> dict:
-    """What the server's side needs to know of an engine, once: what its stand-in says of itself."""
-    s = engine.schedulers[0]
-    return {"layout": engine.layout, "cfg": engine.cfg, "buckets": engine.buckets, "model_cfg": engine.model_cfg,
-            "context_len": engine.context_len, "local_ranks": engine.local_ranks, "sched_cfg": s.cfg,
-            "num_pages": s.pool.num_pages, "page_size": s.pool.page_size,
-            "compiles_at_warmup": engine.compiles_at_warmup}
+            _send(self.sock, msg.StepDone(self.index, out, records, stats.steps, stats.compiles_in_steps,
+                                      self.engine.failed, counters))
 
 
 def serve_engines(engines: list, addrs: str) -> int:
@@ -123,38 +116,42 @@ def serve_engines(engines: list, addrs: str) -> int:
     outboxes = []
     for i, engine in enumerate(engines):
         outboxes.append(Outbox(i, engine, _socket(ctx, zmq.PUSH, events_addr)))
-        engine.wakeups = outboxes[-1]  # the loop "wakes the streams" by sending their updates
-        engine.start()
+        engine.start(wakeups=outboxes[-1])  # the loop "wakes the streams" by sending their updates
+    read = msg.Reader(msg.Command)
     code = 1
     try:
         if os.getppid() != parent:
             log.warning("the server's process is gone; the engine process ends")
             return code
-        _send(replies, ("ready", [facts(e) for e in engines]))
+        _send(replies, msg.Ready([e.facts for e in engines]))
         while True:
             if not commands.poll(1000):
                 if os.getppid() != parent:
                     log.warning("the server's process is gone; the engine process ends")
                     break
                 continue
-            cmd = pickle.loads(commands.recv())
-            if cmd[0] == "shutdown":
+            try:
+                cmd = read(commands.recv())
+            except msg.WireError as e:
+                log.error("the server's process sent a command that is not the engine process's (%s); the engine "
+                          "process ends", e)
+                break
+            if isinstance(cmd, msg.Shutdown):
                 code = 0
                 break
-            if cmd[0] == "submit":
-                engine, outbox = engines[cmd[1]], outboxes[cmd[1]]
-                req = updates.received(cmd[2], engine.tokenizer)
-                req.on_update = outbox.note
+            if not 0 <= cmd.engine < len(engines):
+                log.error("the server's process named engine %d of %d; the engine process ends", cmd.engine,
+                          len(engines))
+                break
+            engine = engines[cmd.engine]
+            if isinstance(cmd, msg.Submit):
+                req = updates.received(cmd.request, engine.tokenizer)
+                req.on_update = outboxes[cmd.engine].note
                 engine.submit(req)
-            elif cmd[0] == "abort":
-                engines[cmd[1]].abort(cmd[2])
-            elif cmd[0] == "call":
-                _, call_id, what, index, args = cmd
-                try:
-                    value, ok = _call(engines[index], what, args), True
-                except Exception as e:  # an answer, not a dead engine process
-                    value, ok = f"{type(e).__name__}: {e}", False
-                _send(replies, ("reply", call_id, ok, value))
+            elif isinstance(cmd, msg.Abort):
+                engine.abort(cmd.rid)
+            else:
+                _send(replies, _answer(engine, cmd))
     finally:
         for engine in engines:
             engine.shutdown()
@@ -162,9 +159,10 @@ def serve_engines(engines: list, addrs: str) -> int:
     return code
 
 
-def _call(engine, what: str, args: tuple):
-    if what == "rank_states":
-        return {rank: engine.rank_state(rank) for rank in engine.local_ranks}
-    if what == "flush_cache":
-        return engine.flush_cache()
-    raise ValueError(f"unknown call {what!r}")
+def _answer(engine, ask: msg.Ask) -> msg.States | msg.Flushed | msg.CallFailed:
+    try:  # an answer, not a dead engine process
+        if ask.question == "rank_states":
+            return msg.States(ask.call, {rank: engine.rank_state(rank) for rank in engine.local_ranks})
+        return msg.Flushed(ask.call, engine.flush_cache())
+    except Exception as e:
+        return msg.CallFailed(ask.call, f"{type(e).__name__}: {e}")

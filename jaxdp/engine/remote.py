@@ -2,10 +2,12 @@
 
 `EngineProcess` spawns `python -m jaxdp.serve <the same flags> --engine-child ADDRS`, waits until it is ready
 (or repeats its start-up error's exit status), and runs one thread that reads everything the child sends.
-`RemoteEngine` is what the server holds for each of the child's engines: the same surface as `jaxdp.Engine`
-where the server uses it (requests are made and checked here with the engine's own rules; streams, the
-controller and metrics see stand-in requests), so `ReplicaSet`, the endpoints and the monitor do not know
-where the engine runs. If the child dies, every request in flight ends with a 503 error and /health fails.
+`RemoteEngine` is what the server holds for each of the child's engines: an `EngineClient` as `jaxdp.Engine` is
+(requests are made and checked here with the engine's own admission rule, on the facts the child sent; streams,
+the controller and metrics see stand-in requests), so `ReplicaSet`, the endpoints and the monitor do not know
+where the engine runs. The sockets carry typed messages of `jaxdp.engine.messages`; a message from the child
+that is not one of them fails the server as the child's death does: every request in flight ends with a 503
+error and /health fails.
 """
 
 from __future__ import annotations
@@ -13,20 +15,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from types import SimpleNamespace
 
+from jaxdp.engine import messages as msg
 from jaxdp.engine import updates
-from jaxdp.engine.controller import Controller
-from jaxdp.engine.engine import Engine, EngineFailed
-from jaxdp.engine.pool import PagePool, PrefixCache
+from jaxdp.engine.client import ClientBase, DelayerCounters, EngineFailed
 from jaxdp.engine.request import Request
-from jaxdp.engine.scheduler import Scheduler
 from jaxdp.engine.stats import StepStats
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.engine.threads import start_thread
@@ -60,6 +58,7 @@ class EngineProcess:
             addrs.append(f"ipc://{self._dir.name}/{name}")
             sock.bind(addrs[-1])
         self._send_lock = threading.Lock()  # the event loop, the monitor and /flush_cache all send
+        self._read_event = msg.Reader(msg.Event)
         self._calls: dict[int, Result] = {}
         self._call_ids = itertools.count()
         child = ",".join([*addrs, str(os.getpid())])  # the child ends if this pid is no longer its parent
@@ -73,9 +72,16 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._events.poll(500):
-                msg = pickle.loads(self._events.recv())
-                if msg[0] == "ready":
-                    return [RemoteEngine(self, i, f, tokenizer) for i, f in enumerate(msg[1])]
+                try:
+                    event = self._read_event(self._events.recv())
+                except msg.WireError as e:
+                    self.proc.kill()
+                    self._close()
+                    print(f"error: the engine process sent a message that is not one of its events ({e}); check "
+                          "that the server and its engine process run the same jaxdp", file=sys.stderr)
+                    raise EngineProcessError(1) from None
+                if isinstance(event, msg.Ready):
+                    return [RemoteEngine(self, i, f, tokenizer) for i, f in enumerate(event.engines)]
             elif (code := self.proc.poll()) is not None:
                 self._close()
                 raise EngineProcessError(code)  # it printed its one sentence already
@@ -85,10 +91,10 @@ class EngineProcess:
         raise EngineProcessError(1)
 
     # ---- to the child ----------------------------------------------------------------------------
-    def send(self, msg: tuple) -> None:
+    def send(self, command: msg.Submit | msg.Abort | msg.Ask | msg.Shutdown) -> None:
         import zmq
 
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = msg.encode(command)
         with self._send_lock:
             if self._commands.closed:  # (after shutdown, a late abort of a stream goes nowhere)
                 return
@@ -97,22 +103,22 @@ class EngineProcess:
             except zmq.Again:  # the reader finds the child gone and fails every request
                 pass
 
-    def call(self, what: str, index: int, *args):
-        """Ask the child and wait for its answer (the rare questions, not the tokens)."""
+    def call(self, what: str, index: int):
+        """Ask the child and wait for its answer (the rare questions, not the tokens): "rank_states" (every rank's
+        figures of engine `index`) or "flush_cache" (its flush's reports)."""
         if self.failed:
             raise EngineFailed(self.failed)
         call_id, result = next(self._call_ids), Result()
         self._calls[call_id] = result
-        self.send(("call", call_id, what, index, args))
+        self.send(msg.Ask(call_id, index, what))
         answer = result.wait(CALL_TIMEOUT_S)
         self._calls.pop(call_id, None)
         if answer is None:
             raise EngineFailed(self.failed or f"the engine process did not answer {what} within "
                                f"{CALL_TIMEOUT_S:.0f} s")
-        ok, value = answer
-        if not ok:
-            raise RuntimeError(f"the engine process failed {what}: {value}")
-        return value
+        if isinstance(answer, msg.CallFailed):
+            raise RuntimeError(f"the engine process failed {what}: {answer.error}")
+        return answer.states if isinstance(answer, msg.States) else answer.reports
 
     # ---- from the child --------------------------------------------------------------------------
     def _read(self) -> None:
@@ -125,13 +131,23 @@ class EngineProcess:
                                    "see the log above, and restart the server")
                         return
                     continue
-                msg = pickle.loads(self._events.recv())
-                if msg[0] == "step":
-                    self.engines[msg[1]].receive(*msg[2:])
-                elif msg[0] == "reply":
-                    result = self._calls.get(msg[1])
+                try:
+                    event = self._read_event(self._events.recv())
+                    if isinstance(event, msg.Ready):
+                        raise msg.WireError("a second Ready")
+                    if isinstance(event, msg.StepDone) and not 0 <= event.engine < len(self.engines):
+                        raise msg.WireError(f"a step of engine {event.engine}; it runs {len(self.engines)}")
+                except msg.WireError as e:
+                    self.proc.kill()
+                    self._lost(f"the engine process sent a message that is not one of its events ({e}); check that "
+                               "the server and its engine process run the same jaxdp, and restart the server")
+                    return
+                if isinstance(event, msg.StepDone):
+                    self.engines[event.engine].receive(event)
+                else:
+                    result = self._calls.get(event.call)
                     if result is not None:
-                        result.set_result((msg[2], msg[3]))
+                        result.set_result(event)
         finally:
             self._events.close(linger=0)
 
@@ -149,7 +165,7 @@ class EngineProcess:
         self._stopping = True
         if self.proc.poll() is None:
             try:
-                self.send(("shutdown",))
+                self.send(msg.Shutdown())
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 log.warning("the engine process did not stop within 30 s; killing it")
@@ -167,42 +183,29 @@ class EngineProcess:
         self._dir.cleanup()
 
 
-class RemoteEngine:
-    """One of the child's engines, as the server uses a `jaxdp.Engine`."""
+class RemoteEngine(ClientBase):
+    """One of the child's engines, as the server uses a `jaxdp.Engine`: an EngineClient."""
 
-    def __init__(self, link: EngineProcess, index: int, facts: dict, tokenizer):
-        self.link, self.index, self.tokenizer = link, index, tokenizer
-        self.layout, self.cfg, self.buckets = facts["layout"], facts["cfg"], facts["buckets"]
-        self.model_cfg, self.context_len = facts["model_cfg"], facts["context_len"]
-        self.local_ranks = facts["local_ranks"]
-        self.compiles_at_warmup = facts["compiles_at_warmup"]
-        pool = PagePool(facts["num_pages"], facts["page_size"])
-        # the engine's own admission rule, with a pool of the same size: a rank's figures say nothing here
-        checker = Scheduler(0, pool, PrefixCache(pool, False), facts["sched_cfg"], None)
-        self.schedulers = [checker] * self.layout.dp
-        self.controller = Controller(self.layout.dp, self.cfg.load_balance_method)
-        self.stats = StepStats(self.layout.dp)
-        self.delayer = SimpleNamespace(wait_passes=0, outcomes={}) if self.cfg.prefill_delayer else None
-        self.compiles = 0
+    def __init__(self, link: EngineProcess, index: int, facts: msg.EngineFacts, tokenizer):
+        self.link, self.index, self.facts, self.tokenizer = link, index, facts, tokenizer
         self.failed: str | None = None
+        self._init_intake()
+        self.stats = StepStats(facts.layout.dp)
+        self.delayer = DelayerCounters() if facts.cfg.prefill_delayer else None
+        self.compiles = 0
         self.requests: dict[str, Request] = {}  # submitted and not finished
         self.wakeups = Wakeups()
-        self._ids = itertools.count()
         self._messages = 0  # step messages received
         self._states: dict[int, dict] = {}
         self._states_at, self._states_seen = -1e9, (-1, -1)
         self._flushes = 0  # flushes answered: the ranks' figures are asked afresh after one
 
     # ---- requests (the event loop) ----------------------------------------------------------------
-    # The engine's own: it reads `failed`, `_ids`, `controller`, `tokenizer`, `model_cfg` and the admission
-    # check of `schedulers[0]`, which this stand-in has too, so a request is refused here exactly as there.
-    make_request = Engine.make_request
-
     def submit(self, req: Request) -> Request:
         req.submitted = True
         if not self.failed:
             self.requests[req.rid] = req
-            self.link.send(("submit", self.index, updates.sent(req)))
+            self.link.send(msg.Submit(self.index, updates.sent(req)))
         failed = self.failed or self.link.failed  # (the child may have died while this was sent)
         if failed and not req.finished and self.requests.pop(req.rid, req) is req:
             self._end(req, failed)
@@ -210,26 +213,26 @@ class RemoteEngine:
         return req
 
     def abort(self, rid: str) -> None:
-        self.link.send(("abort", self.index, rid))
+        self.link.send(msg.Abort(self.index, rid))
 
     def stream(self, req: Request):
         return self.wakeups.stream(req, self.submit, self.abort)
 
     # ---- from the child (the link's thread) -------------------------------------------------------
-    def receive(self, batch: list, records: list, steps: int, compiles_in_steps: int, failed: str | None,
-                snapshot: dict | None) -> None:
-        updates.apply(self.requests, batch, time.perf_counter())
-        for update in batch:
-            if update[5] is not None:  # finished
-                self.requests.pop(update[0], None)
-        self.stats.records.extend(records)
-        self.stats.steps, self.stats.compiles_in_steps = steps, compiles_in_steps
-        if snapshot is not None:
-            self.compiles = snapshot["compiles"]
-            if self.delayer is not None and snapshot["delayer"] is not None:
-                self.delayer.wait_passes, self.delayer.outcomes = snapshot["delayer"]
-        if failed and not self.failed:
-            self.failed = failed
+    def receive(self, step: msg.StepDone) -> None:
+        updates.apply(self.requests, step.updates, time.perf_counter())
+        for update in step.updates:
+            if update.finish is not None:
+                self.requests.pop(update.rid, None)
+        self.stats.records.extend(step.records)
+        self.stats.steps, self.stats.compiles_in_steps = step.steps, step.compiles_in_steps
+        if (c := step.counters) is not None:
+            self.compiles = c.compiles
+            if self.delayer is not None and c.delayer_wait_passes is not None:
+                self.delayer.wait_passes = c.delayer_wait_passes
+                self.delayer.outcomes.update(c.delayer_outcomes or {})
+        if step.failed and not self.failed:
+            self.failed = step.failed
         self._messages += 1  # a step ran: the ranks' figures are asked afresh
         self.wakeups.deliver()
 
@@ -248,7 +251,7 @@ class RemoteEngine:
         req.error_status = 503
         updates.end(req, "abort", message, time.perf_counter())
 
-    # ---- the rest of an Engine's surface ----------------------------------------------------------
+    # ---- the rest of an EngineClient ---------------------------------------------------------------
     def rank_state(self, rank: int) -> dict:
         """The rank's figures from the child: one question answers every rank, and stands for 50 ms unless a
         step ran meanwhile (so /metrics or /get_load over all ranks holds the event loop for one round trip,
@@ -259,10 +262,10 @@ class RemoteEngine:
                 try:
                     states = self.link.call("rank_states", self.index)
                 except EngineFailed:  # it died meanwhile
-                    return self.schedulers[0].state()
+                    return self.facts.empty_states[rank]
                 self._states, self._states_at, self._states_seen = states, now, seen
             return self._states[rank]
-        return self.schedulers[0].state()  # nothing runs any more: the figures of an empty rank
+        return self.facts.empty_states[rank]  # nothing runs any more: the figures of an empty rank
 
     def flush_cache(self):
         """The child's flush; the ranks' figures are asked afresh after it (the flush freed pages, no step ran),

@@ -37,6 +37,27 @@ class SchedulerConfig:
     seed: int = 0  # the engine's: a request without a seed samples with one made from it and its rid
 
 
+def output_limit(cfg: SchedulerConfig, req: Request) -> int:
+    """Output tokens the request may have in all: max_new_tokens, or what the context leaves."""
+    return min(req.params.max_new_tokens, cfg.context_len - len(req.prompt_ids))
+
+
+def check_admission(cfg: SchedulerConfig, num_pages: int, page_size: int, req: Request) -> None:
+    """Refuse at once what a rank can never serve: the prompt past the context (capped by the pool), or the
+    prompt's pages and its output's reservation past the whole pool. The one admission rule: a rank's, and an
+    engine client's before it sends a request (`jaxdp.engine.client`)."""
+    n, ctx = len(req.prompt_ids), cfg.context_len
+    if n + 1 > ctx:
+        raise BadRequest(f"the prompt has {n} tokens but a rank holds at most {ctx} (context length / KV "
+                         "pool); shorten the prompt")
+    reserve = int(output_limit(cfg, req) * cfg.conservativeness)
+    pages = -(-n // page_size) + -(-reserve // page_size)
+    if pages > num_pages:
+        raise BadRequest(f"the prompt's {n} tokens and the {reserve} tokens reserved for its output need "
+                         f"{pages} pages but a rank's KV pool has {num_pages} of {page_size} tokens; shorten the "
+                         "prompt or ask for fewer tokens")
+
+
 PASS_OVER_LIMIT = 16  # requests that cannot fit now tried per step: a long queue costs a bounded scan
 
 
@@ -52,22 +73,7 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
-        """Output tokens the request may have in all: max_new_tokens, or what the context leaves."""
-        return min(req.params.max_new_tokens, self.cfg.context_len - len(req.prompt_ids))
-
-    def check(self, req: Request) -> None:
-        """Refuse at once what this rank can never serve: the prompt past the context (capped by the pool),
-        or the prompt's pages and its output's reservation past the whole pool."""
-        n, ctx = len(req.prompt_ids), self.cfg.context_len
-        if n + 1 > ctx:
-            raise BadRequest(f"the prompt has {n} tokens but a rank holds at most {ctx} (context length / KV "
-                             "pool); shorten the prompt")
-        reserve = int(self.limit(req) * self.cfg.conservativeness)
-        pages = self.pool.pages_for(n) + self.pool.pages_for(reserve)
-        if pages > self.pool.num_pages:
-            raise BadRequest(f"the prompt's {n} tokens and the {reserve} tokens reserved for its output need "
-                             f"{pages} pages but a rank's KV pool has {self.pool.num_pages} of "
-                             f"{self.pool.page_size} tokens; shorten the prompt or ask for fewer tokens")
+        return output_limit(self.cfg, req)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

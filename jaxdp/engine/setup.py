@@ -4,6 +4,7 @@ ahead of time, and the stop-string check that needs the tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from jaxdp.parallel.step import StepRunner
 
 if TYPE_CHECKING:
     from jaxdp.engine.buckets import Buckets
+    from jaxdp.engine.options import ModelOptions
 
 log = logging.getLogger("jaxdp.setup")
 
@@ -63,29 +65,45 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
 
 
 def find_tokenizer(model):
+    """The tokenizer beside a checkpoint the engine builds its runner from (none for a preset or a ready runner)."""
     from jaxdp.config import PRESETS
+    from jaxdp.engine.options import ModelOptions
     from jaxdp.model.loader import default_model_path
     from jaxdp.tokenizer import Tokenizer
 
-    if not isinstance(model, str) or model in PRESETS:
+    path = model.path if isinstance(model, ModelOptions) else model
+    if not isinstance(path, str) or path in PRESETS:
         return None
-    return Tokenizer.from_dir(default_model_path() if model == "default" else model)
+    return Tokenizer.from_dir(default_model_path() if path == "default" else path)
 
 
-def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: int = 0,
-                  quantization: str | None = None, num_pages: int, page_size: int, attention_backend=None,
-                  moe_backend: str | None = None, num_layers: int | None = None,
-                  tiny_width: bool = False, index_key_dtype: str | None = None) -> list[StepRunner]:
-    """The one construction path (serve, Engine, one_batch): the model built in its final sharding on the
-    first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each further replica's
-    mesh, one StepRunner per mesh. Logs what the weights take per device, by dtype."""
+def model_options(model: str | None | ModelOptions, **options) -> ModelOptions:
+    """`model` as ModelOptions: a checkpoint directory, "default" or a preset with ModelOptions' other fields as
+    keywords, or ModelOptions (with some fields changed by the keywords)."""
+    from jaxdp.engine.options import ModelOptions
+
+    if isinstance(model, ModelOptions):
+        return dataclasses.replace(model, **options)
+    return ModelOptions(model, **options)
+
+
+def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num_pages: int, page_size: int,
+                  **options) -> list[StepRunner]:
+    """The one construction path (serve, Engine, one_batch): the model (`model_options(model, **options)`) built
+    in its final sharding on the first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each
+    further replica's mesh, one StepRunner per mesh, each with a pool of `num_pages` pages of `page_size` tokens
+    per rank. Logs what the weights take per device, by dtype."""
     from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.model.loader import build_model
     from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
+    from jaxdp.parallel.step import StepOptions
 
-    first = build_model(model, layout, meshes[0], dtype, seed=seed, quantization=quantization,
-                        num_layers=num_layers, tiny_width=tiny_width)
-    log.info("Model %s built on the mesh; %s", model or "default", describe_weight_bytes(first.state))
+    o = model_options(model, **options)
+    first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
+                        num_layers=o.num_layers, tiny_width=o.tiny_width)
+    log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
+    step = StepOptions(decode_kernel=decode_kernel(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
+                       index_key_dtype=o.index_key_dtype)
     runners = []
     for i, mesh in enumerate(meshes):
         if i == 0:
@@ -93,15 +111,12 @@ def build_runners(model: str | None, layout, meshes: list, *, dtype: str, seed: 
         else:  # another replica: the same arrays, copied device to device in the same specs
             sharded = ShardedModel(first.cfg, first.graphdef, jax.tree.map(
                 lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), first.state))
-        runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size,
-                                  decode_kernel=decode_kernel(attention_backend),
-                                  moe_backend=moe_runner_backend(moe_backend), index_key_dtype=index_key_dtype))
+        runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size, options=step))
     return runners
 
 
-def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int, quantization: str | None = None,
-                moe_backend: str | None = None) -> StepRunner:
-    """The runner an Engine builds for itself from a model name and a --mesh spec (or Layout)."""
+def make_runner(options: ModelOptions, mesh, num_pages: int, page_size: int) -> StepRunner:
+    """The runner an Engine builds for itself from ModelOptions and a --mesh spec (or Layout)."""
     from jaxdp.layout import ensure_host_devices, parse_mesh_spec
 
     layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
@@ -109,6 +124,4 @@ def make_runner(model: str, mesh, cfg, dtype: str, attention_backend, seed: int,
     devices = jax.devices()[: layout.world]
     layout.validate(num_devices=len(jax.devices()))
     layout.check_memory(devices)  # before the KV pool is sized
-    return build_runners(model, layout, [layout.make_mesh(devices)], dtype=dtype, seed=seed,
-                         quantization=quantization, num_pages=cfg.num_pages, page_size=cfg.page_size,
-                         attention_backend=attention_backend, moe_backend=moe_backend)[0]
+    return build_runners(options, layout, [layout.make_mesh(devices)], num_pages=num_pages, page_size=page_size)[0]

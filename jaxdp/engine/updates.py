@@ -1,33 +1,62 @@
 """A request's progress as another process sees it: the tokens booked since the last report, and its end.
 
-The process that runs a request reports, after a step, each changed request as one tuple; the process that
-holds a stand-in `Request` for it (node 0 for another node's ranks, the HTTP process for an engine in a
-process of its own) applies the tuples, so its streams, metrics and controller see the request as a local
-one. One format, read and written only here.
+The process that runs a request reports, after a step, each changed request as one `Update`; the process
+that holds a stand-in `Request` for it (node 0 for another node's ranks, the HTTP process for an engine in a
+process of its own) applies them, so its streams, metrics and controller see the request as a local one. A
+request travels the other way as a `SentRequest`. Both are typed messages of `jaxdp.engine.messages`' codec;
+this module alone makes and reads them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
+
+import msgspec
 
 from jaxdp.engine.request import Request, SamplingParams, State, stop_string_check
 
-# (rid, new token ids, their logprobs, their top logprobs, cached prompt tokens, finish reason or None,
-#  error, error status, their chosen ids' logprobs, the prompt's (logprobs, top logprobs, chosen ids' logprobs)
-#  in the first update only)
-Update = tuple
+Pairs = list[tuple[int, float]]  # (token id, logprob) per alternative
 
 
-def sent(req: Request) -> tuple:
+class SentRequest(msgspec.Struct, array_like=True, frozen=True):
     """A request as it travels to the process that runs it."""
-    return req.rid, req.prompt_ids, dataclasses.asdict(req.params), req.rank
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    rank: int
 
 
-def received(fields: tuple, tokenizer) -> Request:
+class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """The prompt's logprobs, all booked with the first output token (the step that reads its prompt's end)."""
+
+    logprobs: list[float | None]
+    top: list[Pairs | None]
+    chosen: list[Pairs | None]
+
+
+class Update(msgspec.Struct, array_like=True, frozen=True):
+    """What changed in a request since the last report."""
+
+    rid: str
+    ids: list[int]  # new token ids
+    logprobs: list[float]  # theirs (when it asks)
+    top: list[Pairs]  # their top logprobs (when it asks)
+    cached_tokens: int  # prompt tokens found in the prefix cache
+    finish: str | None  # the finish reason once it finished
+    error: str | None
+    error_status: int | None
+    chosen: list[Pairs]  # the logprobs of the token ids it asked about (token_ids_logprob)
+    prompt: PromptLogprobs | None  # in the first update only
+
+
+def sent(req: Request) -> SentRequest:
+    return SentRequest(req.rid, req.prompt_ids, req.params, req.rank)
+
+
+def received(msg: SentRequest, tokenizer) -> Request:
     """The request `sent` made, to run here (with its stop strings checked against this tokenizer)."""
-    rid, prompt_ids, params, rank = fields
-    req = Request(rid, prompt_ids, SamplingParams(**params), rank=rank)
+    req = Request(msg.rid, list(msg.prompt_ids), msg.params, rank=msg.rank)
     if req.params.stop and tokenizer is not None:
         req.stop_check = stop_string_check(tokenizer, req.params.stop)
     return req
@@ -42,34 +71,35 @@ def report(req: Request, sent: int) -> tuple[Update | None, int]:
     lps = req.output_logprobs[sent:len(ids)] if p.return_logprob else []
     tops = req.output_top_logprobs[sent:len(ids)] if p.top_logprobs else []
     chosen = req.output_token_ids_logprobs[sent:len(ids)] if p.token_ids_logprob else []
-    # the prompt's logprobs are all booked with the first output token (the step that reads its prompt's end)
-    prompt = (req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) if sent == 0 else None
-    return (req.rid, ids[sent:], lps, tops, req.cached_tokens, req.finish_reason if req.finished else None,
-            req.error, req.error_status, chosen, prompt), len(ids)
+    prompt = PromptLogprobs(req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) \
+        if sent == 0 else None
+    return Update(req.rid, ids[sent:], lps, tops, req.cached_tokens, req.finish_reason if req.finished else None,
+                  req.error, req.error_status, chosen, prompt), len(ids)
 
 
 def apply(requests: dict[str, Request], updates: Iterable[Update], now: float) -> None:
     """Apply reported updates to the stand-ins; each changed one's `on_update` is called."""
-    for rid, ids, lps, tops, cached, finish, error, status, chosen, prompt in updates:
-        req = requests.get(rid)
+    for u in updates:
+        req = requests.get(u.rid)
         if req is None or req.finished:
             continue
-        req.output_ids.extend(ids)
-        req.output_logprobs.extend(lps)
-        req.output_top_logprobs.extend(tops)
-        req.output_token_ids_logprobs.extend(chosen)
-        if prompt is not None:
-            req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = (list(x) for x in prompt)
-        req.cached_tokens = cached
-        if ids and req.first_token_at is None:
+        req.output_ids.extend(u.ids)
+        req.output_logprobs.extend(u.logprobs)
+        req.output_top_logprobs.extend(u.top)
+        req.output_token_ids_logprobs.extend(u.chosen)
+        if u.prompt is not None:
+            req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = (
+                list(u.prompt.logprobs), list(u.prompt.top), list(u.prompt.chosen))
+        req.cached_tokens = u.cached_tokens
+        if u.ids and req.first_token_at is None:
             req.first_token_at = now
-        if finish:
-            if status is not None:
-                req.error_status = status
-            end(req, finish, error, now)
+        if u.finish:
+            if u.error_status is not None:
+                req.error_status = u.error_status
+            end(req, u.finish, u.error, now)
         else:
             req.state = State.RUNNING
-            if ids and req.on_update:
+            if u.ids and req.on_update:
                 req.on_update(req)
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdp.batch import STEP_FIELDS, STEP_SPEC, step_sizes
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.indexer import fp8_key_width
@@ -31,9 +32,6 @@ from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
-
-BATCH_FIELDS = ("tokens_T", "valid_T", "positions_T", "seq_T", "slots_T", "page_table_BN", "seq_lens_B",
-                "logits_idx_B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,46 +53,61 @@ class StepShape:
         return "decode" if self.absorbed else "extend"
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a StepRunner builds its steps and pool (its constructor takes these fields as keywords too).
+
+    token_carry: width of the previous step's sampled tokens a step can read on the device (the engine's
+    overlap: a decode row whose input token is still in flight refers to it by index). abstract: the model
+    holds ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay ShapeDtypeStructs with their
+    shardings, nothing is allocated, and the runner can only `lower` and `compile` steps (`plan --compile`
+    checks full-size models this way). index_key_dtype (DSA models): None keeps the index keys in the cache
+    dtype; "fp8" packs each as e4m3 values plus one fp32 scale per 128 (jaxdp.model.indexer.pack_fp8_keys)."""
+
+    cache_dtype: object = None  # the KV pool's dtype (None: the embedding's)
+    decode_kernel: object = None  # MLA decode (jaxdp.backends.decode_kernel)
+    moe_backend: str | None = None  # one of MOE_RUNNER_BACKENDS: how the experts multiply (jaxdp.model.moe)
+    token_carry: int = 1
+    abstract: bool = False
+    index_key_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.index_key_dtype not in (None, "fp8"):
+            raise ValueError(f"index_key_dtype {self.index_key_dtype!r} is not None or 'fp8'")
+
+
 class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3 | ShardedModel, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 cache_dtype=None, decode_kernel=None, moe_backend: str | None = None, token_carry: int = 1,
-                 abstract: bool = False, index_key_dtype: str | None = None):
+                 options: StepOptions | None = None, **option_fields):
         """model: its state already in its final sharding on `mesh` (`jaxdp.model.sharded`, how the entry
-        points build it), or a model in memory, moved onto the mesh here. token_carry: width of the
-        previous step's sampled tokens a step can read on the device (the engine's overlap: a decode row
-        whose input token is still in flight refers to it by index). abstract: `model` holds
-        ShapeDtypeStructs (`nnx.eval_shape`); the weights and the pool stay ShapeDtypeStructs with their
-        shardings, nothing is allocated, and the runner can only `lower` and `compile` steps (`plan --compile`
-        checks full-size models this way). index_key_dtype (DSA models): None keeps the index keys in the
-        cache dtype; "fp8" packs each as e4m3 values plus one fp32 scale per 128
-        (jaxdp.model.indexer.pack_fp8_keys)."""
-        if index_key_dtype not in (None, "fp8"):
-            raise ValueError(f"index_key_dtype {index_key_dtype!r} is not None or 'fp8'")
-        self.index_key_dtype = index_key_dtype
+        points build it), or a model in memory, moved onto the mesh here. The runner owns the paged pool:
+        `num_pages` pages of `page_size` tokens per DP rank. `options` (or its fields as keywords): StepOptions."""
+        o = dataclasses.replace(options or StepOptions(), **option_fields)
+        self.index_key_dtype = o.index_key_dtype
         sharded = model if isinstance(model, ShardedModel) else None
         model = sharded.merge() if sharded else model
         self.cfg = model.cfg
-        self.token_carry = token_carry
+        self.token_carry = o.token_carry
         self.layout = layout
         self.mesh = mesh
         # the mesh spans processes (several nodes): each process feeds and reads only its own devices
         self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.num_pages, self.page_size = num_pages, page_size
-        self.decode_kernel = decode_kernel
+        self.decode_kernel = o.decode_kernel
         self.expert_quantization = expert_quantization(model)
         check_divisible(self.cfg, layout, self.expert_quantization)
-        if moe_backend is not None:  # one of MOE_RUNNER_BACKENDS: how the experts multiply (jaxdp.model.moe)
-            model = with_moe_runner_backend(model, moe_backend)
+        if o.moe_backend is not None:
+            model = with_moe_runner_backend(model, o.moe_backend)
         self.graphdef, state = nnx.split(model)
         self.state_specs = state_specs(state, layout)
-        self.abstract = abstract
-        if abstract:
+        self.abstract = o.abstract
+        if o.abstract:
             self.state = _abstract_on(state, self.state_specs, mesh)
         else:
             self.state = state if sharded else shard_state(state, layout, mesh)
-        self.cache_dtype = cache_dtype or model.embed_VD.get_value().dtype
+        self.cache_dtype = o.cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
@@ -190,7 +203,7 @@ class StepRunner:
             cache = {k: v[None] for k, v in cache.items()}
             return logits_BV[None], cache, rows_E[None]
 
-        batch_specs = {k: P("dp") for k in BATCH_FIELDS}
+        batch_specs = {k: P("dp") for k in STEP_FIELDS}
         cache_specs = {k: P("dp") for k in self.cache}
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
@@ -208,15 +221,11 @@ class StepRunner:
         self.compile_seconds += time.perf_counter() - t0
 
     def _abstract_args(self, shape: StepShape):
-        dp, T, B, N = self.layout.dp, shape.num_rows, shape.num_seqs, shape.pages_per_seq
-        sh = NamedSharding(self.mesh, P("dp"))
-        i32 = jnp.int32
-        dims = {"tokens_T": ((dp, T), i32), "valid_T": ((dp, T), jnp.bool_), "positions_T": ((dp, T), i32),
-                "seq_T": ((dp, T), i32), "slots_T": ((dp, T), i32), "page_table_BN": ((dp, B, N), i32),
-                "seq_lens_B": ((dp, B), i32), "logits_idx_B": ((dp, shape.num_logits), i32)}
-        batch = {k: jax.ShapeDtypeStruct(s, d, sharding=sh) for k, (s, d) in dims.items()}
-        rows = jax.ShapeDtypeStruct((dp,), i32, sharding=NamedSharding(self.mesh, P()))
-        prev = jax.ShapeDtypeStruct((dp, self.token_carry), i32, sharding=sh)
+        dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
+        sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
+        batch = {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in STEP_SPEC}
+        rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(self.mesh, P()))
+        prev = jax.ShapeDtypeStruct((dp, self.token_carry), jnp.int32, sharding=sh)
         return self.state, self.cache, batch, rows, prev
 
     # ---- running -------------------------------------------------------------------------------
@@ -226,7 +235,7 @@ class StepRunner:
         prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
         negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
         self.compile(shape)
-        batch = {k: self.put(stacked[k]) for k in BATCH_FIELDS}
+        batch = {k: self.put(stacked[k]) for k in STEP_FIELDS}
         rows = self.put(np.asarray(stacked["rows_R"], np.int32), P())
         if prev_tokens is None:
             prev_tokens = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))

@@ -1,0 +1,109 @@
+"""The one interface of an engine to its users: `EngineClient`.
+
+The server (`jaxdp.api.replicas.ReplicaSet`, the endpoints, the monitor, the metrics) holds EngineClients and
+never knows where the engine runs: `jaxdp.Engine` in this process, or `jaxdp.engine.remote.RemoteEngine`, the
+stand-in for an engine in a process of its own. Both are built on `ClientBase`: what an engine says of itself
+once (`EngineFacts`, the same message the engine process sends when it is ready) and the one way a request is
+made and checked against the engine's admission rule (`jaxdp.engine.scheduler.check_admission` on the
+scheduler's config and the runner's pool), so a request is refused in the server's process exactly as the
+engine would refuse it. (Node 0's stand-ins for the other nodes' ranks sit inside an Engine, behind
+`jaxdp.engine.nodes.Nodes`.)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from jaxdp.engine.controller import Controller
+from jaxdp.engine.delayer import PrefillDelayer
+from jaxdp.engine.messages import EngineFacts, NodeFlush
+from jaxdp.engine.request import Request, SamplingParams, new_request
+from jaxdp.engine.scheduler import check_admission
+from jaxdp.engine.stats import StepStats
+
+
+class EngineFailed(Exception):
+    """The engine cannot serve any more (another node or its process died); the message says what happened
+    (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class DelayerCounters:
+    """The prefill delayer's counters as /metrics reads them (`jaxdp.engine.delayer.PrefillDelayer` has them)."""
+
+    wait_passes: int = 0
+    outcomes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server uses of an engine, wherever it runs."""
+
+    facts: EngineFacts  # layout, options, buckets, model, context, ranks, the admission rule's inputs
+    tokenizer: Any
+    failed: str | None  # why it stopped serving (then every request gets a 503)
+    stats: StepStats  # step records and counters (the engine's own, or the ones its process reported)
+    delayer: DelayerCounters | PrefillDelayer | None  # --enable-prefill-delayer's counters (wait_passes, outcomes)
+
+    @property
+    def compiles(self) -> int:
+        """XLA compilations in the engine's process."""
+
+    @property
+    def is_running(self) -> bool:
+        """Its loop is alive and serving (what /health reports)."""
+
+    def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
+                     rid: str | None = None, rank: int | None = None) -> Request: ...
+
+    def submit(self, req: Request) -> Request: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def stream(self, req: Request) -> AsyncIterator[Request]: ...
+
+    def rank_state(self, rank: int) -> dict: ...
+
+    def flush_cache(self) -> list[NodeFlush] | None: ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ClientBase:
+    """What every EngineClient shares: its facts' figures by name, and making a request. A subclass sets
+    `facts`, `tokenizer` and `failed`, then calls `_init_intake`."""
+
+    facts: EngineFacts
+    tokenizer: Any
+    failed: str | None
+
+    def _init_intake(self) -> None:
+        """The facts' figures by the names the server reads, and the intake's controller and request ids."""
+        f = self.facts
+        self.layout, self.cfg, self.buckets, self.model_cfg = f.layout, f.cfg, f.buckets, f.model_cfg
+        self.context_len, self.local_ranks, self.compiles_at_warmup = f.context_len, f.local_ranks, f.compiles_at_warmup
+        self.controller = Controller(f.layout.dp, f.cfg.load_balance_method)  # (a server's ReplicaSet pins ranks
+        self._ids = itertools.count()  # itself: this one then counts nothing)
+
+    def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
+                     rid: str | None = None, rank: int | None = None) -> Request:
+        """A validated request (token ids, or text when the model has a tokenizer) on a rank: `rank`, or the
+        controller's choice (then it counts in the controller's ledger; a caller that pins ranks, such as
+        the server's ReplicaSet, keeps its own); raises BadRequest."""
+        if self.failed:
+            raise EngineFailed(self.failed)
+        f = self.facts
+        rid = rid or f"req-{next(self._ids)}"
+        self.controller.check_rid(rid)
+        req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
+                          check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
+        req.rank = req.dp_rank = self.controller.choose(rank)
+        if rank is None:
+            self.controller.add(req, req.rank)
+        return req

@@ -1,0 +1,197 @@
+"""The step pipeline: one iteration of an engine's loop over the schedulers of its DP ranks and one StepRunner.
+
+Each iteration (`step`): every rank's scheduler picks its batch (plan); the ranks agree (`agree_on_step`: rows
+per rank, the decode-bucket vote, "any rank reads a prompt", through `Nodes.exchange`, which on one node is
+the list itself); when a prompt is read anywhere, decoding ranks present their batch as one-token extends so
+all ranks share one extend step (the relabeling); ranks without work run an idle (all-padding) batch while
+any rank has work; nothing runs when all are idle. The compiled step is chosen from the busiest rank and
+queued with its sampling on the device (queue); the tokens are read back and booked to the requests (book).
+
+With `overlap`, step N+1 is planned and queued before step N's tokens are read back: rows whose input token
+is still in flight carry a marker (-1-j: the j-th token step N sampled on this rank) that the step resolves on
+the device, and step N is booked while N+1 runs. A step that fails on one node is retried in parts until the
+request that fails it is alone (`_isolate`); across nodes every node must run every step, so the failure goes
+to the loop (`jaxdp.engine.engine`), which fails the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS
+from jaxdp.engine.buckets import Buckets
+from jaxdp.engine.delayer import PrefillDelayer
+from jaxdp.engine.hosts import first_line
+from jaxdp.engine.logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
+from jaxdp.engine.nodes import Nodes
+from jaxdp.engine.options import EngineConfig
+from jaxdp.engine.plan import RankPlan, rank_proposals
+from jaxdp.engine.rows import RowArrays, plan_arrays
+from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
+from jaxdp.engine.scheduler import Scheduler
+from jaxdp.engine.stats import InFlight, StepStats, compiles_on_this_thread
+from jaxdp.parallel.places import agree_on_step
+from jaxdp.parallel.step import StepRunner, StepShape
+
+log = logging.getLogger("jaxdp.engine")
+
+
+class StepPipeline:
+    """plan -> agree -> queue -> book, over `schedulers` (every DP rank's; this node plans its own) and `runner`."""
+
+    def __init__(self, runner: StepRunner, cfg: EngineConfig, schedulers: list[Scheduler], rows: RowArrays,
+                 buckets: Buckets, nodes: Nodes):
+        self.runner, self.cfg, self.schedulers, self.rows, self.buckets, self.nodes = (
+            runner, cfg, schedulers, rows, buckets, nodes)
+        self.sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
+        self.stats = StepStats(len(schedulers))
+        self.delayer = PrefillDelayer(cfg.prefill_delayer, len(schedulers)) if cfg.prefill_delayer else None
+        self.inflight: InFlight | None = None
+        self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
+        self.prompt_logprob_steps = 0  # steps that returned every row's logits (a request asked for prompt logprobs)
+        self._steps = itertools.count()
+
+    def step(self) -> bool:
+        """One iteration; False when every rank is idle and nothing is in flight."""
+        t0 = time.perf_counter()
+        d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
+        plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
+                                        for r, s in enumerate(self.schedulers)]
+        ta = time.perf_counter()
+        self.blocked = (ta, "exchanging the step's proposals")
+        message = self.nodes.message()
+        if d:  # the delayer's numbers ride on the exchange; every node decides the next pass from all of them
+            d.post(message, [self.schedulers[r] for r in self.nodes.local_ranks])
+        proposals, messages = self.nodes.exchange(self._proposals(plans), message)
+        self.blocked = None
+        self.nodes.receive(messages)
+        if d:
+            d.read(messages)
+        agreement = agree_on_step(proposals)
+        agree_s = time.perf_counter() - ta
+        if not agreement.run:
+            if self.inflight is None:
+                return bool(d and d.pass_again)  # a prompt announced or held: the next pass decides, at once
+            self._book(self.inflight, t0)
+            self.inflight = None
+            return True
+        rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
+        shape = self._shape_for(rows, agreement)
+        compiles_before = compiles_on_this_thread()
+        step = next(self._steps)
+        try:
+            current = self._queue(plans, shape, rows, agreement, t0, agree_s)
+        except Exception:
+            if not self.nodes.bisects_failures:  # a step across the nodes: every node must run it
+                raise
+            # not a user error (requests are validated, sampling clamps): find the request that fails it
+            log.exception("engine step failed; retrying its requests in smaller steps to find the one that fails")
+            if self.inflight is not None:
+                self._book(self.inflight, time.perf_counter())
+                self.inflight = None
+            self._isolate(plans)
+            return True
+        for r, plan in enumerate(plans):
+            if plan:
+                self.schedulers[r].commit(plan, step)
+        previous, self.inflight = self.inflight, current
+        if previous is not None:
+            self._book(previous, time.perf_counter())
+        if current is not None and not self.cfg.overlap:
+            self._book(current, time.perf_counter())
+            self.inflight = None
+        self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before
+        return True
+
+    def _shape_for(self, rows: list[int], agreement) -> StepShape:
+        """The compiled step of this batch; the every-row variant when a prompt read in it asks for logprobs."""
+        if agreement.any_prompt_logprobs:
+            self.prompt_logprob_steps += 1
+            return self.buckets.prompt_logprob_shape()
+        return self.buckets.shape_for(rows, agreement)
+
+    def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
+               t0: float, agree_s: float) -> InFlight:
+        """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
+        runner = self.runner
+        out = plan_arrays(plans, self.rows, shape, runner.page_size, runner.num_pages * runner.page_size)
+        out["rows_R"] = np.asarray(rows, np.int32)
+        params = [runner.put(out[k]) for k in SAMPLING_KEYS]
+        asks = prompt_inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
+        t1 = time.perf_counter()
+        prev = self.inflight.tokens if self.inflight is not None else None
+        runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
+        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
+        logits, _ = runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
+        prompt = None
+        if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
+            logits, *prompt = prompt_logprobs(logits, *(runner.put(a) for a in asks))
+        tokens, logprobs = self.sample(logits, *params, width=runner.token_carry)
+        self.blocked = None
+        t2 = time.perf_counter()  # top logprobs: on every node together (the agreement says), or on none
+        top = top_logprobs(logits, runner.put(chosen_ids(plans, shape.num_seqs))) if agreement.any_top else None
+        return InFlight(plans, tokens, logprobs, shape, rows, agreement, runner.last_account,
+                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s, top=top, prompt=prompt)
+
+    def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
+        tops = [s.top_logprob_requests > 0 for s in self.schedulers]
+        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
+
+    def _isolate(self, plans: list[RankPlan | None]) -> None:
+        """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
+        that fails, until the request that fails is alone; it fails, the others run (and are booked) as usual.
+        Only this node's ranks (a step across nodes does not get here)."""
+        todo = [(r, p) for r, p in enumerate(plans) if p]
+        while todo:
+            r, plan = todo.pop()
+            plan = plan.unfinished()
+            if plan is None:
+                continue
+            only: list[RankPlan | None] = [None] * len(self.schedulers)
+            only[r] = plan
+            agreement = agree_on_step(self._proposals(only))
+            rows = list(agreement.rows_per_rank)
+            shape = self._shape_for(rows, agreement)
+            step, t0 = next(self._steps), time.perf_counter()
+            try:
+                f = self._queue(only, shape, rows, agreement, t0, 0.0)
+            except Exception as e:
+                if len(plan.reqs) > 1:
+                    todo += [(r, half) for half in plan.halves()]
+                    continue
+                req = plan.reqs[0]
+                log.error("request %s fails the engine step (%s); it alone is aborted", req.rid, first_line(e, 160))
+                req.error = f"this request failed the engine step ({first_line(e, 120)}); see the server log"
+                self.schedulers[r].finish(req, "abort", time.perf_counter())
+                continue
+            self.schedulers[r].commit(plan, step)
+            self._book(f, time.perf_counter())
+
+    def _book(self, f: InFlight, t_start: float) -> None:
+        t0 = time.perf_counter()
+        self.blocked = (t0, "waiting for a step that runs on every node")
+        tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
+        logprobs = self.runner.local_values(f.logprobs)
+        self.blocked = None
+        t1 = time.perf_counter()
+        top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
+        prompt = None if f.prompt is None else [self.runner.local_values(a) for a in f.prompt]
+        for r, plan in enumerate(f.plans):
+            if plan:
+                if prompt is not None and plan.pieces:
+                    book_prompt_logprobs(plan, *(a[r] for a in prompt))
+                if top is not None:
+                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, *(a[r] for a in top))
+                self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
+        t2 = time.perf_counter()
+        self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
+                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
+                          new_tokens=sum(p.num_sampled for p in f.plans if p))
+
+    def drop_inflight(self) -> None:
+        """Forget the step in flight (its requests are aborted): it is never booked."""
+        self.inflight = None
