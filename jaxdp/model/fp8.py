@@ -11,9 +11,13 @@ block, else whole (K=192 is not a multiple of 128: its scales are repeated per e
 128 weights). The layer stacks and the expert axis are whole.
 
 `weight(module, name)` is how the model reads such a weight: the dense array, or the FP8 values times
-their repeated scales in the model's dtype (XLA fuses the multiply into the consumer's operand on a
-GPU; on the CPU it is a temporary of one layer's weight inside the scan). `--quantization fp8` quantizes
-a bf16 checkpoint at load into the same form (amax / 448 per block).
+their repeated scales in the model's dtype (a temporary of one layer's weight). Inside the layer scan the
+FP8 weights and their scales are handed whole, with the layer index (`jaxdp.model.stacked`), and `weight`
+returns a `StackedFP8`: `jaxdp.model.layers.dot` multiplies it with the Pallas block-FP8 GEMM on a GPU
+(`kernels_pallas.fp8_gemm`: FP8 tiles dequantized in registers, the layer read where it lies in the stack;
+XLA:GPU does not fuse a multiply by the block scales into its GEMMs, docs/gpu-on-paper.md) and as before on
+a CPU (dequantize the layer, then the product); any other use (an einsum, a slice) reads it dequantized.
+`--quantization fp8` quantizes a bf16 checkpoint at load into the same form (amax / 448 per block).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+
+from jaxdp.model.stacked import InStack
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_bscale"
@@ -67,12 +73,103 @@ def dequantize(w, scale, block: int, dtype):
 
 
 def weight(module, name: str):
-    """The weight `name` of `module` as the matmul takes it (dequantized when held in FP8)."""
-    w = getattr(module, name)[...]
+    """The weight `name` of `module` as the matmul takes it: dequantized when held in FP8, a `StackedFP8`
+    when the layer scan handed it whole (`jaxdp.model.stacked.InStack`)."""
+    param = getattr(module, name)
     scale = getattr(module, name + SCALE_SUFFIX, None)
     if scale is None:
-        return w
-    return dequantize(w, scale[...], module.fp8_block, module.fp8_dtype)
+        return param[...]
+    values, scales = param.get_value(), scale.get_value()
+    if isinstance(values, InStack) and isinstance(scales, InStack):
+        return StackedFP8(values.stack, scales.stack, values.layer, module.fp8_block, jnp.dtype(module.fp8_dtype))
+    return dequantize(param[...], scale[...], module.fp8_block, module.fp8_dtype)
+
+
+def in_place(module) -> tuple[str, ...]:
+    """The FP8 weights of `module` and their scales: the layer scan hands them whole (a GPU's kernels read
+    the layer where it lies; `jaxdp.model.stacked`)."""
+    names = [n for n in FP8_WEIGHTS if hasattr(module, n + SCALE_SUFFIX) and hasattr(module, n)]
+    return tuple(names) + tuple(n + SCALE_SUFFIX for n in names)
+
+
+class StackedFP8:
+    """One layer's block-FP8 weight, held as the whole stack of values [L, ...], of scales [L, ...] and the
+    layer index: `dot` multiplies it (the Pallas GEMM on a GPU, the layer dequantized on a CPU); read any
+    other way (`dense()`, a slice, an einsum) it is the layer dequantized to `dtype`."""
+
+    def __init__(self, values, scales, layer, block: int, dtype):
+        self.values, self.scales, self.layer, self.block, self.dtype = values, scales, layer, block, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dense(self):
+        w = jax.lax.dynamic_index_in_dim(self.values, self.layer, keepdims=False)
+        s = jax.lax.dynamic_index_in_dim(self.scales, self.layer, keepdims=False)
+        return dequantize(w, s, self.block, self.dtype)
+
+    def __jax_array__(self):
+        return self.dense()
+
+    def __getitem__(self, key):
+        return self.dense()[key]
+
+    def gemm_operands(self, n_in: int, lead: int = 0):
+        """For the kernels: the stack as [L, *lead, K, N] (K: the first `n_in` dims after the `lead` ones,
+        flattened) and its scales as [L, *lead, K / 128, S], with the scale column of each of the N columns; None
+        where the scales do not block K by 128 (the kernel's tile)."""
+        shape, sshape = self.shape, tuple(self.scales.shape[1:])
+        ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
+        s_ins, s_outs = sshape[lead:lead + n_in], sshape[lead + n_in:]
+        k, n = math.prod(ins), math.prod(outs)
+        rows = _scale_index(ins, s_ins, self.block)
+        if k % 128 or self.block != 128 or not np.array_equal(rows, np.arange(k) // 128):
+            return None
+        L, lead_dims = self.values.shape[0], shape[:lead]
+        w = self.values.reshape(L, *lead_dims, k, n)
+        s = self.scales.reshape(L, *lead_dims, k // 128, math.prod(s_outs))
+        return w, s, _scale_index(outs, s_outs, self.block)
+
+    def dot(self, eq: str, x, dense_dot, kernel: bool | None = None):
+        """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, float32 accumulation): by the Pallas
+        GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode on a CPU,
+        for tests), when eq contracts x's trailing dims with the weight's leading ones; else, and on a CPU,
+        `dense_dot(eq, x, self.dense())`."""
+        lhs, out = eq.replace(" ", "").split("->")
+        xs, ws = lhs.split(",")
+        n_in = (len(xs) + len(ws) - len(out)) // 2  # contracted dims
+        operands = None
+        if kernel is not False and n_in and xs[len(xs) - n_in:] == ws[:n_in] and out == xs[:len(xs) - n_in] + ws[n_in:]:
+            operands = self.gemm_operands(n_in)
+        if operands is None:
+            return dense_dot(eq, x, self.dense())
+
+        def gemm(x, interpret):
+            from kernels_pallas.fp8_gemm import fp8_matmul
+
+            w, s, cols = operands
+            y = fp8_matmul(x.reshape(-1, w.shape[1]), w, s, cols, self.layer, interpret=interpret)
+            return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:])
+
+        if kernel:
+            return gemm(x, None)
+        return jax.lax.platform_dependent(x, cpu=lambda x: dense_dot(eq, x, self.dense()),
+                                          default=lambda x: gemm(x, False))
+
+
+def _scale_index(dims: tuple[int, ...], scale_dims: tuple[int, ...], block: int) -> np.ndarray:
+    """For each element of the flattened dims, the flattened index of its scale (a dim whose scale count
+    differs from its size is blocked by `block`)."""
+    if not dims:
+        return np.zeros(1, np.int64)
+    idx = np.indices(dims).reshape(len(dims), -1)
+    blocks = np.array([1 if s == d else block for d, s in zip(dims, scale_dims, strict=True)])[:, None]
+    return np.ravel_multi_index(tuple(idx // blocks), scale_dims)
 
 
 def quantize(w, blocks: tuple[int, ...], xp=np):

@@ -46,9 +46,10 @@ from flax import nnx
 
 from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import weight
+from jaxdp.model.fp8 import StackedFP8, weight
 from jaxdp.model.grouped import grouped_matmul
 from jaxdp.model.layers import MLP, init_normal
+from jaxdp.model.stacked import InStack
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
@@ -79,6 +80,13 @@ class MoE(nnx.Module):
             setattr(self, name, nnx.Param(params[name]))
         self.quantization = "nvfp4"
 
+    def params_read_in_place(self) -> tuple[str, ...]:
+        """The parameters the Pallas kernels read from the whole layer stack (`jaxdp.model.stacked`): the NVFP4
+        experts under the pallas backend (the block-FP8 ones are handed whole as every FP8 weight is)."""
+        if self.runner_backend == "pallas" and self.quantization == "nvfp4":
+            return NVFP4_PARAMS
+        return ()
+
     @property
     def num_local_experts(self) -> int:
         """Experts held here (the leading axis of the expert weights inside a layer)."""
@@ -92,10 +100,14 @@ class MoE(nnx.Module):
     @jax.named_scope("routed_experts")
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
         if self.quantization == "nvfp4":
-            q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
+            q = {name: getattr(self, name).get_value() for name in NVFP4_PARAMS}
             return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
-        return routed_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"),
-                              expert_offset, self.runner_backend)
+        gate_up, down = weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")
+        if self.runner_backend == "pallas" and isinstance(gate_up, StackedFP8) and isinstance(down, StackedFP8):
+            operands = gate_up.gemm_operands(1, lead=1), down.gemm_operands(1, lead=1)
+            if None not in operands:
+                return routed_experts_fp8(x_TD, idx_TK, w_TK, *operands, gate_up.layer, expert_offset)
+        return routed_experts(x_TD, idx_TK, w_TK, _dense(gate_up), _dense(down), expert_offset, self.runner_backend)
 
     def experts_dense(self, x_TD, idx_TK, w_TK):
         """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
@@ -220,16 +232,46 @@ def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
     return jnp.einsum("tei,eid->td", h_TEI.astype(x_TD.dtype), w_down_EID, preferred_element_type=jnp.float32)
 
 
-def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "auto"):
-    """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here)."""
+def _dense(w):
+    """A weight as an array (a StackedFP8 dequantized: `jaxdp.model.fp8`)."""
+    return w.dense() if isinstance(w, StackedFP8) else w
+
+
+def routed_experts_fp8(x_TD, idx_TK, w_TK, gate_up, down, layer, expert_offset=0):
+    """`routed_experts` by the Pallas block-FP8 grouped GEMM (`kernels_pallas.fp8_gemm`; interpret mode on a
+    CPU): gate_up and down are `StackedFP8.gemm_operands` ([L, E, K, N] values, [L, E, K/128, S] scales, the
+    scale column of each column), the layer read where it lies in its stack."""
+    from kernels_pallas.fp8_gemm import fp8_grouped_matmul
+
+    (w1, s1, c1), (w2, s2, c2) = gate_up, down
+    E_local, I = w1.shape[1], w1.shape[3] // 2
+
+    def ffn(x_sorted, sizes_E):
+        h = fp8_grouped_matmul(x_sorted, w1, s1, c1, sizes_E, layer).astype(jnp.float32).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        return fp8_grouped_matmul(h, w2, s2, c2, sizes_E, layer).astype(jnp.float32)
+
+    return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict, expert_offset=0, backend: str = "auto"):
+    """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here, or each an
+    `InStack`: the whole layer stack, which the Pallas kernel reads in place)."""
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"MoE runner backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")
-    E_local, _, I, half_D = q["w_gate_up_packed"].shape
-    gate_up = (q["w_gate_up_packed"].reshape(E_local, 2 * I, half_D),
-               q["w_gate_up_scale"].reshape(E_local, 2 * I, -1), q["w_gate_up_gscale"])
+    layer = None
+    if backend == "pallas" and all(isinstance(v, InStack) for v in q.values()):
+        layer = q["w_gate_up_packed"].layer
+        q = {name: v.stack for name, v in q.items()}
+    else:
+        q = {name: v[...] if isinstance(v, InStack) else v for name, v in q.items()}
+    lead = q["w_gate_up_packed"].shape[:-4]  # the layer stack, when read in place
+    E_local, _, I, half_D = q["w_gate_up_packed"].shape[-4:]
+    gate_up = (q["w_gate_up_packed"].reshape(*lead, E_local, 2 * I, half_D),
+               q["w_gate_up_scale"].reshape(*lead, E_local, 2 * I, -1), q["w_gate_up_gscale"])
     down = (q["w_down_packed"], q["w_down_scale"], q["w_down_gscale"])
-    matmul = _nvfp4_matmul_pallas if backend == "pallas" else functools.partial(_nvfp4_matmul_xla,
-                                                                                 ragged=_ragged(backend))
+    matmul = (functools.partial(_nvfp4_matmul_pallas, layer=layer) if backend == "pallas" else
+              functools.partial(_nvfp4_matmul_xla, ragged=_ragged(backend)))
 
     def ffn(x_sorted, sizes_E):
         h = matmul(x_sorted, *gate_up, sizes_E).astype(jnp.float32).reshape(-1, 2, I)
@@ -245,11 +287,12 @@ def _nvfp4_matmul_xla(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, ragged=
     return ragged(x_TK, jnp.swapaxes(w_ENK, 1, 2), sizes_E, preferred_element_type=jnp.float32)
 
 
-def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):
-    """The Pallas grouped GEMM (dequantizes in registers; rows outside every group cost nothing)."""
+def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, layer=None):
+    """The Pallas grouped GEMM (dequantizes in registers; rows outside every group cost nothing); with a
+    layer, the weights are the whole stack [L, E, ...] and that layer is read in place."""
     from kernels_pallas.nvfp4_moe import nvfp4_grouped_matmul
 
-    return nvfp4_grouped_matmul(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E)
+    return nvfp4_grouped_matmul(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, layer)
 
 
 def nvfp4_expert_params(w_gate_up_ED2I: jax.Array, w_down_EID: jax.Array) -> dict[str, jax.Array]:
