@@ -12,7 +12,8 @@ whole buffers, so XLA would copy the slice).
 
 - `fp8_matmul`: y [M, N] = x [M, K] @ W[layer]. Grid (cdiv(M, block_m), N / block_n); each program streams
   K in steps of 128: an x tile [block_m, 128] (rows past M masked), the FP8 tile [128, block_n], the scale row
-  of its columns [block_n], multiplies, casts to x's dtype and accumulates the dot in float32.
+  of its columns [block_n], multiplies, casts to x's dtype and accumulates the dot in float32. Without scales
+  it multiplies a plain weight read in place from its stack (the MoE's float32 router; `stacked_matmul`).
 - `fp8_grouped_matmul`: the routed experts, W [L, E, K, N]; rows sorted by expert, `group_sizes_E` rows each,
   cut into row tiles that never straddle two experts (`kernels_pallas.nvfp4_moe.tile_schedule`: the grid has
   the static worst case cdiv(T, block_m) + min(E, T) row tiles; tiles past the real count exit at once, rows
@@ -53,7 +54,8 @@ def dequantize(w_KN, scale_KbS, col_scale_N, dtype):
 
 def fp8_matmul_reference(x_MK, w_LKN, scale_LKbS, col_scale_N, layer):
     """Plain jnp: dequantize layer `layer` of the stack to x's dtype, multiply, float32 accumulation."""
-    w_KN = dequantize(w_LKN[layer], scale_LKbS[layer], col_scale_N, x_MK.dtype)
+    w_KN = (w_LKN[layer].astype(x_MK.dtype) if scale_LKbS is None else
+            dequantize(w_LKN[layer], scale_LKbS[layer], col_scale_N, x_MK.dtype))
     return jnp.dot(x_MK, w_KN, preferred_element_type=jnp.float32, precision=_EXACT).astype(x_MK.dtype)
 
 
@@ -70,14 +72,16 @@ def _tile(x_ref, w_at, s_at, rows_M, valid_M, cols_N, scol_N, kb):
     """One K step: the x tile, the FP8 tile dequantized with its scale row, their product (float32)."""
     k_K = kb * BLOCK_K + jnp.arange(BLOCK_K, dtype=jnp.int32)
     x_MK = plgpu.load(x_ref.at[rows_M[:, None], k_K[None, :]], mask=valid_M[:, None], other=0)
-    w_KN = w_at(k_K[:, None], cols_N[None, :]).astype(jnp.float32)
-    s_N = s_at(kb, scol_N).astype(jnp.float32)
-    w_KN = (w_KN * s_N[None, :]).astype(x_MK.dtype)
+    w_KN = w_at(k_K[:, None], cols_N[None, :])
+    if s_at is not None:  # block FP8 (else a plain weight, any dtype)
+        w_KN = w_KN.astype(jnp.float32) * s_at(kb, scol_N).astype(jnp.float32)[None, :]
+    w_KN = w_KN.astype(x_MK.dtype)
     return jax.lax.dot_general(x_MK, w_KN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                                precision=_EXACT)
 
 
-def _dense_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, block_m, block_n, num_k_blocks):
+def _dense_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, block_m, block_n, num_k_blocks,
+                  scaled):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     rows_M = i * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -86,7 +90,8 @@ def _dense_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, 
     scol_N = cols_ref[cols_N]
 
     def body(kb, acc_MN):
-        return acc_MN + _tile(x_ref, lambda k, n: w_ref[layer, k, n], lambda kb, s: s_ref[layer, kb, s],
+        return acc_MN + _tile(x_ref, lambda k, n: w_ref[layer, k, n],
+                              (lambda kb, s: s_ref[layer, kb, s]) if scaled else None,
                               rows_M, valid_M, cols_N, scol_N, kb)
 
     acc_MN = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -102,8 +107,11 @@ def _dense_call(x_MK, w_LKN, scale_LKbS, col_scale_N, layer, *, block_m, block_n
                 num_stages):
     m, k = x_MK.shape
     n = w_LKN.shape[2]
+    scaled = scale_LKbS is not None
+    if not scaled:  # a plain weight: a placeholder operand, never read
+        scale_LKbS, col_scale_N = jnp.zeros((1, 1, 1), jnp.float32), jnp.zeros((n,), jnp.int32)
     kernel = functools.partial(_dense_kernel, num_rows=m, block_m=block_m, block_n=block_n,
-                               num_k_blocks=k // BLOCK_K)
+                               num_k_blocks=k // BLOCK_K, scaled=scaled)
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
@@ -113,7 +121,7 @@ def _dense_call(x_MK, w_LKN, scale_LKbS, col_scale_N, layer, *, block_m, block_n
         out_specs=whole,
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name="fp8_matmul",
+        name="fp8_matmul" if scaled else "stacked_matmul",
     )(jnp.asarray(layer, jnp.int32).reshape(1), col_scale_N, x_MK, w_LKN, scale_LKbS.astype(jnp.float32))
 
 
@@ -133,15 +141,19 @@ def fp8_matmul(x_MK, w_LKN, scale_LKbS, col_scale_N, layer=0, *, block_m: int = 
     """x [M, K] @ dequant(W[layer]) -> [M, N] in x's dtype (float32 accumulation).
 
     w_LKN float8_e4m3fn [L, K, N] (or [K, N]: one layer); scale_LKbS float32 [L, K/128, S]; col_scale_N
-    int32 [N] (numpy or jax), the scale column of each output column; layer: int or traced int32 scalar."""
+    int32 [N] (numpy or jax), the scale column of each output column; layer: int or traced int32 scalar.
+    scale_LKbS and col_scale_N None: W is a plain weight of any dtype (e.g. the MoE's float32 router), read
+    in place from its stack, cast to x's dtype."""
     if w_LKN.ndim == 2:
-        w_LKN, scale_LKbS = w_LKN[None], scale_LKbS[None]
-    _check("fp8_matmul", x_MK.shape, w_LKN.shape, scale_LKbS.shape, col_scale_N,
-           {"block_m": block_m, "block_n": block_n})
+        w_LKN, scale_LKbS = w_LKN[None], None if scale_LKbS is None else scale_LKbS[None]
+    if scale_LKbS is None:
+        col_scale_N = np.zeros(w_LKN.shape[2], np.int32)
+    _check("fp8_matmul", x_MK.shape, w_LKN.shape, (*w_LKN.shape[:2], w_LKN.shape[1] // BLOCK_K, 1)
+           if scale_LKbS is None else scale_LKbS.shape, col_scale_N, {"block_m": block_m, "block_n": block_n})
     call = functools.partial(_dense_call, block_m=block_m, block_n=_fit_block(block_n, w_LKN.shape[2]),
                              num_warps=num_warps, num_stages=num_stages)
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
-    return call(x_MK, w_LKN, scale_LKbS, jnp.asarray(col_scale_N, jnp.int32), layer)
+    return call(x_MK, w_LKN, scale_LKbS, None if scale_LKbS is None else jnp.asarray(col_scale_N, jnp.int32), layer)
 
 
 def _grouped_kernel(layer_ref, cols_ref, expert_ref, start_ref, end_ref, count_ref, x_ref, w_ref, s_ref,

@@ -12,11 +12,12 @@ block, else whole (K=192 is not a multiple of 128: its scales are repeated per e
 
 `weight(module, name)` is how the model reads such a weight: the dense array, or the FP8 values times
 their repeated scales in the model's dtype (a temporary of one layer's weight). Inside the layer scan the
-FP8 weights and their scales are handed whole, with the layer index (`jaxdp.model.stacked`), and `weight`
-returns a `StackedFP8`: `jaxdp.model.layers.dot` multiplies it with the Pallas block-FP8 GEMM on a GPU
-(`kernels_pallas.fp8_gemm`: FP8 tiles dequantized in registers, the layer read where it lies in the stack;
-XLA:GPU does not fuse a multiply by the block scales into its GEMMs, docs/gpu-on-paper.md) and as before on
-a CPU (dequantize the layer, then the product); any other use (an einsum, a slice) reads it dequantized.
+Linear weights (FP8_WEIGHTS, FP8 or not) and their scales are handed whole, with the layer index
+(`jaxdp.model.stacked`), and `weight` returns a `StackedWeight`: `jaxdp.model.layers.dot` multiplies it with
+a Pallas GEMM on a GPU (`kernels_pallas.fp8_gemm`: FP8 tiles dequantized in registers, the layer read where
+it lies in the stack; XLA:GPU neither fuses a multiply by the block scales into its GEMMs nor reads a layer
+of a stack in place, docs/gpu-on-paper.md) and as before on a CPU (the layer, dequantized, then the
+product); any other use (an einsum, a slice) reads the layer, dequantized.
 `--quantization fp8` quantizes a bf16 checkpoint at load into the same form (amax / 448 per block).
 """
 
@@ -73,32 +74,38 @@ def dequantize(w, scale, block: int, dtype):
 
 
 def weight(module, name: str):
-    """The weight `name` of `module` as the matmul takes it: dequantized when held in FP8, a `StackedFP8`
+    """The weight `name` of `module` as the matmul takes it: dequantized when held in FP8; a `StackedWeight`
     when the layer scan handed it whole (`jaxdp.model.stacked.InStack`)."""
     param = getattr(module, name)
     scale = getattr(module, name + SCALE_SUFFIX, None)
+    values = param.get_value()
+    if isinstance(values, InStack):
+        if scale is None:
+            return StackedWeight(values.stack, None, values.layer)
+        return StackedWeight(values.stack, scale.get_value().stack, values.layer, module.fp8_block,
+                             jnp.dtype(module.fp8_dtype))
     if scale is None:
         return param[...]
-    values, scales = param.get_value(), scale.get_value()
-    if isinstance(values, InStack) and isinstance(scales, InStack):
-        return StackedFP8(values.stack, scales.stack, values.layer, module.fp8_block, jnp.dtype(module.fp8_dtype))
     return dequantize(param[...], scale[...], module.fp8_block, module.fp8_dtype)
 
 
 def in_place(module) -> tuple[str, ...]:
-    """The FP8 weights of `module` and their scales: the layer scan hands them whole (a GPU's kernels read
-    the layer where it lies; `jaxdp.model.stacked`)."""
-    names = [n for n in FP8_WEIGHTS if hasattr(module, n + SCALE_SUFFIX) and hasattr(module, n)]
-    return tuple(names) + tuple(n + SCALE_SUFFIX for n in names)
+    """The layers' Linear weights that `module` holds (FP8_WEIGHTS: each read through `weight`), and their block
+    scales: the layer scan hands them whole (`jaxdp.model.stacked`), and on a GPU the product reads the layer
+    where it lies in the stack."""
+    names = [n for n in FP8_WEIGHTS if isinstance(getattr(module, n, None), nnx.Variable)]
+    return tuple(names) + tuple(n + SCALE_SUFFIX for n in names if hasattr(module, n + SCALE_SUFFIX))
 
 
-class StackedFP8:
-    """One layer's block-FP8 weight, held as the whole stack of values [L, ...], of scales [L, ...] and the
-    layer index: `dot` multiplies it (the Pallas GEMM on a GPU, the layer dequantized on a CPU); read any
-    other way (`dense()`, a slice, an einsum) it is the layer dequantized to `dtype`."""
+class StackedWeight:
+    """One layer's Linear weight, held as the whole stack of values [L, ...], of block-FP8 scales [L, ...] (None:
+    a plain weight) and the layer index: `dot` multiplies it (a Pallas GEMM reading the layer in place on a GPU,
+    the layer, dequantized, on a CPU); read any other way (`dense()`, a slice, an einsum) it is the layer
+    (dequantized to `dtype`)."""
 
-    def __init__(self, values, scales, layer, block: int, dtype):
-        self.values, self.scales, self.layer, self.block, self.dtype = values, scales, layer, block, dtype
+    def __init__(self, values, scales, layer, block: int = 128, dtype=None):
+        self.values, self.scales, self.layer, self.block = values, scales, layer, block
+        self.dtype = values.dtype if scales is None else dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,6 +117,8 @@ class StackedFP8:
 
     def dense(self):
         w = jax.lax.dynamic_index_in_dim(self.values, self.layer, keepdims=False)
+        if self.scales is None:
+            return w
         s = jax.lax.dynamic_index_in_dim(self.scales, self.layer, keepdims=False)
         return dequantize(w, s, self.block, self.dtype)
 
@@ -121,17 +130,23 @@ class StackedFP8:
 
     def gemm_operands(self, n_in: int, lead: int = 0):
         """For the kernels: the stack as [L, *lead, K, N] (K: the first `n_in` dims after the `lead` ones,
-        flattened) and its scales as [L, *lead, K / 128, S], with the scale column of each of the N columns; None
-        where the scales do not block K by 128 (the kernel's tile)."""
-        shape, sshape = self.shape, tuple(self.scales.shape[1:])
+        flattened), its scales as [L, *lead, K / 128, S] with the scale column of each of the N columns (None,
+        None for a plain weight); None where K is not a multiple of 128 or the scales do not block it by 128
+        (the kernels' K tile)."""
+        shape = self.shape
         ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
-        s_ins, s_outs = sshape[lead:lead + n_in], sshape[lead + n_in:]
         k, n = math.prod(ins), math.prod(outs)
-        rows = _scale_index(ins, s_ins, self.block)
-        if k % 128 or self.block != 128 or not np.array_equal(rows, np.arange(k) // 128):
-            return None
         L, lead_dims = self.values.shape[0], shape[:lead]
+        if k % 128:
+            return None
         w = self.values.reshape(L, *lead_dims, k, n)
+        if self.scales is None:
+            return w, None, None
+        sshape = tuple(self.scales.shape[1:])
+        s_ins, s_outs = sshape[lead:lead + n_in], sshape[lead + n_in:]
+        rows = _scale_index(ins, s_ins, self.block)
+        if self.block != 128 or not np.array_equal(rows, np.arange(k) // 128):
+            return None
         s = self.scales.reshape(L, *lead_dims, k // 128, math.prod(s_outs))
         return w, s, _scale_index(outs, s_outs, self.block)
 

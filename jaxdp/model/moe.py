@@ -46,7 +46,7 @@ from flax import nnx
 
 from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import StackedFP8, weight
+from jaxdp.model.fp8 import StackedWeight, weight
 from jaxdp.model.grouped import grouped_matmul
 from jaxdp.model.layers import MLP, init_normal
 from jaxdp.model.stacked import InStack
@@ -82,10 +82,11 @@ class MoE(nnx.Module):
 
     def params_read_in_place(self) -> tuple[str, ...]:
         """The parameters the Pallas kernels read from the whole layer stack (`jaxdp.model.stacked`): the NVFP4
-        experts under the pallas backend (the block-FP8 ones are handed whole as every FP8 weight is)."""
-        if self.runner_backend == "pallas" and self.quantization == "nvfp4":
-            return NVFP4_PARAMS
-        return ()
+        experts and the float32 router under the pallas backend (the experts' Linear weights, block-FP8 or not,
+        are handed whole as every Linear weight of the layers is: `jaxdp.model.fp8.in_place`)."""
+        if self.runner_backend != "pallas":
+            return ()
+        return ("router_DE", *NVFP4_PARAMS) if self.quantization == "nvfp4" else ("router_DE",)
 
     @property
     def num_local_experts(self) -> int:
@@ -95,7 +96,7 @@ class MoE(nnx.Module):
 
     @jax.named_scope("router")
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return route(x_TD, valid_T, self.router_DE[...], self.router_bias_E[...], self.cfg)
+        return route(x_TD, valid_T, self.router_DE.get_value(), self.router_bias_E[...], self.cfg)
 
     @jax.named_scope("routed_experts")
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
@@ -103,7 +104,8 @@ class MoE(nnx.Module):
             q = {name: getattr(self, name).get_value() for name in NVFP4_PARAMS}
             return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
         gate_up, down = weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")
-        if self.runner_backend == "pallas" and isinstance(gate_up, StackedFP8) and isinstance(down, StackedFP8):
+        block_fp8 = all(isinstance(w, StackedWeight) and w.scales is not None for w in (gate_up, down))
+        if self.runner_backend == "pallas" and block_fp8:
             operands = gate_up.gemm_operands(1, lead=1), down.gemm_operands(1, lead=1)
             if None not in operands:
                 return routed_experts_fp8(x_TD, idx_TK, w_TK, *operands, gate_up.layer, expert_offset)
@@ -117,17 +119,34 @@ class MoE(nnx.Module):
             raise ValueError("dense experts need the unquantized weights")
         E = self.num_local_experts
         rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
-        return dense_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")), rows_E
+        return dense_experts(x_TD, idx_TK, w_TK, _dense(weight(self, "w_gate_up_ED2I")),
+                             _dense(weight(self, "w_down_EID"))), rows_E
 
     @jax.named_scope("shared_expert")
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
 
 
+def router_logits(x_TD, router_DE) -> jax.Array:
+    """x @ router in float32. A router handed whole (`InStack`) is multiplied where the step is lowered for
+    a GPU by the Pallas GEMM reading its layer in place (XLA:GPU would copy the layer out of the stack for its
+    GEMM), on a CPU as a plain product."""
+    x32 = x_TD.astype(jnp.float32)
+    if not isinstance(router_DE, InStack) or router_DE.shape[0] % 128:
+        return x32 @ router_DE[...].astype(jnp.float32)
+
+    def gemm(x32):
+        from kernels_pallas.fp8_gemm import fp8_matmul
+
+        return fp8_matmul(x32, router_DE.stack, None, None, router_DE.layer, interpret=False)
+
+    return jax.lax.platform_dependent(x32, cpu=lambda x32: x32 @ router_DE[...].astype(jnp.float32), default=gemm)
+
+
 def route(x_TD, valid_T, router_DE, bias_E, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Top-k expert ids [T, k] and weights [T, k]; padding rows get id E and weight 0."""
     E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    scores_TE = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32))
+    scores_TE = jax.nn.sigmoid(router_logits(x_TD, router_DE))
     choice_TE = scores_TE + bias_E[None, :]
     if G > 1:
         group_scores_TG = jax.lax.top_k(choice_TE.reshape(-1, G, E // G), 2)[0].sum(-1)
@@ -233,13 +252,13 @@ def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
 
 
 def _dense(w):
-    """A weight as an array (a StackedFP8 dequantized: `jaxdp.model.fp8`)."""
-    return w.dense() if isinstance(w, StackedFP8) else w
+    """A weight as an array (a StackedWeight: its layer, dequantized; `jaxdp.model.fp8`)."""
+    return w.dense() if isinstance(w, StackedWeight) else w
 
 
 def routed_experts_fp8(x_TD, idx_TK, w_TK, gate_up, down, layer, expert_offset=0):
     """`routed_experts` by the Pallas block-FP8 grouped GEMM (`kernels_pallas.fp8_gemm`; interpret mode on a
-    CPU): gate_up and down are `StackedFP8.gemm_operands` ([L, E, K, N] values, [L, E, K/128, S] scales, the
+    CPU): gate_up and down are `StackedWeight.gemm_operands` ([L, E, K, N] values, [L, E, K/128, S] scales, the
     scale column of each column), the layer read where it lies in its stack."""
     from kernels_pallas.fp8_gemm import fp8_grouped_matmul
 

@@ -7,10 +7,10 @@ parameters a layer's kernels read, the scan hands instead the whole stack and th
 and the kernel indexes the layer itself.
 
 Which parameters: those a module names in `params_read_in_place()` (a method of the module, which knows its
-backend and its kernels: the MoE's under `--moe-runner-backend pallas`, `jaxdp.model.moe`) and the block-FP8
-weights of the layers that the model multiplies through `jaxdp.model.layers.dot` (`jaxdp.model.fp8.in_place`:
-on a GPU a Pallas GEMM, on a CPU the same product as before). Read as `param[...]`, an `InStack` is its
-layer, so every other reader is unchanged.
+backend and its kernels: the MoE's under `--moe-runner-backend pallas`, `jaxdp.model.moe`) and the Linear
+weights of the layers, read through `jaxdp.model.fp8.weight` (`jaxdp.model.fp8.in_place`: multiplied by a
+Pallas GEMM where the step is lowered for a GPU, by the same product as before on a CPU). Read as
+`param[...]`, an `InStack` is its layer, so every other reader is unchanged.
 """
 
 from __future__ import annotations

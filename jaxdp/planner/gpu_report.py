@@ -60,17 +60,23 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         expected["nvfp4_grouped_matmul"] = [
             (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
             for r in moe_rows(cfg, layout, shape) for n in widths]
-    if expert_dtype == "fp8":  # every Linear of the layers in block FP8 (kernels_pallas.fp8_gemm)
-        rows = moe_rows(cfg, layout, shape)  # a rank's rows (attention), the gathered ones (dense FFN, shared)
-        full = {cfg.q_lora_rank or 0, cfg.num_heads * cfg.qk_head_dim, cfg.kv_cache_dim, cfg.hidden_size,
-                2 * cfg.intermediate_size, 2 * cfg.moe_intermediate_size * cfg.n_shared_experts}
-        widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
-        expected["fp8_matmul"] = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
-        if moe_backend == "pallas" and cfg.n_routed_experts:
+    if cfg.hidden_size % 128:  # the GEMMs tile K by 128: such a model multiplies as XLA does
+        return expected
+    # the layers' Linear weights, read in place by a Pallas GEMM (kernels_pallas.fp8_gemm): block FP8 or plain
+    rows = moe_rows(cfg, layout, shape)  # a rank's rows (attention), the gathered ones (dense FFN, shared)
+    full = {cfg.q_lora_rank or 0, cfg.num_heads * cfg.qk_head_dim, cfg.kv_cache_dim, cfg.hidden_size,
+            2 * cfg.intermediate_size, 2 * cfg.moe_intermediate_size * cfg.n_shared_experts}
+    widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
+    linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
+    expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
+    if moe_backend == "pallas" and cfg.n_routed_experts:
+        e = cfg.n_routed_experts  # the router, float32, in place
+        expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // _fit_block(64, e), 1) for r in rows)
+        if expert_dtype == "fp8":
             experts, inter = moe_shards(cfg, layout)
             expected["fp8_grouped_matmul"] = [
                 (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
-                for r in moe_rows(cfg, layout, shape) for n in (2 * inter, cfg.hidden_size)]
+                for r in rows for n in (2 * inter, cfg.hidden_size)]
     return expected
 
 
