@@ -115,7 +115,8 @@ def format_gpu(compiled: list[dict[str, Any]], gpu: dict[str, Any]) -> list[str]
     source = ("XLA's cost analysis" if compiled[0]["cost"]["source"] == "XLA" else
               "FLOPs and bytes counted from XLA:GPU's optimized HLO (XLA's cost analysis answers none here)")
     out = [f"{source} per device against the HBM floor ({gpu['name']}: {gpu['hbm_tbs']:g} TB/s, "
-           f"{gpu['bf16_tflops']:g} TFLOP/s; the GEMM kernels count one layer of their weights, the MLA kernels their outputs only)",
+           f"{gpu['bf16_tflops']:g} TFLOP/s; the GEMM kernels count one layer of their weights, the MLA kernels "
+           "their outputs only)",
            f"  {'step':<24}{'TFLOP':>8}{'GB read':>10}{'estimate ms':>13}{'floor ms':>10}{'x floor':>9}  bound"]
     for c in compiled:
         k = c["cost"]
