@@ -25,10 +25,12 @@ Gate and up keep their own axis so that TP, which splits I, leaves each device i
 matching up rows; the down projection's K is I, so TP needs I / devices to be a multiple of 16
 (checked by the step). `runner_backend` picks the matmul: "xla" dequantizes and calls
 `lax.ragged_dot`; "pallas" runs `kernels_pallas.nvfp4_moe.nvfp4_grouped_matmul` on the sorted rows
-(interpret mode on a CPU). `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by
-blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
-experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
-is `lax.ragged_dot` for every kind. "auto", the default on a CPU, reads only the experts some row chose: with
+(interpret mode on a CPU), and block-FP8 experts `kernels_pallas.fp8_gemm.fp8_grouped_matmul`; both read the
+layer where it lies in the layer stack (the scan hands them the whole stack: `jaxdp.model.stacked`).
+`jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by blocks of rows, without the
+[rows, experts x width] expansion XLA makes of a ragged_dot: bf16 experts use it under "pallas" (they have no
+kernel) and "blocked", NVFP4 and FP8 experts under "blocked"; "xla" is `lax.ragged_dot` for every kind.
+"auto", the default on a CPU, reads only the experts some row chose: with
 few (row, choice) pairs (at most a quarter of the experts held here) each pair multiplies its row by its own expert's
 weights, gathered (`gathered_experts`: no sort, no loop, and the step reads the chosen experts only; also when
 the gathered weights are small, `gathers`); with more, the blocked form. The default on a GPU is pallas.
@@ -182,8 +184,8 @@ def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
 
 
 def _ragged(backend: str):
-    """The grouped matmul of bf16 and FP8 experts (and of NVFP4 ones under "xla" / "blocked"):
-    `lax.ragged_dot` under "xla", else the blocked form (under "pallas", the GPU's default, since those
+    """The grouped matmul of bf16 experts (and of NVFP4 and FP8 ones under "xla" / "blocked"):
+    `lax.ragged_dot` under "xla", else the blocked form (under "pallas", the GPU's default, since bf16
     experts have no kernel of their own and XLA's expansion would not fit at full size)."""
     return jax.lax.ragged_dot if backend == "xla" else grouped_matmul
 
