@@ -39,6 +39,14 @@ BLOCK_K = 128  # DeepSeek's block: one scale per 128 rows of K
 _EXACT = jax.lax.Precision.HIGHEST  # f32 operands get IEEE dots (Triton would use TF32); bf16 unaffected
 
 
+MIN_BLOCK_N = 16  # Triton's dot needs tiles of at least 16
+
+
+def tiles(k: int, n: int, block_n: int = 64) -> bool:
+    """Whether a [K, N] weight fits these kernels' tiles: K a multiple of 128, N a multiple of 16."""
+    return k % BLOCK_K == 0 and _fit_block(block_n, n) >= MIN_BLOCK_N
+
+
 def block_columns(n: int, block: int = BLOCK_K) -> np.ndarray:
     """col_scale_N of a plain block-FP8 weight: one scale column per `block` columns."""
     return np.arange(n, dtype=np.int32) // block
@@ -127,6 +135,8 @@ def _dense_call(x_MK, w_LKN, scale_LKbS, col_scale_N, layer, *, block_m, block_n
 
 def _check(name, x_shape, w_shape, s_shape, col_scale_N, blocks):
     k, n = w_shape[-2:]
+    if _fit_block(blocks["block_n"], n) < MIN_BLOCK_N:
+        raise ValueError(f"{name}: N={n} needs a power-of-two divisor of at least {MIN_BLOCK_N} (Triton's dot).")
     if x_shape[-1] != k or k % BLOCK_K or s_shape[-2] != k // BLOCK_K or len(col_scale_N) != n:
         raise ValueError(f"{name}: x {x_shape}, weight {w_shape}, scales {s_shape} and {len(col_scale_N)} scale "
                          f"columns do not match: K must equal x's last dim, be a multiple of {BLOCK_K}, and the "

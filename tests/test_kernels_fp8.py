@@ -94,6 +94,9 @@ def test_gemms_refuse_what_they_cannot_tile():
         fp8_matmul(jnp.ones((4, 128)), q, s, block_columns(128), interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         fp8_matmul(jnp.ones((4, 256)), q, s, block_columns(128), block_m=48, interpret=True)
+    with pytest.raises(ValueError, match="at least 16"):  # Triton's dot: the model multiplies such a weight as XLA does
+        fp8_matmul(jnp.ones((4, 256)), q[..., :8], s[..., :1], np.zeros(8, np.int32), interpret=True)
+    assert fp8_gemm.tiles(256, 48) and not fp8_gemm.tiles(256, 8) and not fp8_gemm.tiles(192, 64)
 
 
 @pytest.mark.parametrize("eq,shape,name", [

@@ -133,11 +133,13 @@ class StackedWeight:
         flattened), its scales as [L, *lead, K / 128, S] with the scale column of each of the N columns (None,
         None for a plain weight); None where K is not a multiple of 128 or the scales do not block it by 128
         (the kernels' K tile)."""
+        from kernels_pallas.fp8_gemm import tiles
+
         shape = self.shape
         ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
         k, n = math.prod(ins), math.prod(outs)
         L, lead_dims = self.values.shape[0], shape[:lead]
-        if k % 128:
+        if not tiles(k, n):
             return None
         w = self.values.reshape(L, *lead_dims, k, n)
         if self.scales is None:

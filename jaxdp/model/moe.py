@@ -133,13 +133,13 @@ def router_logits(x_TD, router_DE) -> jax.Array:
     """x @ router in float32. A router handed whole (`InStack`) is multiplied where the step is lowered for
     a GPU by the Pallas GEMM reading its layer in place (XLA:GPU would copy the layer out of the stack for its
     GEMM), on a CPU as a plain product."""
+    from kernels_pallas.fp8_gemm import fp8_matmul, tiles
+
     x32 = x_TD.astype(jnp.float32)
-    if not isinstance(router_DE, InStack) or router_DE.shape[0] % 128:
+    if not isinstance(router_DE, InStack) or not tiles(*router_DE.shape):
         return x32 @ router_DE[...].astype(jnp.float32)
 
     def gemm(x32):
-        from kernels_pallas.fp8_gemm import fp8_matmul
-
         return fp8_matmul(x32, router_DE.stack, None, None, router_DE.layer, interpret=False)
 
     return jax.lax.platform_dependent(x32, cpu=lambda x32: x32 @ router_DE[...].astype(jnp.float32), default=gemm)

@@ -67,9 +67,10 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     full = {cfg.q_lora_rank or 0, cfg.num_heads * cfg.qk_head_dim, cfg.kv_cache_dim, cfg.hidden_size,
             2 * cfg.intermediate_size, 2 * cfg.moe_intermediate_size * cfg.n_shared_experts}
     widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
+    widths = {n for n in widths if _fit_block(64, n) >= 16}  # (kernels_pallas.fp8_gemm.tiles)
     linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
     expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
-    if moe_backend == "pallas" and cfg.n_routed_experts:
+    if moe_backend == "pallas" and cfg.n_routed_experts and _fit_block(64, cfg.n_routed_experts) >= 16:
         e = cfg.n_routed_experts  # the router, float32, in place
         expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // _fit_block(64, e), 1) for r in rows)
         if expert_dtype == "fp8":
