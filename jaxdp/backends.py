@@ -4,7 +4,9 @@ On a GPU the default is pallas (the Triton kernels of `kernels_pallas`); on a CP
 auto for the MoE, and pallas there runs the same kernels in interpret mode, for checking. For the MoE, xla is
 `lax.ragged_dot`, which XLA expands into a product per expert over every row (what `plan --compile` shows at
 full size); blocked is `jaxdp.model.grouped.grouped_matmul`, the same products by blocks of rows, for every
-kind of expert; pallas is the grouped NVFP4 GEMM for NVFP4 experts and the blocked form for bf16 and FP8 ones;
+kind of expert; pallas is the grouped NVFP4 GEMM for NVFP4 experts, the grouped block-FP8 GEMM for FP8 ones
+(both reading the layer in place from the layer stack, with the router: `jaxdp.model.stacked`) and the blocked
+form for bf16 ones;
 auto gathers the chosen experts' weights per (row, choice) pair for few rows and is blocked for many
 (`jaxdp.model.moe.routed_experts`).
 """

@@ -105,14 +105,14 @@ def _dequant_tile(packed_NK2, scale_NKB, dtype):
 
 
 def _grouped_kernel(
-    expert_ref, start_ref, end_ref, count_ref, x_ref, packed_ref, scales_ref, gscale_ref, _zeros_ref,
+    layer_ref, expert_ref, start_ref, end_ref, count_ref, x_ref, packed_ref, scales_ref, gscale_ref, _zeros_ref,
     y_ref, *, block_m, block_n, block_k, num_k_blocks,
 ):
     tile, col = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tile < count_ref[0])
     def _():
-        expert, start, end = expert_ref[tile], start_ref[tile], end_ref[tile]
+        layer, expert, start, end = layer_ref[0], expert_ref[tile], start_ref[tile], end_ref[tile]
         rows_M = start + jnp.arange(block_m, dtype=jnp.int32)
         valid_M = rows_M < end  # rows past `end` are masked out of every load and store
         cols_N = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -125,26 +125,26 @@ def _grouped_kernel(
             x_MK = plgpu.load(
                 x_ref.at[rows_M[:, None], (kb * block_k + k_K)[None, :]], mask=valid_M[:, None], other=0
             )
-            packed_NK2 = packed_ref[expert, cols_N[:, None], (kb * (block_k // 2) + k_K2)[None, :]]
-            scale_NKB = scales_ref[expert, cols_N[:, None], (kb * (block_k // BLOCK_K) + k_KB)[None, :]]
+            packed_NK2 = packed_ref[layer, expert, cols_N[:, None], (kb * (block_k // 2) + k_K2)[None, :]]
+            scale_NKB = scales_ref[layer, expert, cols_N[:, None], (kb * (block_k // BLOCK_K) + k_KB)[None, :]]
             w_NK = _dequant_tile(packed_NK2, scale_NKB, x_MK.dtype)
             return acc_MN + jax.lax.dot_general(
                 x_MK, w_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_EXACT
             )
 
         acc_MN = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-        y_MN = (acc_MN * gscale_ref[expert]).astype(y_ref.dtype)
+        y_MN = (acc_MN * gscale_ref[layer, expert]).astype(y_ref.dtype)
         plgpu.store(y_ref.at[rows_M[:, None], cols_N[None, :]], y_MN, mask=valid_M[:, None])
 
 
 @functools.partial(
     jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret", "num_warps", "num_stages")
 )
-def _grouped_call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows, *, block_m,
-                  block_n, block_k, interpret, num_warps, num_stages):
+def _grouped_call(x_TK, packed_LENK2, scales_LENK16, global_scale_LE, group_sizes_E, layer, num_valid_rows, *,
+                  block_m, block_n, block_k, interpret, num_warps, num_stages):
     t, k = x_TK.shape
     sizes_E = effective_group_sizes(group_sizes_E, _row_limit(t, num_valid_rows))
-    n = packed_ENK2.shape[1]
+    n = packed_LENK2.shape[2]
     expert_X, start_X, end_X, count = tile_schedule(sizes_E, t, block_m)
     kernel = functools.partial(
         _grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k, num_k_blocks=k // block_k
@@ -154,19 +154,19 @@ def _grouped_call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E
         kernel,
         out_shape=jax.ShapeDtypeStruct((t, n), x_TK.dtype),
         grid=(expert_X.shape[0], n // block_n),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * 10,
         out_specs=whole,
-        input_output_aliases={8: 0},  # the zeros buffer: rows in no tile stay zero
+        input_output_aliases={9: 0},  # the zeros buffer: rows in no tile stay zero
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                                     num_stages=num_stages),
         name="nvfp4_grouped_matmul",
-    )(expert_X, start_X, end_X, count, x_TK, packed_ENK2, scales_ENK16,
-      global_scale_E.astype(jnp.float32), jnp.zeros((t, n), x_TK.dtype))
+    )(jnp.asarray(layer, jnp.int32).reshape(1), expert_X, start_X, end_X, count, x_TK, packed_LENK2, scales_LENK16,
+      global_scale_LE.astype(jnp.float32), jnp.zeros((t, n), x_TK.dtype))
 
 
 def nvfp4_grouped_matmul(
-    x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, *, num_valid_rows=None,
+    x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, layer=None, *, num_valid_rows=None,
     block_m: int = 16, block_n: int = 64, block_k: int = 128, interpret: bool | None = None,
     num_warps: int = 4, num_stages: int = 3,
 ) -> jax.Array:
@@ -175,13 +175,18 @@ def nvfp4_grouped_matmul(
     packed_ENK2 uint8 [E, N, K//2]; scales_ENK16 float8_e4m3fn [E, N, K//16]; global_scale_E f32 [E]
     (weight_scale_2); group_sizes_E int32 [E]. For gate/up pass the fused [E, 2I, H] weight; for down
     [E, H, I]. num_valid_rows (int or traced int32 scalar): rows at or past it return zeros.
+    layer (int or traced int32 scalar): the weights are a stack of layers, [L, E, N, K//2], [L, E, N, K//16]
+    and [L, E], and layer `layer` is multiplied, read where it lies in the stack (no slice is copied out).
     """
+    if layer is None:
+        packed_ENK2, scales_ENK16, global_scale_E = packed_ENK2[None], scales_ENK16[None], global_scale_E[None]
+        layer = 0
     t, k = x_TK.shape
-    num_experts, n, half_k = packed_ENK2.shape
-    if half_k * 2 != k or scales_ENK16.shape != (num_experts, n, k // BLOCK_K):
+    num_experts, n, half_k = packed_ENK2.shape[1:]
+    if half_k * 2 != k or scales_ENK16.shape[1:] != (num_experts, n, k // BLOCK_K):
         raise ValueError(
-            f"NVFP4 operands do not match x [T={t}, K={k}]: packed {packed_ENK2.shape} should be "
-            f"[E, N, {k // 2}] and scales {scales_ENK16.shape} should be [E, N, {k // BLOCK_K}]."
+            f"NVFP4 operands do not match x [T={t}, K={k}]: packed {packed_ENK2.shape[1:]} should be "
+            f"[E, N, {k // 2}] and scales {scales_ENK16.shape[1:]} should be [E, N, {k // BLOCK_K}] (per layer)."
         )
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if not _is_pow2(size):
@@ -192,4 +197,4 @@ def nvfp4_grouped_matmul(
     call = functools.partial(_grouped_call, block_m=block_m, block_n=block_n, block_k=block_k,
                              num_warps=num_warps, num_stages=num_stages)
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
-    return call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, num_valid_rows)
+    return call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, layer, num_valid_rows)

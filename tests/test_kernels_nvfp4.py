@@ -187,6 +187,19 @@ def test_grouped_matmul_matches_reference(experts, sizes, num_rows, valid, dtype
 
 
 @needs_kernel_backend
+def test_grouped_matmul_reads_one_layer_of_a_stack(experts):
+    """With a layer index the weights are a stack [L, E, ...] (what the layer scan hands the kernel whole): the
+    result is that of the layer alone."""
+    other = quantize_nvfp4_experts(jax.random.normal(jax.random.key(9), (E, N, K)) * 0.3)
+    stack = [jnp.stack([a, b]) for a, b in zip(other, experts, strict=True)]
+    x = jax.random.normal(jax.random.key(6), (21, K))
+    sizes = jnp.array([2, 1, 17, 0], jnp.int32)
+    for layer, weights in ((1, experts), (0, other)):
+        y = nvfp4_grouped_matmul(x, *stack, sizes, jnp.int32(layer), block_n=16, block_k=32, interpret=INTERPRET)
+        np.testing.assert_allclose(y, _loop_reference(x, *weights, [2, 1, 17, 0], 21), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel_backend
 def test_grouped_matmul_down_shape_and_default_blocks(experts):
     # down projection [E, H, I]: here N=64 outputs from K=32 inputs; default block sizes clip to the dims
     w = jax.random.normal(jax.random.key(7), (E, 64, 32))

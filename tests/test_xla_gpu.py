@@ -20,7 +20,8 @@ import pytest
 from jaxdp.planner.xla_target import plugin_installed
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_TESTS = ["tests/test_gpu_on_paper.py", "tests/test_kernels_mla.py", "tests/test_kernels_nvfp4.py"]
+GPU_TESTS = ["tests/test_gpu_on_paper.py", "tests/test_kernels_mla.py", "tests/test_kernels_nvfp4.py",
+             "tests/test_kernels_fp8.py"]
 
 
 def plugin_folder() -> Path:

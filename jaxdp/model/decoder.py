@@ -20,6 +20,7 @@ from jaxdp.model.indexer import selection_size
 from jaxdp.model.layers import AXES, MLP, init_normal, param, rms_norm
 from jaxdp.model.mla import MLA, AttnBatch, IndexState
 from jaxdp.model.moe import MoE
+from jaxdp.model.stacked import InStack, read_in_place
 
 
 class Comm(Protocol):
@@ -136,10 +137,12 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
     pool of L * P pages (layer i owns pages i*P ..), so each layer scatters its new entries in place
     instead of the scan copying the cache out as a new stacked array. kv_LPSK None: no cache.
     index (DSA): (index keys [L, P, S, E] or None, the selection carried in, per-layer "full" flags: a
-    tuple of L bools); the same comes back with the stack's keys and the last selection."""
-    graphdef, state = nnx.split(stack)
+    tuple of L bools); the same comes back with the stack's keys and the last selection.
+    The parameters a layer's kernels read in place (`jaxdp.model.stacked`: the modules say which, by their
+    backend) are not sliced: each layer gets their whole stack and its index."""
+    graphdef, whole, state = nnx.split(stack, read_in_place(stack), ...)
     eps = stack.attn.cfg.rms_norm_eps
-    L, P, S, K = kv_LPSK.shape if kv_LPSK is not None else (jax.tree.leaves(state)[0].shape[0], 0, 0, 0)
+    L, P, S, K = kv_LPSK.shape if kv_LPSK is not None else (jax.tree.leaves((state, whole))[0].shape[0], 0, 0, 0)
     keys_LPSE, sel_TK, full = index if index is not None else (None, None, (True,) * L)
     # a stack whose layers all run their indexer needs no per-layer switch (V3.2, GLM-5's dense stack)
     full_L = None if all(full) else jnp.asarray(full)
@@ -148,7 +151,7 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
     def body(carry, xs):
         x_TD, kv_PSK, idx = carry
         layer_state, i, full_i = xs
-        layer = nnx.merge(graphdef, layer_state)
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: InStack(a, i), whole), layer_state)
         h_TD = rms_norm(x_TD, layer.attn_norm[...], eps)
         a_TD, kv_PSK, idx = layer.attn(h_TD, kv_PSK, batch, absorbed=absorbed, decode_kernel=decode_kernel,
                                        page_offset=i * P, pages_per_layer=P, index=idx,

@@ -11,9 +11,14 @@ block, else whole (K=192 is not a multiple of 128: its scales are repeated per e
 128 weights). The layer stacks and the expert axis are whole.
 
 `weight(module, name)` is how the model reads such a weight: the dense array, or the FP8 values times
-their repeated scales in the model's dtype (XLA fuses the multiply into the consumer's operand on a
-GPU; on the CPU it is a temporary of one layer's weight inside the scan). `--quantization fp8` quantizes
-a bf16 checkpoint at load into the same form (amax / 448 per block).
+their repeated scales in the model's dtype (a temporary of one layer's weight). Inside the layer scan the
+Linear weights (FP8_WEIGHTS, FP8 or not) and their scales are handed whole, with the layer index
+(`jaxdp.model.stacked`), and `weight` returns a `StackedWeight`: `jaxdp.model.layers.dot` multiplies it with
+a Pallas GEMM on a GPU (`kernels_pallas.fp8_gemm`: FP8 tiles dequantized in registers, the layer read where
+it lies in the stack; XLA:GPU neither fuses a multiply by the block scales into its GEMMs nor reads a layer
+of a stack in place, docs/gpu-on-paper.md) and as before on a CPU (the layer, dequantized, then the
+product); any other use (an einsum, a slice) reads the layer, dequantized.
+`--quantization fp8` quantizes a bf16 checkpoint at load into the same form (amax / 448 per block).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+
+from jaxdp.model.stacked import InStack
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_bscale"
@@ -67,12 +74,119 @@ def dequantize(w, scale, block: int, dtype):
 
 
 def weight(module, name: str):
-    """The weight `name` of `module` as the matmul takes it (dequantized when held in FP8)."""
-    w = getattr(module, name)[...]
+    """The weight `name` of `module` as the matmul takes it: dequantized when held in FP8; a `StackedWeight`
+    when the layer scan handed it whole (`jaxdp.model.stacked.InStack`)."""
+    param = getattr(module, name)
     scale = getattr(module, name + SCALE_SUFFIX, None)
+    values = param.get_value()
+    if isinstance(values, InStack):
+        if scale is None:
+            return StackedWeight(values.stack, None, values.layer)
+        return StackedWeight(values.stack, scale.get_value().stack, values.layer, module.fp8_block,
+                             jnp.dtype(module.fp8_dtype))
     if scale is None:
-        return w
-    return dequantize(w, scale[...], module.fp8_block, module.fp8_dtype)
+        return param[...]
+    return dequantize(param[...], scale[...], module.fp8_block, module.fp8_dtype)
+
+
+def in_place(module) -> tuple[str, ...]:
+    """The layers' Linear weights that `module` holds (FP8_WEIGHTS: each read through `weight`), and their block
+    scales: the layer scan hands them whole (`jaxdp.model.stacked`), and on a GPU the product reads the layer
+    where it lies in the stack."""
+    names = [n for n in FP8_WEIGHTS if isinstance(getattr(module, n, None), nnx.Variable)]
+    return tuple(names) + tuple(n + SCALE_SUFFIX for n in names if hasattr(module, n + SCALE_SUFFIX))
+
+
+class StackedWeight:
+    """One layer's Linear weight, held as the whole stack of values [L, ...], of block-FP8 scales [L, ...] (None:
+    a plain weight) and the layer index: `dot` multiplies it (a Pallas GEMM reading the layer in place on a GPU,
+    the layer, dequantized, on a CPU); read any other way (`dense()`, a slice, an einsum) it is the layer
+    (dequantized to `dtype`)."""
+
+    def __init__(self, values, scales, layer, block: int = 128, dtype=None):
+        self.values, self.scales, self.layer, self.block = values, scales, layer, block
+        self.dtype = values.dtype if scales is None else dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dense(self):
+        w = jax.lax.dynamic_index_in_dim(self.values, self.layer, keepdims=False)
+        if self.scales is None:
+            return w
+        s = jax.lax.dynamic_index_in_dim(self.scales, self.layer, keepdims=False)
+        return dequantize(w, s, self.block, self.dtype)
+
+    def __jax_array__(self):
+        return self.dense()
+
+    def __getitem__(self, key):
+        return self.dense()[key]
+
+    def gemm_operands(self, n_in: int, lead: int = 0):
+        """For the kernels: the stack as [L, *lead, K, N] (K: the first `n_in` dims after the `lead` ones,
+        flattened), its scales as [L, *lead, K / 128, S] with the scale column of each of the N columns (None,
+        None for a plain weight); None where K is not a multiple of 128 or the scales do not block it by 128
+        (the kernels' K tile)."""
+        from kernels_pallas.fp8_gemm import tiles
+
+        shape = self.shape
+        ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
+        k, n = math.prod(ins), math.prod(outs)
+        L, lead_dims = self.values.shape[0], shape[:lead]
+        if not tiles(k, n):
+            return None
+        w = self.values.reshape(L, *lead_dims, k, n)
+        if self.scales is None:
+            return w, None, None
+        sshape = tuple(self.scales.shape[1:])
+        s_ins, s_outs = sshape[lead:lead + n_in], sshape[lead + n_in:]
+        rows = _scale_index(ins, s_ins, self.block)
+        if self.block != 128 or not np.array_equal(rows, np.arange(k) // 128):
+            return None
+        s = self.scales.reshape(L, *lead_dims, k // 128, math.prod(s_outs))
+        return w, s, _scale_index(outs, s_outs, self.block)
+
+    def dot(self, eq: str, x, dense_dot, kernel: bool | None = None):
+        """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, float32 accumulation): by the Pallas
+        GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode on a CPU,
+        for tests), when eq contracts x's trailing dims with the weight's leading ones; else, and on a CPU,
+        `dense_dot(eq, x, self.dense())`."""
+        lhs, out = eq.replace(" ", "").split("->")
+        xs, ws = lhs.split(",")
+        n_in = (len(xs) + len(ws) - len(out)) // 2  # contracted dims
+        operands = None
+        if kernel is not False and n_in and xs[len(xs) - n_in:] == ws[:n_in] and out == xs[:len(xs) - n_in] + ws[n_in:]:
+            operands = self.gemm_operands(n_in)
+        if operands is None:
+            return dense_dot(eq, x, self.dense())
+
+        def gemm(x, interpret):
+            from kernels_pallas.fp8_gemm import fp8_matmul
+
+            w, s, cols = operands
+            y = fp8_matmul(x.reshape(-1, w.shape[1]), w, s, cols, self.layer, interpret=interpret)
+            return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:])
+
+        if kernel:
+            return gemm(x, None)
+        return jax.lax.platform_dependent(x, cpu=lambda x: dense_dot(eq, x, self.dense()),
+                                          default=lambda x: gemm(x, False))
+
+
+def _scale_index(dims: tuple[int, ...], scale_dims: tuple[int, ...], block: int) -> np.ndarray:
+    """For each element of the flattened dims, the flattened index of its scale (a dim whose scale count
+    differs from its size is blocked by `block`)."""
+    if not dims:
+        return np.zeros(1, np.int64)
+    idx = np.indices(dims).reshape(len(dims), -1)
+    blocks = np.array([1 if s == d else block for d, s in zip(dims, scale_dims, strict=True)])[:, None]
+    return np.ravel_multi_index(tuple(idx // blocks), scale_dims)
 
 
 def quantize(w, blocks: tuple[int, ...], xp=np):

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import weight
+from jaxdp.model.fp8 import StackedWeight, weight
 
 AXES = "axes"  # the nnx.Param metadata field that holds a weight's logical axes
 
@@ -128,7 +128,10 @@ def dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
     XLA:CPU multiplies bf16 at its speed (AVX512-BF16, more than float32's) only when the product accumulates in
     float32 and has at least two rows: a bf16 result, or a single row, takes a generic loop 10-20x slower. A
-    one-row bf16 x is therefore padded with a zero row (a GPU does the same product either way)."""
+    one-row bf16 x is therefore padded with a zero row (a GPU does the same product either way).
+    A weight handed whole by the layer scan multiplies itself (`jaxdp.model.fp8.StackedWeight.dot`)."""
+    if isinstance(w, StackedWeight):
+        return w.dot(eq, x, dot)
     lhs, out = eq.replace(" ", "").split("->")
     assert lhs[0] == out[0], eq
     pad = x.dtype == jnp.bfloat16 and x.shape[0] == 1

@@ -25,10 +25,12 @@ Gate and up keep their own axis so that TP, which splits I, leaves each device i
 matching up rows; the down projection's K is I, so TP needs I / devices to be a multiple of 16
 (checked by the step). `runner_backend` picks the matmul: "xla" dequantizes and calls
 `lax.ragged_dot`; "pallas" runs `kernels_pallas.nvfp4_moe.nvfp4_grouped_matmul` on the sorted rows
-(interpret mode on a CPU). `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by
-blocks of rows, without the [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 and FP8
-experts use it under "pallas" (they have no kernel) and "blocked", NVFP4 experts under "blocked"; "xla"
-is `lax.ragged_dot` for every kind. "auto", the default on a CPU, reads only the experts some row chose: with
+(interpret mode on a CPU), and block-FP8 experts `kernels_pallas.fp8_gemm.fp8_grouped_matmul`; both read the
+layer where it lies in the layer stack (the scan hands them the whole stack: `jaxdp.model.stacked`).
+`jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by blocks of rows, without the
+[rows, experts x width] expansion XLA makes of a ragged_dot: bf16 experts use it under "pallas" (they have no
+kernel) and "blocked", NVFP4 and FP8 experts under "blocked"; "xla" is `lax.ragged_dot` for every kind.
+"auto", the default on a CPU, reads only the experts some row chose: with
 few (row, choice) pairs (at most a quarter of the experts held here) each pair multiplies its row by its own expert's
 weights, gathered (`gathered_experts`: no sort, no loop, and the step reads the chosen experts only; also when
 the gathered weights are small, `gathers`); with more, the blocked form. The default on a GPU is pallas.
@@ -46,9 +48,10 @@ from flax import nnx
 
 from jaxdp.backends import MOE_RUNNER_BACKENDS
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import weight
+from jaxdp.model.fp8 import StackedWeight, weight
 from jaxdp.model.grouped import grouped_matmul
 from jaxdp.model.layers import MLP, axes_of, init_normal, param
+from jaxdp.model.stacked import InStack
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
 NVFP4_PARAMS = ("w_gate_up_packed", "w_gate_up_scale", "w_gate_up_gscale",
@@ -91,6 +94,14 @@ class MoE(nnx.Module):
             setattr(self, name, param(params[name], (*lead, *NVFP4_AXES[name])))
         self.quantization = "nvfp4"
 
+    def params_read_in_place(self) -> tuple[str, ...]:
+        """The parameters the Pallas kernels read from the whole layer stack (`jaxdp.model.stacked`): the NVFP4
+        experts and the float32 router under the pallas backend (the experts' Linear weights, block-FP8 or not,
+        are handed whole as every Linear weight of the layers is: `jaxdp.model.fp8.in_place`)."""
+        if self.runner_backend != "pallas":
+            return ()
+        return ("router_DE", *NVFP4_PARAMS) if self.quantization == "nvfp4" else ("router_DE",)
+
     @property
     def num_local_experts(self) -> int:
         """Experts held here (the leading axis of the expert weights inside a layer)."""
@@ -99,15 +110,20 @@ class MoE(nnx.Module):
 
     @jax.named_scope("router")
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return route(x_TD, valid_T, self.router_DE[...], self.router_bias_E[...], self.cfg)
+        return route(x_TD, valid_T, self.router_DE.get_value(), self.router_bias_E[...], self.cfg)
 
     @jax.named_scope("routed_experts")
     def experts(self, x_TD, idx_TK, w_TK, expert_offset=0):
         if self.quantization == "nvfp4":
-            q = {name: getattr(self, name)[...] for name in NVFP4_PARAMS}
+            q = {name: getattr(self, name).get_value() for name in NVFP4_PARAMS}
             return routed_experts_nvfp4(x_TD, idx_TK, w_TK, q, expert_offset, self.runner_backend)
-        return routed_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"),
-                              expert_offset, self.runner_backend)
+        gate_up, down = weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")
+        block_fp8 = all(isinstance(w, StackedWeight) and w.scales is not None for w in (gate_up, down))
+        if self.runner_backend == "pallas" and block_fp8:
+            operands = gate_up.gemm_operands(1, lead=1), down.gemm_operands(1, lead=1)
+            if None not in operands:
+                return routed_experts_fp8(x_TD, idx_TK, w_TK, *operands, gate_up.layer, expert_offset)
+        return routed_experts(x_TD, idx_TK, w_TK, _dense(gate_up), _dense(down), expert_offset, self.runner_backend)
 
     def experts_dense(self, x_TD, idx_TK, w_TK):
         """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
@@ -117,17 +133,34 @@ class MoE(nnx.Module):
             raise ValueError("dense experts need the unquantized weights")
         E = self.num_local_experts
         rows_E = jnp.bincount(idx_TK.reshape(-1), length=E + 1)[:E].astype(jnp.int32)
-        return dense_experts(x_TD, idx_TK, w_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")), rows_E
+        return dense_experts(x_TD, idx_TK, w_TK, _dense(weight(self, "w_gate_up_ED2I")),
+                             _dense(weight(self, "w_down_EID"))), rows_E
 
     @jax.named_scope("shared_expert")
     def shared_expert(self, x_TD: jax.Array) -> jax.Array:
         return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
 
 
+def router_logits(x_TD, router_DE) -> jax.Array:
+    """x @ router in float32. A router handed whole (`InStack`) is multiplied where the step is lowered for
+    a GPU by the Pallas GEMM reading its layer in place (XLA:GPU would copy the layer out of the stack for its
+    GEMM), on a CPU as a plain product."""
+    from kernels_pallas.fp8_gemm import fp8_matmul, tiles
+
+    x32 = x_TD.astype(jnp.float32)
+    if not isinstance(router_DE, InStack) or not tiles(*router_DE.shape):
+        return x32 @ router_DE[...].astype(jnp.float32)
+
+    def gemm(x32):
+        return fp8_matmul(x32, router_DE.stack, None, None, router_DE.layer, interpret=False)
+
+    return jax.lax.platform_dependent(x32, cpu=lambda x32: x32 @ router_DE[...].astype(jnp.float32), default=gemm)
+
+
 def route(x_TD, valid_T, router_DE, bias_E, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Top-k expert ids [T, k] and weights [T, k]; padding rows get id E and weight 0."""
     E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    scores_TE = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32))
+    scores_TE = jax.nn.sigmoid(router_logits(x_TD, router_DE))
     choice_TE = scores_TE + bias_E[None, :]
     if G > 1:
         group_scores_TG = jax.lax.top_k(choice_TE.reshape(-1, G, E // G), 2)[0].sum(-1)
@@ -163,8 +196,8 @@ def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
 
 
 def _ragged(backend: str):
-    """The grouped matmul of bf16 and FP8 experts (and of NVFP4 ones under "xla" / "blocked"):
-    `lax.ragged_dot` under "xla", else the blocked form (under "pallas", the GPU's default, since those
+    """The grouped matmul of bf16 experts (and of NVFP4 and FP8 ones under "xla" / "blocked"):
+    `lax.ragged_dot` under "xla", else the blocked form (under "pallas", the GPU's default, since bf16
     experts have no kernel of their own and XLA's expansion would not fit at full size)."""
     return jax.lax.ragged_dot if backend == "xla" else grouped_matmul
 
@@ -232,16 +265,46 @@ def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
     return jnp.einsum("tei,eid->td", h_TEI.astype(x_TD.dtype), w_down_EID, preferred_element_type=jnp.float32)
 
 
-def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict[str, jax.Array], expert_offset=0, backend: str = "auto"):
-    """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here)."""
+def _dense(w):
+    """A weight as an array (a StackedWeight: its layer, dequantized; `jaxdp.model.fp8`)."""
+    return w.dense() if isinstance(w, StackedWeight) else w
+
+
+def routed_experts_fp8(x_TD, idx_TK, w_TK, gate_up, down, layer, expert_offset=0):
+    """`routed_experts` by the Pallas block-FP8 grouped GEMM (`kernels_pallas.fp8_gemm`; interpret mode on a
+    CPU): gate_up and down are `StackedWeight.gemm_operands` ([L, E, K, N] values, [L, E, K/128, S] scales, the
+    scale column of each column), the layer read where it lies in its stack."""
+    from kernels_pallas.fp8_gemm import fp8_grouped_matmul
+
+    (w1, s1, c1), (w2, s2, c2) = gate_up, down
+    E_local, I = w1.shape[1], w1.shape[3] // 2
+
+    def ffn(x_sorted, sizes_E):
+        h = fp8_grouped_matmul(x_sorted, w1, s1, c1, sizes_E, layer).astype(jnp.float32).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        return fp8_grouped_matmul(h, w2, s2, c2, sizes_E, layer).astype(jnp.float32)
+
+    return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def routed_experts_nvfp4(x_TD, idx_TK, w_TK, q: dict, expert_offset=0, backend: str = "auto"):
+    """`routed_experts` with NVFP4 weights (`q`: the NVFP4_PARAMS of one layer, as held here, or each an
+    `InStack`: the whole layer stack, which the Pallas kernel reads in place)."""
     if backend not in MOE_RUNNER_BACKENDS:
         raise ValueError(f"MoE runner backend {backend!r} is not one of {', '.join(MOE_RUNNER_BACKENDS)}")
-    E_local, _, I, half_D = q["w_gate_up_packed"].shape
-    gate_up = (q["w_gate_up_packed"].reshape(E_local, 2 * I, half_D),
-               q["w_gate_up_scale"].reshape(E_local, 2 * I, -1), q["w_gate_up_gscale"])
+    layer = None
+    if backend == "pallas" and all(isinstance(v, InStack) for v in q.values()):
+        layer = q["w_gate_up_packed"].layer
+        q = {name: v.stack for name, v in q.items()}
+    else:
+        q = {name: v[...] if isinstance(v, InStack) else v for name, v in q.items()}
+    lead = q["w_gate_up_packed"].shape[:-4]  # the layer stack, when read in place
+    E_local, _, I, half_D = q["w_gate_up_packed"].shape[-4:]
+    gate_up = (q["w_gate_up_packed"].reshape(*lead, E_local, 2 * I, half_D),
+               q["w_gate_up_scale"].reshape(*lead, E_local, 2 * I, -1), q["w_gate_up_gscale"])
     down = (q["w_down_packed"], q["w_down_scale"], q["w_down_gscale"])
-    matmul = _nvfp4_matmul_pallas if backend == "pallas" else functools.partial(_nvfp4_matmul_xla,
-                                                                                 ragged=_ragged(backend))
+    matmul = (functools.partial(_nvfp4_matmul_pallas, layer=layer) if backend == "pallas" else
+              functools.partial(_nvfp4_matmul_xla, ragged=_ragged(backend)))
 
     def ffn(x_sorted, sizes_E):
         h = matmul(x_sorted, *gate_up, sizes_E).astype(jnp.float32).reshape(-1, 2, I)
@@ -257,11 +320,12 @@ def _nvfp4_matmul_xla(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, ragged=
     return ragged(x_TK, jnp.swapaxes(w_ENK, 1, 2), sizes_E, preferred_element_type=jnp.float32)
 
 
-def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E):
-    """The Pallas grouped GEMM (dequantizes in registers; rows outside every group cost nothing)."""
+def _nvfp4_matmul_pallas(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, layer=None):
+    """The Pallas grouped GEMM (dequantizes in registers; rows outside every group cost nothing); with a
+    layer, the weights are the whole stack [L, E, ...] and that layer is read in place."""
     from kernels_pallas.nvfp4_moe import nvfp4_grouped_matmul
 
-    return nvfp4_grouped_matmul(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E)
+    return nvfp4_grouped_matmul(x_TK, packed_ENK2, scale_ENK16, gscale_E, sizes_E, layer)
 
 
 def nvfp4_expert_params(w_gate_up_ED2I: jax.Array, w_down_EID: jax.Array) -> dict[str, jax.Array]:

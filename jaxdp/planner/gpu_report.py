@@ -60,6 +60,24 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         expected["nvfp4_grouped_matmul"] = [
             (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
             for r in moe_rows(cfg, layout, shape) for n in widths]
+    if cfg.hidden_size % 128:  # the GEMMs tile K by 128: such a model multiplies as XLA does
+        return expected
+    # the layers' Linear weights, read in place by a Pallas GEMM (kernels_pallas.fp8_gemm): block FP8 or plain
+    rows = moe_rows(cfg, layout, shape)  # a rank's rows (attention), the gathered ones (dense FFN, shared)
+    full = {cfg.q_lora_rank or 0, cfg.num_heads * cfg.qk_head_dim, cfg.kv_cache_dim, cfg.hidden_size,
+            2 * cfg.intermediate_size, 2 * cfg.moe_intermediate_size * cfg.n_shared_experts}
+    widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
+    widths = {n for n in widths if _fit_block(64, n) >= 16}  # (kernels_pallas.fp8_gemm.tiles)
+    linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
+    expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
+    if moe_backend == "pallas" and cfg.n_routed_experts and _fit_block(64, cfg.n_routed_experts) >= 16:
+        e = cfg.n_routed_experts  # the router, float32, in place
+        expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // _fit_block(64, e), 1) for r in rows)
+        if expert_dtype == "fp8":
+            experts, inter = moe_shards(cfg, layout)
+            expected["fp8_grouped_matmul"] = [
+                (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
+                for r in rows for n in (2 * inter, cfg.hidden_size)]
     return expected
 
 
@@ -98,7 +116,8 @@ def format_gpu(compiled: list[dict[str, Any]], gpu: dict[str, Any]) -> list[str]
     source = ("XLA's cost analysis" if compiled[0]["cost"]["source"] == "XLA" else
               "FLOPs and bytes counted from XLA:GPU's optimized HLO (XLA's cost analysis answers none here)")
     out = [f"{source} per device against the HBM floor ({gpu['name']}: {gpu['hbm_tbs']:g} TB/s, "
-           f"{gpu['bf16_tflops']:g} TFLOP/s; the Triton kernels count their outputs only)",
+           f"{gpu['bf16_tflops']:g} TFLOP/s; the GEMM kernels count one layer of their weights, the MLA kernels "
+           "their outputs only)",
            f"  {'step':<24}{'TFLOP':>8}{'GB read':>10}{'estimate ms':>13}{'floor ms':>10}{'x floor':>9}  bound"]
     for c in compiled:
         k = c["cost"]

@@ -6,7 +6,9 @@ HloCostAnalysis would per kernel: every materialized instruction (a fusion, a GE
 reads its operands and writes its result once; an operand read only through a slice counts the slice (a
 layer's weights out of the stacked ones), a buffer updated in place counts the update (the KV pool);
 loop bodies count their trip count times. FLOPs are the dots' and GEMMs' 2 x M x N x K (elementwise
-work is left out). The Pallas kernels (Triton custom calls) count their outputs only: what they read
+work is left out). The Pallas GEMMs that read one layer of a stacked weight (`kernels_pallas.fp8_gemm`,
+`nvfp4_moe`) count 2 x M x N x K, their activations, one layer of their stacked operands and their output;
+the other Pallas kernels (Triton custom calls) count their outputs only: what the MLA decode kernel reads
 through a page table is not in the HLO.
 """
 
@@ -27,6 +29,28 @@ def _bytes(ins: Instr) -> int:
 def _dims(line: str, key: str) -> list[int]:
     m = re.search(rf"{key}=\{{([\d,]*)\}}", line) or re.search(rf'"{key}":\[([^\]]*)\]', line)
     return [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
+
+
+# Pallas GEMMs on a layer stack: kernel name -> (operand index of x [M, K], indices of the [L, ...] operands)
+LAYER_GEMMS = {"fp8_matmul": (2, (3, 4)), "stacked_matmul": (2, (3,)), "fp8_grouped_matmul": (6, (7, 8)),
+               "nvfp4_grouped_matmul": (5, (6, 7, 8))}
+
+
+def _layer_gemm_cost(ins: Instr, shapes: dict[str, Instr]) -> tuple[float, float] | None:
+    """(FLOPs, bytes) of a LAYER_GEMMS kernel: x, one layer of each stacked operand, the output."""
+    name = re.search(r'name = "([^"]+)"', ins.line)
+    spec = LAYER_GEMMS.get(name.group(1)) if name else None
+    if spec is None or not ins.arrays:
+        return None
+    x_at, stacked = spec
+    ops = [shapes.get(n) for n in ins.operands]
+    if len(ops) <= max(x_at, *stacked) or any(ops[k] is None or not ops[k].arrays for k in (x_at, *stacked)):
+        return None
+    x = ops[x_at]
+    out = ins.arrays[0][1]
+    flops = 2.0 * math.prod(out) * x.arrays[0][1][-1]
+    read = _bytes(x) + sum(_bytes(ops[k]) / max(ops[k].arrays[0][1][0], 1) for k in stacked)
+    return flops, read + _bytes(ins)
 
 
 def _dot_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
@@ -107,7 +131,9 @@ class _Counter:
                     f, b = max(parts) if ins.opcode == "conditional" else map(sum, zip(*parts, strict=True))
                     flops, accessed = flops + f, accessed + b
             elif ins.opcode == "custom-call" and "__gpu$xla.gpu.triton" in ins.line:
-                accessed += _bytes(ins)
+                gemm = _layer_gemm_cost(ins, self.shapes[comp])
+                f, b = gemm if gemm else (0.0, _bytes(ins))
+                flops, accessed = flops + f, accessed + b
             else:
                 if ins.opcode == "fusion":
                     flops += sum(self.flops_in(c) for c in ins.calls())
