@@ -267,11 +267,12 @@ def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_
 
 
 def attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
-    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones)."""
-    latent_BXL, k_rope_BXR = kv_BXK[..., :kv_lora_rank], kv_BXK[..., kv_lora_rank:]
-    s_BHX = jnp.einsum("bhl,bxl->bhx", q_latent_BHL, latent_BXL, preferred_element_type=jnp.float32)
-    s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
+    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones). Both products
+    take the entries whole (latent and rope, K wide; the output's rope part is dropped): slicing the latent
+    out of the gathered entries would copy them, [B, X, L], at every step."""
+    q_BHK = jnp.concatenate([q_latent_BHL, q_rope_BHR.astype(q_latent_BHL.dtype)], -1)
+    s_BHX = jnp.einsum("bhk,bxk->bhx", q_BHK, kv_BXK.astype(q_BHK.dtype), preferred_element_type=jnp.float32)
     s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
     p_BHX = jax.nn.softmax(s_BHX, axis=-1)
-    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL,
-                      preferred_element_type=jnp.float32).astype(latent_BXL.dtype)  # (XLA:CPU: bf16 fast only so)
+    o_BHK = jnp.einsum("bhx,bxk->bhk", p_BHX.astype(kv_BXK.dtype), kv_BXK, preferred_element_type=jnp.float32)
+    return o_BHK[..., :kv_lora_rank].astype(kv_BXK.dtype)  # (XLA:CPU: bf16 fast only so)
