@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.model.prefill import attend_blocked, attend_dense, attend_selected
+from jaxdp.model.prefill import attend_blocked, attend_dense, attend_selected, attend_split
 
 L, R, N, V, H, S = 16, 8, 12, 10, 3, 4
 SCALE = 0.3
@@ -49,6 +49,25 @@ def test_blocked_prompt_attention_matches_dense(row_block, key_block, absorbed_b
     got = fn(q_nope, q_rope, kv, table, seq, pos, w)
     np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert np.isfinite(np.asarray(got)).all()  # padding rows too
+
+
+@pytest.mark.parametrize("row_block,key_block,absorbed_block", [(4, 4, 2), (256, 512, 16)])
+def test_split_prompt_attention_matches_dense(row_block, key_block, absorbed_block):
+    """The step's own rows in one piece plus the context cached before them in blocks: a prompt after a
+    cached prefix, a fresh prompt, decoders (their whole context cached), padding rows and padded sequences."""
+    rng = np.random.default_rng(2)
+    q_nope, q_rope, kv, table, seq, pos, w = step(rng, PIECES, pages_per_seq=11)
+    n = int((seq < len(PIECES)).sum())
+    table = jnp.concatenate([table, jnp.zeros((3, table.shape[1]), jnp.int32)])  # sequences the step pads to
+    seq = jnp.where(seq == len(PIECES), table.shape[0], seq)
+    rows = np.asarray(table)[np.minimum(np.asarray(seq), len(PIECES) - 1), np.asarray(pos) // S]
+    kv_TK = jnp.asarray(np.asarray(kv)[rows, np.asarray(pos) % S])  # what the step wrote (padding: anything)
+    want = dense(q_nope, q_rope, kv, table, seq, pos, w)[:n]
+    fn = jax.jit(lambda *a: attend_split(*a, kv_lora_rank=L, softmax_scale=SCALE, row_block=row_block,
+                                         key_block=key_block, absorbed_block=absorbed_block))
+    got = fn(q_nope, q_rope, kv_TK, kv, table, seq, pos, w)
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert np.isfinite(np.asarray(got)).all()
 
 
 def test_blocked_prompt_attention_memory_does_not_scale_with_rows_times_context():

@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32,256", help="decode batch sizes")
     ap.add_argument("--extend-rows", type=int, default=256, help="rows of the extend step (prompts of --context)")
     ap.add_argument("--context", type=int, default=64, help="tokens cached per decode row / per extend prompt")
+    ap.add_argument("--pages", type=int, default=None, help="page-table width (default: what --context needs; a "
+                    "server's is its page bucket, e.g. 16 for `jaxdp.bench.peer`'s 256-token context)")
+    ap.add_argument("--extend-seqs", type=int, default=None, help="sequences the extend step is padded to (default: "
+                    "its prompts; a server's extend bucket pads to min(rows, requests per rank), e.g. 64)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--moe-runner-backend", default=None)
     ap.add_argument("--reps", type=int, default=5)
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = parse_mesh_spec("dp=1")
     batches = [int(b) for b in args.batches.split(",") if b]
     S = 16
-    N = -(-(args.context + 1) // S)
+    N = args.pages or -(-(args.context + 1) // S)
     num_pages = max(max(batches), max(1, args.extend_rows // args.context)) * N + 1
     runner = build_runners(path, layout, [layout.make_mesh(jax.devices()[:1])], dtype=args.dtype,
                            num_pages=num_pages, page_size=S, moe_backend=args.moe_runner_backend)[0]
@@ -184,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(f"decode {b}", StepShape(True, b, b, N), [1] * b) for b in batches]
     if args.extend_rows:
         n = max(1, args.extend_rows // args.context)
-        shapes.append((f"extend {n}x{args.context}", StepShape(False, n * args.context, n, N),
-                       [args.context] * n))
+        B = max(n, args.extend_seqs or n)
+        shapes.append((f"extend {n}x{args.context}" + (f" ({B} seqs)" if B > n else ""),
+                       StepShape(False, n * args.context, B, N), [args.context] * n))
     cols = {}
     for name, shape, row_tokens in shapes:
         load = os.getloadavg()[0]

@@ -21,39 +21,59 @@ from jaxdp.engine.request import Request, SamplingParams
 _MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
 
-def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data):
+PARTIAL_TOP_K = 256  # a batch whose filtering rows all ask for a top_k up to this sorts only its best this many
+
+
+def _keep(scaled_V, top_p, top_k, min_p, mode: str):
+    """The tokens a row may sample, in vocabulary order. `mode` is the batch's (the same tokens come out of
+    each, so a row's draw does not depend on the rows beside it): "plain" (no row filters by rank: no sort),
+    "partial" (every row that does asks for a top_k up to PARTIAL_TOP_K: `lax.top_k` of that many), "sorted"."""
+    V = scaled_V.shape[0]
+    keep = scaled_V >= scaled_V.max() + jnp.log(min_p)  # p >= min_p * p_max (min_p 0: every token)
+    if mode == "plain":
+        return keep
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
+    if mode == "partial":
+        vals, idx = jax.lax.top_k(scaled_V, min(PARTIAL_TOP_K, V))
+    else:
+        idx = jnp.argsort(-scaled_V)
+        vals = scaled_V[idx]
+    probs = jnp.exp(vals - jax.nn.logsumexp(scaled_V))  # best first, under the whole distribution
+    ranked = (jnp.arange(vals.shape[0]) < k) & ((jnp.cumsum(probs) - probs) < top_p)  # (top_p: >= 1 token)
+    filtered = (k < V) | (top_p < 1)
+    return keep & (jnp.zeros(V, bool).at[idx].set(ranked) | ~filtered)
+
+
+def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data, mode: str):
     logprobs_V = jax.nn.log_softmax(logits_V)
-    greedy = jnp.argmax(logits_V)
     scaled = logits_V / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    V = logits_V.shape[0]
-    rank = jnp.arange(V)
-    keep = rank < jnp.where((top_k > 0) & (top_k < V), top_k, V)
-    keep &= (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (always >= 1 token)
-    keep &= probs >= min_p * probs[0]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    masked = jnp.where(_keep(scaled, top_p, top_k, min_p, mode), scaled, -jnp.inf)
     key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-    sampled = order[jax.random.categorical(key, masked)]
-    token = jnp.where(temperature == 0, greedy, sampled)
+    token = jnp.where(temperature == 0, jnp.argmax(logits_V), jax.random.categorical(key, masked))
     return token.astype(jnp.int32), logprobs_V[token]
 
 
 @functools.partial(jax.jit, static_argnames="width")
 def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, width: int | None = None):
     """Tokens [dp, B] and their log-probabilities under the unmodified distribution; with `width`, padded
-    to [dp, width] so the next step can read them on the device whatever its bucket."""
-    def greedy():  # every row greedy: no sort of the vocabulary (most of a large batch's sampling time)
+    to [dp, width] so the next step can read them on the device whatever its bucket. The vocabulary is sorted
+    only when a row asks for a top_p, or for a top_k over PARTIAL_TOP_K (most of a large batch's sampling
+    time: every row's vocabulary sorted)."""
+    def greedy():  # every row greedy
         tokens = jnp.argmax(logits_RBV, axis=-1)
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_RBV, axis=-1), tokens[..., None], axis=-1)[..., 0]
         return tokens.astype(jnp.int32), logprobs
 
-    def sample():
-        f = jax.vmap(jax.vmap(_sample_row))
-        return f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
+    def sample(mode):
+        f = jax.vmap(jax.vmap(functools.partial(_sample_row, mode=mode)))
+        return lambda: f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
 
-    tokens, logprobs = jax.lax.cond(jnp.all(temperature_RB == 0), greedy, sample)
+    V = logits_RBV.shape[-1]
+    top_k = (top_k_RB > 0) & (top_k_RB < V)
+    ranked = (top_k | (top_p_RB < 1)) & (temperature_RB > 0)  # rows that filter by rank
+    partial = jnp.all(~ranked | (top_k & (top_k_RB <= PARTIAL_TOP_K)))  # (their top_p within those)
+    branch = jnp.where(jnp.all(temperature_RB == 0), 0, jnp.where(~jnp.any(ranked), 1, jnp.where(partial, 2, 3)))
+    tokens, logprobs = jax.lax.switch(branch, [greedy, sample("plain"), sample("partial"), sample("sorted")])
     if width is not None:
         pad = ((0, 0), (0, width - tokens.shape[1]))
         tokens, logprobs = jnp.pad(tokens, pad), jnp.pad(logprobs, pad)

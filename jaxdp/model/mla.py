@@ -153,7 +153,8 @@ class MLA(nnx.Module):
         if not isinstance(page_offset, int) or page_offset:  # this layer's pages start at page_offset
             batch = dataclasses.replace(batch, page_table_BN=batch.page_table_BN + page_offset)
         P = pages_per_layer or kv_PSK.shape[0]
-        kv_PSK = write_cache(kv_PSK, batch.slots_T, self.latent(x_TD, batch.positions_T), page_offset, P)
+        kv_TK = self.latent(x_TD, batch.positions_T)
+        kv_PSK = write_cache(kv_PSK, batch.slots_T, kv_TK, page_offset, P)
         sel_TK = None
         if index is not None:
             keys_TE = self.indexer.keys(x_TD, batch.positions_T)
@@ -168,7 +169,8 @@ class MLA(nnx.Module):
         if absorbed:
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
         else:
-            o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK)
+            o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK,
+                                         kv_TK.astype(kv_PSK.dtype))
         return self.output(o_THV.astype(x_TD.dtype)), kv_PSK, index
 
     def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch) -> jax.Array:
@@ -194,18 +196,28 @@ class MLA(nnx.Module):
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
     @jax.named_scope("mla_attention")
-    def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None) -> jax.Array:
-        """Prompt path: each row over its own sequence's cached context, causally, in blocks (expanded per
-        head, `prefill.attend_blocked`); with a DSA selection, over the selected latents in the absorbed form
-        (`prefill.attend_selected`)."""
+    def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None,
+                        kv_TK=None) -> jax.Array:
+        """Prompt path: each row over its own sequence's cached context, causally (expanded per head):
+        - a small step in one piece (`prefill.attend_dense`: every sequence's whole page table; it compiles
+          faster than loops);
+        - a step whose rows fit one [T, H, T] piece: its own rows (kv_TK, the entries it just wrote) in one
+          piece and the context cached before it in blocks (`prefill.attend_split`), so a fresh prompt costs
+          its own rows, whatever the page table's width and the sequences the step is padded to;
+        - any other in blocks (`prefill.attend_blocked`).
+        With a DSA selection, over the selected latents in the absorbed form (`prefill.attend_selected`)."""
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
-        if sel_TK is None:  # a small step in one piece (it compiles faster), any other in blocks
-            small = q_nope_THN.shape[0] * q_nope_THN.shape[1] * kv_PSK.shape[1] * batch.page_table_BN.size
-            attend = attend_dense if small <= prefill.DENSE_MAX_SCORES else attend_blocked
-            return attend(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, kv_lora_rank=cfg.kv_lora_rank,
-                          softmax_scale=cfg.softmax_scale)
+        if sel_TK is None:
+            T, H = q_nope_THN.shape[:2]
+            keys = batch.page_table_BN.size * kv_PSK.shape[1]  # B x C
+            kw = dict(kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
+            if T * H * keys <= prefill.DENSE_MAX_SCORES and keys * w_kv_b_LHX[0].size <= prefill.DENSE_MAX_KEYS:
+                return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
+            if kv_TK is not None and T * H * T <= prefill.DENSE_MAX_SCORES:
+                return prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, **kw)
+            return attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
         q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
                                 softmax_scale=cfg.softmax_scale)
@@ -248,7 +260,18 @@ class MLA(nnx.Module):
         else:
             o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                    softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
-        return dot("bhl,lhv->bhv", o_BHL.astype(w_uv_LHV.dtype), w_uv_LHV)
+        return weight_first("lhv,bhl->bhv", w_uv_LHV, o_BHL.astype(w_uv_LHV.dtype))
+
+
+def weight_first(eq: str, w: jax.Array, x: jax.Array) -> jax.Array:
+    """`layers.dot` with the weight as the einsum's first operand. A per-head product over a weight sliced out
+    of kv_b_proj ([L, H, N + V]) makes XLA copy the slice into a head-major layout at every step; with the
+    weight first, XLA:CPU copies it keeping its minor axis (a block copy), with x first it transposes the
+    latent axis to minor (8 layers of W_UV at batch 1-32: 2.5-4 ms against 14-30 ms, load 8)."""
+    pad = x.dtype == jnp.bfloat16 and x.shape[0] == 1  # (as `dot`: a one-row bf16 product is slow)
+    xp = jnp.concatenate([x, jnp.zeros_like(x)]) if pad else x
+    y = jnp.einsum(eq, w, xp, preferred_element_type=jnp.float32)
+    return (y[:1] if pad else y).astype(x.dtype)
 
 
 def _own_or_given(full, select, given_TK: jax.Array) -> jax.Array:

@@ -30,6 +30,7 @@ ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
 ABSORBED_BLOCK = 16  # rows of a sequence with few rows, attended in the absorbed form at once
 DENSE_MAX_SCORES = 1 << 24  # a step whose dense scores [T, H, B, C] are this small runs `attend_dense`
+DENSE_MAX_KEYS = 1 << 22  # ... and whose expanded keys and values [B, C, H, N + V] are this small too
 SELECTED_FLOATS = 1 << 25  # sparse rows: gathered latents [rows, index_topk, K] per block of rows
 
 
@@ -60,6 +61,23 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
                    softmax_scale: float, row_block: int = ROW_BLOCK, key_block: int = KEY_BLOCK,
                    absorbed_block: int = ABSORBED_BLOCK) -> jax.Array:
     """Causal attention of each row over its sequence's cache (seq_T: B for padding rows) -> [T, H, V]."""
+    state = blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX,
+                          kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, row_block=row_block,
+                          key_block=key_block, absorbed_block=absorbed_block)
+    return finish(state).astype(w_kv_b_LHX.dtype)
+
+
+def finish(state) -> jax.Array:
+    """The output of an online softmax's (max, sum, output) state; rows that saw nothing get zeros."""
+    _, l_TH, o_THV = state
+    return o_THV / jnp.where(l_TH > 0, l_TH, 1.0)[..., None]
+
+
+def blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *, kv_lora_rank: int,
+                  softmax_scale: float, row_block: int = ROW_BLOCK, key_block: int = KEY_BLOCK,
+                  absorbed_block: int = ABSORBED_BLOCK, see_T=None):
+    """`attend_blocked`'s (max, sum, output) state, float32, unnormalised. see_T: the highest cache position
+    each row reads (default pos_T: causal over its whole context; -1: none)."""
     T, H, N = q_nope_THN.shape
     V = w_kv_b_LHX.shape[-1] - N
     S, K = kv_PSK.shape[1:]
@@ -73,6 +91,7 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
     # form: per key, n rows x (2L + R) against expanding the key, L (N + V), plus a window's scores, Tb (N + R + V)
     absorb_below = (L * (N + V) + Tb * (N + R + V)) // (2 * L + R)
     rows_T = jnp.arange(T)
+    see_T = pos_T if see_T is None else see_T
     w_uk_LHN, w_uv_LHV = w_kv_b_LHX[..., :N], w_kv_b_LHX[..., N:]
 
     def keys(b, j):
@@ -94,7 +113,7 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
             kv_XK, key_pos_X = keys(b, j)
             kv_XHY = jnp.einsum("xl,lhy->xhy", kv_XK[:, :L], w_kv_b_LHX)
             k_nope_XHN, v_XHV = kv_XHY[..., :N], kv_XHY[..., N:]
-            sees_T = (seq_T == b) & (pos_T >= j * Kb)  # b's rows that see part of this block
+            sees_T = (seq_T == b) & (see_T >= j * Kb)  # b's rows that see part of this block
             first, last = span(sees_T)
 
             def window(r, carry):
@@ -102,7 +121,7 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
                 sl = lambda a: jax.lax.dynamic_slice_in_dim(a, at, Tb)  # noqa: E731
                 s_WHX = jnp.einsum("whn,xhn->whx", sl(q_nope_THN), k_nope_XHN, preferred_element_type=jnp.float32)
                 s_WHX += jnp.einsum("whr,xr->whx", sl(q_rope_THR), kv_XK[:, L:], preferred_element_type=jnp.float32)
-                mask_WX = mine_W[:, None] & (key_pos_X[None, :] <= sl(pos_T)[:, None])
+                mask_WX = mine_W[:, None] & (key_pos_X[None, :] <= sl(see_T)[:, None])
                 old = tuple(sl(a) for a in carry)
                 new = fold(old, s_WHX * softmax_scale, mask_WX, v_XHV, "whx,xhv->whv")
                 return put(carry, at, mine_W, new)
@@ -110,51 +129,96 @@ def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, 
             windows = jnp.where(last >= first, (last - first) // Tb + 1, 0)
             return jax.lax.fori_loop(0, windows, window, carry)
 
-        top = jnp.max(jnp.where(seq_T == b, pos_T, -1))  # the highest position among b's rows
+        top = jnp.max(jnp.where(seq_T == b, see_T, -1))  # the highest position b's rows read
         return jax.lax.fori_loop(0, jnp.where(on, (top + Kb) // Kb, 0), key_block_of, carry)
 
     def absorbed(b, carry, Ta, on):
         """Each window of Ta of b's rows over b's latents (q . W_UK, scores over the latents, W_UV after):
-        nothing expanded. Writes the rows' finished outputs (sum 1)."""
-        mine_T = seq_T == b
+        nothing expanded. Writes the rows' (max, sum, output) (the output W_UV of the latents' sum)."""
+        mine_T = (seq_T == b) & (see_T >= 0)  # (rows that read no cached position have nothing to do)
         first, last = span(mine_T)
 
         def window(r, carry):
             at, mine_W = window_of(mine_T, first + r * Ta, Ta)
             sl = lambda a: jax.lax.dynamic_slice_in_dim(a, at, Ta)  # noqa: E731
             q_latent_WHL = jnp.einsum("whn,lhn->whl", sl(q_nope_THN), w_uk_LHN)
-            q_rope_WHR, pos_W = sl(q_rope_THR), sl(pos_T)
+            q_rope_WHR, see_W = sl(q_rope_THR), sl(see_T)
 
             def key_block_of(j, state):
                 kv_XK, key_pos_X = keys(b, j)
                 s_WHX = jnp.einsum("whl,xl->whx", q_latent_WHL, kv_XK[:, :L], preferred_element_type=jnp.float32)
                 s_WHX += jnp.einsum("whr,xr->whx", q_rope_WHR, kv_XK[:, L:], preferred_element_type=jnp.float32)
-                mask_WX = mine_W[:, None] & (key_pos_X[None, :] <= pos_W[:, None])
+                mask_WX = mine_W[:, None] & (key_pos_X[None, :] <= see_W[:, None])
                 return fold(state, s_WHX * softmax_scale, mask_WX, kv_XK[:, None, :L], "whx,xhl->whl")
 
-            top = jnp.max(jnp.where(mine_W, pos_W, -1))
+            top = jnp.max(jnp.where(mine_W, see_W, -1))
             init = (jnp.full((Ta, H), NEG_INF, jnp.float32), jnp.zeros((Ta, H), jnp.float32),
                     jnp.zeros((Ta, H, L), jnp.float32))
-            _, l_WH, o_WHL = jax.lax.fori_loop(0, (top + Kb) // Kb, key_block_of, init)
+            m_WH, l_WH, o_WHL = jax.lax.fori_loop(0, (top + Kb) // Kb, key_block_of, init)
             o_WHL = o_WHL / jnp.where(l_WH > 0, l_WH, 1.0)[..., None]
             o_WHV = jnp.einsum("whl,lhv->whv", o_WHL.astype(w_uv_LHV.dtype), w_uv_LHV,
                                preferred_element_type=jnp.float32)
-            new = (jnp.zeros((Ta, H), jnp.float32), jnp.ones((Ta, H), jnp.float32), o_WHV)
+            new = (m_WH, l_WH, o_WHV * l_WH[..., None])
             return put(carry, at, mine_W, new)
 
         windows = jnp.where(on & (last >= first), (last - first) // Ta + 1, 0)
         return jax.lax.fori_loop(0, windows, window, carry)
 
     def sequence(b, carry):  # one row (a decoder), a few rows, many rows: the loops of the others run 0 times
-        rows = jnp.sum(seq_T == b)  # (a lax.cond here would copy the weights it closes over at every sequence)
+        rows = jnp.sum((seq_T == b) & (see_T >= 0))  # (a lax.cond here would copy the weights it closes over
+        # at every sequence)
         carry = absorbed(b, carry, 1, rows == 1)
         carry = absorbed(b, carry, Ta, (rows > 1) & (rows < absorb_below))
         return expanded(b, carry, rows >= absorb_below)
 
     init = (jnp.full((T, H), NEG_INF, jnp.float32), jnp.zeros((T, H), jnp.float32),
             jnp.zeros((T, H, V), jnp.float32))
-    _, l_TH, o_THV = jax.lax.fori_loop(0, B, sequence, init)
-    return (o_THV / jnp.where(l_TH > 0, l_TH, 1.0)[..., None]).astype(w_kv_b_LHX.dtype)
+    seqs = jnp.max(jnp.where(seq_T < B, seq_T, -1)) + 1  # the step's sequences (the rest of B is padding)
+    return jax.lax.fori_loop(0, seqs, sequence, init)
+
+
+def attend_split(q_nope_THN, q_rope_THR, kv_TK, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *,
+                 kv_lora_rank: int, softmax_scale: float, **blocks) -> jax.Array:
+    """`attend_blocked`'s result, sized by the step's own rows: each row attends to the rows of its own
+    sequence in this step (their entries kv_TK, as the cache holds them: one [T, H, T] piece, T keys
+    expanded) and, in blocks, to its sequence's context cached before the step (`blocked_state` up to the
+    sequence's first row here: no work for a fresh prompt); the two online-softmax states are merged.
+    A sequence's rows in a step are consecutive positions (`jaxdp.batch.fill_pieces`), so the two parts
+    cover its context once. What a step runs while its [T, H, T] scores stay under DENSE_MAX_SCORES."""
+    T, H, N = q_nope_THN.shape
+    B, L = page_table_BN.shape[0], kv_lora_rank
+    R = kv_TK.shape[-1] - L
+    # head-major ([H, T, ...]): XLA:CPU runs a product batched over a middle axis (h of "thn,uhn->thu") several
+    # times slower than over the leading one; the rope part rides in the same product as the nope part
+    kv_HTY = jnp.einsum("tl,lhy->thy", kv_TK[:, :L], w_kv_b_LHX).transpose(1, 0, 2)  # (W as stored: no copy)
+    q_HTK = jnp.concatenate([q_nope_THN, q_rope_THR], -1).transpose(1, 0, 2)
+    k_HTK = jnp.concatenate([kv_HTY[..., :N], jnp.broadcast_to(kv_TK[None, :, L:], (H, T, R))], -1)
+    s_HTU = jnp.einsum("htk,huk->htu", q_HTK, k_HTK, preferred_element_type=jnp.float32) * softmax_scale
+    mask_TU = (seq_T[:, None] == seq_T[None, :]) & (pos_T[None, :] <= pos_T[:, None])
+    s_HTU = jnp.where(mask_TU, s_HTU, NEG_INF)
+    m_HT = s_HTU.max(-1)
+    p_HTU = jnp.where(mask_TU, jnp.exp(s_HTU - m_HT[..., None]), 0.0)
+    o_HTV = jnp.einsum("htu,huv->htv", p_HTU.astype(kv_HTY.dtype), kv_HTY[..., N:],
+                       preferred_element_type=jnp.float32)
+    own = (m_HT.T, p_HTU.sum(-1).T, o_HTV.transpose(1, 0, 2))
+    first_B = jnp.full((B + 1,), jnp.iinfo(jnp.int32).max, jnp.int32).at[seq_T].min(pos_T)
+    see_T = first_B[seq_T] - 1
+
+    def cached(own):
+        return merge(own, blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX,
+                                        kv_lora_rank=L, softmax_scale=softmax_scale, see_T=see_T, **blocks))
+
+    # (XLA runs the first key block of the loops' sequences whatever their trip counts: skip them outright
+    # when no row has cached context, a fresh prompt's step)
+    state = jax.lax.cond(jnp.any(see_T >= 0), cached, lambda own: own, own)
+    return finish(state).astype(w_kv_b_LHX.dtype)
+
+
+def merge(a, b):
+    """Two online-softmax states of the same rows over disjoint keys -> the state over both."""
+    m = jnp.maximum(a[0], b[0])
+    sa, sb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return m, a[1] * sa + b[1] * sb, a[2] * sa[..., None] + b[2] * sb[..., None]
 
 
 def attend_dense(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *, kv_lora_rank: int,
@@ -203,11 +267,12 @@ def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_
 
 
 def attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
-    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones)."""
-    latent_BXL, k_rope_BXR = kv_BXK[..., :kv_lora_rank], kv_BXK[..., kv_lora_rank:]
-    s_BHX = jnp.einsum("bhl,bxl->bhx", q_latent_BHL, latent_BXL, preferred_element_type=jnp.float32)
-    s_BHX += jnp.einsum("bhr,bxr->bhx", q_rope_BHR, k_rope_BXR, preferred_element_type=jnp.float32)
+    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones). Both products
+    take the entries whole (latent and rope, K wide; the output's rope part is dropped): slicing the latent
+    out of the gathered entries would copy them, [B, X, L], at every step."""
+    q_BHK = jnp.concatenate([q_latent_BHL, q_rope_BHR.astype(q_latent_BHL.dtype)], -1)
+    s_BHX = jnp.einsum("bhk,bxk->bhx", q_BHK, kv_BXK.astype(q_BHK.dtype), preferred_element_type=jnp.float32)
     s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
     p_BHX = jax.nn.softmax(s_BHX, axis=-1)
-    return jnp.einsum("bhx,bxl->bhl", p_BHX.astype(latent_BXL.dtype), latent_BXL,
-                      preferred_element_type=jnp.float32).astype(latent_BXL.dtype)  # (XLA:CPU: bf16 fast only so)
+    o_BHK = jnp.einsum("bhx,bxk->bhk", p_BHX.astype(kv_BXK.dtype), kv_BXK, preferred_element_type=jnp.float32)
+    return o_BHK[..., :kv_lora_rank].astype(kv_BXK.dtype)  # (XLA:CPU: bf16 fast only so)
