@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.delayer import PrefillDelayer
 from jaxdp.engine.messages import EngineFacts, NodeFlush
-from jaxdp.engine.request import Request, SamplingParams, new_request
+from jaxdp.engine.request import BadRequest, Bootstrap, Request, SamplingParams, new_request
 from jaxdp.engine.scheduler import check_admission
 from jaxdp.engine.stats import StepStats
 
@@ -58,7 +58,8 @@ class EngineClient(Protocol):
         """Its loop is alive and serving (what /health reports)."""
 
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
-                     rid: str | None = None, rank: int | None = None) -> Request: ...
+                     rid: str | None = None, rank: int | None = None, bootstrap: Bootstrap | None = None
+                     ) -> Request: ...
 
     def submit(self, req: Request) -> Request: ...
 
@@ -92,18 +93,37 @@ class ClientBase:
         self._ids = itertools.count()  # itself: this one then counts nothing)
 
     def make_request(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, *,
-                     rid: str | None = None, rank: int | None = None) -> Request:
+                     rid: str | None = None, rank: int | None = None, bootstrap: Bootstrap | None = None) -> Request:
         """A validated request (token ids, or text when the model has a tokenizer) on a rank: `rank`, or the
         controller's choice (then it counts in the controller's ledger; a caller that pins ranks, such as
-        the server's ReplicaSet, keeps its own); raises BadRequest."""
+        the server's ReplicaSet, keeps its own); raises BadRequest. `bootstrap`: its room under prefill/decode
+        disaggregation (a prefill server reads its prompt and one token, on the rank its room names)."""
         if self.failed:
             raise EngineFailed(self.failed)
         f = self.facts
         rid = rid or f"req-{next(self._ids)}"
         self.controller.check_rid(rid)
+        mode = f.cfg.disaggregation.mode if f.cfg.disaggregation is not None else None
+        check_bootstrap(mode, bootstrap)
+        if mode == "prefill":  # (SGLang's prefill server: the first token, then the KV goes to the decode server)
+            params = dataclasses.replace(params or SamplingParams(), max_new_tokens=1)
+            rank = bootstrap.prefill_dp_rank if bootstrap.prefill_dp_rank is not None else bootstrap.room % f.layout.dp
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
+        req.bootstrap = bootstrap
         req.rank = req.dp_rank = self.controller.choose(rank)
         if rank is None:
             self.controller.add(req, req.rank)
         return req
+
+
+def check_bootstrap(mode: str | None, bootstrap: Bootstrap | None) -> None:
+    """A request's bootstrap fields against the server's disaggregation mode; BadRequest in one sentence."""
+    if mode is None and bootstrap is not None:
+        raise BadRequest("this server does not run --disaggregation-mode; send the request without bootstrap_host, "
+                         "bootstrap_port and bootstrap_room, or start it with --disaggregation-mode prefill|decode")
+    if mode is not None and bootstrap is None:
+        raise BadRequest(f"this server runs --disaggregation-mode {mode}: send requests through SGLang's router "
+                         "(python -m sglang_router.launch_router --pd-disaggregation), which adds bootstrap_host, "
+                         "bootstrap_port and bootstrap_room")
+

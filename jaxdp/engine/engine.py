@@ -27,6 +27,7 @@ import msgspec
 
 from jaxdp.engine.buckets import Buckets
 from jaxdp.engine.client import ClientBase, EngineFailed
+from jaxdp.engine.disagg import make_disagg
 from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
 from jaxdp.engine.messages import EngineFacts, NodeFlush
 from jaxdp.engine.nodes import NodeLink, Nodes, OneNode
@@ -93,6 +94,9 @@ class Engine(ClientBase):
         runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
                                c.max_len_extend_rows).with_pages(pages_per_seq, page_size)
+        if c.disaggregation is not None and hosts is not None:
+            raise ValueError("--disaggregation-mode runs on one node for now; start each prefill and decode server "
+                             "on one node (--dp-size for more)")
         self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
         self.hosts = hosts
         self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes)
@@ -103,6 +107,7 @@ class Engine(ClientBase):
         self.wakeups = Wakeups()  # the streams' event loops, woken once per step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self.disagg = make_disagg(c.disaggregation, runner, self.schedulers, self._post)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.requests: dict[str, Request] = {}
@@ -155,7 +160,10 @@ class Engine(ClientBase):
         return req
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._post(("abort", rid))
+
+    def _post(self, item: tuple) -> None:
+        self._inbox.put(item)
         self._wake.set()
 
     def _drain_inbox(self) -> None:
@@ -179,10 +187,12 @@ class Engine(ClientBase):
                     self.schedulers[req.rank].abort(arg, now)
             elif cmd == "flush":  # every node's ranks (the others' through the exchange)
                 self.nodes.flush(arg, self.busy)
+            elif cmd == "kv":  # disaggregation's decode side: a request's KV arrived (or failed to)
+                self.disagg.arrived(*arg, now)
 
     @property
     def busy(self) -> bool:
-        return any(s.running or s.waiting for s in self.schedulers)
+        return any(s.running or s.waiting or s.kv_waiting for s in self.schedulers)
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> bool:
@@ -311,5 +321,7 @@ class Engine(ClientBase):
     def shutdown(self) -> None:
         """Stop the loop and free the weights, caches and compiled steps."""
         self.stop()
+        if self.disagg is not None:
+            self.disagg.close()
         self.runner.close()
 

@@ -26,6 +26,18 @@ class ModelOptions:
     tiny_width: bool = False  # the model's layers at a tiny width (experiments)
 
 
+@dataclasses.dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (SGLang's --disaggregation-* flags; `jaxdp.disagg`)."""
+
+    mode: str  # "prefill": read prompts and hand their KV over; "decode": take it and decode
+    bootstrap_port: int = 8998  # the prefill server's bootstrap endpoint
+    backend: str = "jax"  # the KV transfer library (jaxdp.disagg.transfer.TRANSPORTS)
+    host: str = "127.0.0.1"  # where this server's transfer server and bootstrap endpoint listen
+    timeout_s: float = 60.0  # the longest a decode server waits for a request's KV; a prefill server keeps it
+    model: str = ""  # the model's fingerprint both servers must share (jaxdp.disagg.handoff.model_fingerprint)
+
+
 @dataclasses.dataclass
 class EngineConfig:
     page_size: int | None = None  # tokens per KV page (None: a ready runner's, or 16)
@@ -44,6 +56,7 @@ class EngineConfig:
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
     enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
     prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
+    disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/disagg.py)
 
     @property
     def pool_page_size(self) -> int:

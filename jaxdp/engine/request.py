@@ -57,6 +57,18 @@ class SamplingParams:
         return self
 
 
+@dataclasses.dataclass(frozen=True)
+class Bootstrap:
+    """Where a request's KV comes from or goes under prefill/decode disaggregation (SGLang's router adds these
+    fields to each request it sends to both servers): the prefill server's bootstrap endpoint and the room that
+    names the request on both servers (`jaxdp.disagg`)."""
+
+    host: str
+    port: int
+    room: int
+    prefill_dp_rank: int | None = None  # SGLang's disagg_prefill_dp_rank: the prefill rank, when pinned
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"  # prompt fully in the cache, decoding
@@ -95,6 +107,7 @@ class Request:
     created: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the request's room (jaxdp.disagg)
 
     @property
     def done_ids(self) -> list[int]:

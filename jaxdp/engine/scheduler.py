@@ -70,19 +70,26 @@ class Scheduler:
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
         self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
         self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
+        # prefill/decode disaggregation (jaxdp.engine.disagg sets one of the two hooks):
+        self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
+        self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
+        self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
         return output_limit(self.cfg, req)
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
         self.top_logprob_requests += req.params.wants_top
+        if self.fetch_kv is not None and req.bootstrap is not None:  # its prompt is read on a prefill server
+            self.kv_waiting[req.rid] = req
+            return
+        self.waiting.append(req)
 
     @property
     def num_tokens(self) -> int:
         """Tokens held by this rank's requests (the total_tokens balancing signal)."""
-        running, waiting = list(self.running.values()), list(self.waiting)  # snapshots: other threads read this
+        running, waiting = list(self.running.values()), [*self.waiting, *self.kv_waiting.values()]  # snapshots
         return sum(r.num_tokens for r in running) + sum(len(r.prompt_ids) for r in waiting)
 
     @property
@@ -96,7 +103,7 @@ class Scheduler:
         for _ in range(3):
             try:
                 pool, cache = self.pool, self.cache
-                running, waiting = len(self.running), len(self.waiting)
+                running, waiting = len(self.running), len(self.waiting) + len(self.kv_waiting)
                 return {
                     "num_running_reqs": running, "num_queue_reqs": waiting, "num_reqs": running + waiting,
                     "num_tokens": self.num_tokens,
@@ -136,6 +143,8 @@ class Scheduler:
         `allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
         read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/mixed.py)."""
         self._finishing = 0
+        if self.kv_waiting:
+            self._allocate_for_kv()
         if self.waiting:
             carry = decoders_to_carry(self.rows, self.cfg.chunk_size) if mixed_chunk else None
             plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - (0 if carry is None else len(carry)))
@@ -192,6 +201,45 @@ class Scheduler:
             reserved += reserve
             self._finishing += req.scheduled + n == req.num_tokens
         return plan if plan.reqs else None
+
+    def _allocate_for_kv(self) -> None:
+        """Decode side of disaggregation: pages for the prompts whose KV another server reads, in arrival order,
+        each with its output's reservation, as a prompt would be admitted; then its KV is fetched."""
+        reserved = self._reserved_by_running()
+        for req in self.kv_waiting.values():
+            if req.pages:
+                continue  # its KV is on its way
+            if len(self.running) + sum(bool(r.pages) for r in self.kv_waiting.values()) >= self.cfg.max_running:
+                return
+            need, reserve = self.pool.pages_for(len(req.prompt_ids)), self._reserve(req)
+            if need + reserve > self._available() - reserved or (pages := self._take_pages(need)) is None:
+                return  # in order: the next ones wait too
+            req.pages = pages
+            reserved += reserve
+            self.fetch_kv(self.rank, req)
+
+    def join_prefilled(self, req: Request, token: int, logprob: float, now: float) -> None:
+        """Decode side: a request whose prompt's KV was written into its pages starts decoding from the first
+        token the prefill server sampled (unless that token already ends it)."""
+        del self.kv_waiting[req.rid]
+        req.computed = req.scheduled = len(req.prompt_ids)
+        req.output_ids = [int(token)]
+        if req.params.return_logprob:
+            req.output_logprobs.append(float(logprob))
+        req.first_token_at = now
+        req.state = State.RUNNING
+        self.running[req.rid] = req
+        p = req.params
+        if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids or (
+                req.stop_check is not None and req.stop_check(req)):
+            self.finish(req, "stop", now)
+        elif self.limit(req) <= 1:
+            self.finish(req, "length", now)
+        else:
+            self.rows.join(req, int(token), -1, self.limit(req),
+                           sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size))
+            if req.on_update:
+                req.on_update(req)
 
     def _schedule_decode(self) -> RankPlan | None:
         rows = self.rows.decodable()
@@ -306,17 +354,20 @@ class Scheduler:
             self.rows.leave(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.kv_waiting.pop(req.rid, None)
+        req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
+        if self.handoff is not None and req.bootstrap is not None:
+            self.handoff(self.rank, req, reason)  # (prefill side: its KV is read from the pages before they go)
         if req.pages:
             self.cache.insert(req.all_ids[: req.computed], req.pages, req.shared_pages)
             req.pages = []
-        req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
         req.state, req.finish_reason, req.finished_at = State.FINISHED, reason, now
         self.top_logprob_requests -= req.params.wants_top
         if req.on_update:
             req.on_update(req)
 
     def abort(self, rid: str, now: float) -> Request | None:
-        req = self.running.get(rid) or next((r for r in self.waiting if r.rid == rid), None)
+        req = self.running.get(rid) or self.kv_waiting.get(rid) or next((r for r in self.waiting if r.rid == rid), None)
         if req is not None:
             self.finish(req, "abort", now)
         return req

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from jaxdp.engine.request import Request, SamplingParams, State, stop_string_check
+from jaxdp.engine.request import Bootstrap, Request, SamplingParams, State, stop_string_check
 
 Pairs = list[tuple[int, float]]  # (token id, logprob) per alternative
 
@@ -25,6 +25,7 @@ class SentRequest(msgspec.Struct, array_like=True, frozen=True):
     prompt_ids: list[int]
     params: SamplingParams
     rank: int
+    bootstrap: Bootstrap | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
@@ -51,12 +52,12 @@ class Update(msgspec.Struct, array_like=True, frozen=True):
 
 
 def sent(req: Request) -> SentRequest:
-    return SentRequest(req.rid, req.prompt_ids, req.params, req.rank)
+    return SentRequest(req.rid, req.prompt_ids, req.params, req.rank, req.bootstrap)
 
 
 def received(msg: SentRequest, tokenizer) -> Request:
     """The request `sent` made, to run here (with its stop strings checked against this tokenizer)."""
-    req = Request(msg.rid, list(msg.prompt_ids), msg.params, rank=msg.rank)
+    req = Request(msg.rid, list(msg.prompt_ids), msg.params, rank=msg.rank, bootstrap=msg.bootstrap)
     if req.params.stop and tokenizer is not None:
         req.stop_check = stop_string_check(tokenizer, req.params.stop)
     return req

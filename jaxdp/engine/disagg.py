@@ -1,0 +1,115 @@
+"""An engine's side of prefill/decode disaggregation (`--disaggregation-mode`): the schedulers' hooks wired to
+`jaxdp.disagg`'s two ends.
+
+- **prefill**: a request comes with its bootstrap room (SGLang's router adds it) and asks for one token: its
+  prompt is read as usual (chunked, prefix cache, DP attention, the delayer); when it finishes, its KV is
+  read from its pages and offered under its room before the pages go back (`PrefillSide.hand_off`), or the
+  room is announced as refused when it ended otherwise.
+- **decode**: a request with a room waits on its rank until pages for its prompt are free (with its output's
+  reservation, as a prompt would be admitted), then a worker thread fetches its KV (`DecodeSide.fetch`);
+  the loop writes the KV into the pool between steps and the request decodes from the prefill server's first
+  token, without a prompt step. A failed hand-off ends the request with its one sentence, its pages freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide
+from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
+from jaxdp.engine.options import DisaggConfig
+from jaxdp.engine.request import Request
+from jaxdp.engine.scheduler import Scheduler
+
+log = logging.getLogger("jaxdp.engine")
+
+CHUNK_TOKENS = 256  # tokens per transferred chunk (jaxdp.disagg.kv): one compiled gather and scatter
+
+
+class PrefillMode:
+    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler]):
+        self.runner = runner
+        fmt = KVFormat.of(runner.cache, CHUNK_TOKENS)
+        self.side = PrefillSide(fmt, len(schedulers), cfg.model, backend=cfg.backend, host=cfg.host,
+                                bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s)
+        for s in schedulers:
+            s.handoff = self.handoff
+        for rank in range(len(schedulers)):  # compiled at start-up (for each rank's devices), never while serving
+            jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt))
+
+    def handoff(self, rank: int, req: Request, reason: str) -> None:
+        room = req.bootstrap.room
+        if reason in ("stop", "length") and req.output_ids and req.pages and req.computed >= len(req.prompt_ids):
+            lp = req.output_logprobs[0] if req.output_logprobs else 0.0
+            self.side.hand_off(self.runner.cache, room, rank, req.pages, len(req.prompt_ids), req.output_ids[0], lp)
+        else:
+            self.side.refuse(room, req.error or f"the prefill server ended the request ({reason}) before its KV "
+                                                f"was ready")
+
+    def close(self) -> None:
+        self.side.close()
+
+
+class DecodeMode:
+    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], post):
+        """post(("kv", (req, future))): puts an arrival into the engine's inbox (thread-safe)."""
+        self.runner, self.schedulers, self.post = runner, schedulers, post
+        self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
+                               host=cfg.host, timeout_s=cfg.timeout_s)
+        self.workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxdp-kv")
+        for s in schedulers:
+            s.fetch_kv = self.fetch
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+        fmt = self.side.fmt  # the write compiled at start-up for each rank's devices, never while serving: zeros
+        for rank in range(len(schedulers)):  # into page 0 (free at start)
+            zeros = [{k: jnp.zeros(s.shape, s.dtype, device=s.sharding) for k, s in chunk.items()}
+                     for chunk in fmt.specs(1, jax.sharding.SingleDeviceSharding(self._device(rank)))]
+            runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros)
+        jax.block_until_ready(runner.cache)
+
+    def _device(self, rank: int):
+        x = next(iter(self.runner.cache.values()))
+        return next(s.device for s in x.addressable_shards if (s.index[0].start or 0) <= rank < (s.index[0].stop or
+                                                                                                 x.shape[0]))
+
+    def fetch(self, rank: int, req: Request) -> None:
+        b = req.bootstrap
+        fut = self.workers.submit(self.side.fetch, b.host, b.port, b.room, len(req.prompt_ids), self._device(rank))
+        fut.add_done_callback(lambda f: self.post(("kv", (req, f))))
+
+    def arrived(self, req: Request, fut: Future, now: float) -> None:
+        """On the loop, between steps: the request's KV into the pool and the request into its rank's batch."""
+        sched = self.schedulers[req.rank]
+        if req.finished:  # aborted while its KV travelled: its pages are back already
+            return
+        try:
+            arrived = fut.result()
+        except HandoffError as e:
+            req.error = str(e)
+            log.warning("request %s: %s", req.rid, e)
+            sched.finish(req, "abort", now)
+            return
+        self.runner.cache = self.side.write(self.runner.cache, req.rank, req.pages, arrived)
+        self.transferred_bytes += arrived.nbytes
+        self.transfer_seconds += arrived.seconds
+        sched.join_prefilled(req, arrived.first_token, arrived.first_logprob, time.perf_counter())
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.side.close()
+
+
+def make_disagg(cfg: DisaggConfig | None, runner, schedulers: list[Scheduler], post):
+    if cfg is None:
+        return None
+    if cfg.mode == "prefill":
+        return PrefillMode(cfg, runner, schedulers)
+    if cfg.mode == "decode":
+        return DecodeMode(cfg, runner, schedulers, post)
+    raise ValueError(f"--disaggregation-mode {cfg.mode!r} is not prefill or decode")
