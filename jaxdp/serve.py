@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passes of the loop a prompt waits at most (default 30)")
     g.add_argument("--prefill-delayer-token-usage-low-watermark", type=float, default=None, metavar="F",
                    help="no wait while a rank with a prompt uses less than this share of its KV pool")
+    g = ap.add_argument_group("prefill/decode disaggregation (behind SGLang's router: --pd-disaggregation)")
+    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="prefill: read prompts and hand their KV to a decode server; decode: take it and decode")
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, metavar="PORT",
+                   help="prefill: the port of its bootstrap endpoint (give it to the router after the URL)")
+    g.add_argument("--disaggregation-transfer-backend", default="jax", metavar="NAME",
+                   help="the KV transfer library: jax (JAX's transfer server)")
+    g.add_argument("--disaggregation-timeout", type=float, default=60.0, metavar="S",
+                   help="decode: the longest a request waits for its KV; prefill: how long an offered KV is kept")
     g = ap.add_argument_group("compiled steps (CUDA graphs)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="BS",
                    help="largest decode bucket per rank (SGLang's list up to it; default: the per-rank batch)")
@@ -202,12 +211,25 @@ def engine_config(args, num_pages: int | None = None):
     elif passes is not None or watermark is not None:
         raise UserError("--prefill-delayer-max-delay-passes and --prefill-delayer-token-usage-low-watermark "
                         "need --enable-prefill-delayer")
+    disagg = None
+    if args.disaggregation_mode != "null":
+        from jaxdp.disagg.transfer import TRANSPORTS
+        from jaxdp.engine.options import DisaggConfig
+
+        if args.disaggregation_transfer_backend not in TRANSPORTS:
+            raise UserError(f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend!r} is not "
+                            f"available here; use one of: {', '.join(sorted(TRANSPORTS))}")
+        if not 0 < args.disaggregation_bootstrap_port < 65536 or args.disaggregation_timeout <= 0:
+            raise UserError("--disaggregation-bootstrap-port must be a port (1-65535) and --disaggregation-timeout "
+                            "a positive number of seconds")
+        disagg = DisaggConfig(args.disaggregation_mode, args.disaggregation_bootstrap_port,
+                              args.disaggregation_transfer_backend, args.host, args.disaggregation_timeout)
     return EngineConfig(page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
                         schedule_conservativeness=args.schedule_conservativeness, decode_buckets=buckets,
                         disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
                         enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
-                        enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer)
+                        enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.config import UnsupportedConfigError
 from jaxdp.engine import BadRequest, Request, SamplingParams
-from jaxdp.engine.request import State
+from jaxdp.engine.request import Bootstrap, State
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -122,8 +122,13 @@ class ServerContext:
         return sum(1 for job in self.live if job.req.state is State.WAITING)
 
     def make_jobs(self, prompts: list[list[int]], params: list[SamplingParams], n: int, *, rank: int | None = None,
-                  rids: list[str | None] | None = None, skip_special_tokens: bool = True) -> list[Job]:
-        """n requests per prompt, made and checked before any is submitted; a refusal raises ApiError."""
+                  rids: list[str | None] | None = None, skip_special_tokens: bool = True,
+                  bootstraps: list[Bootstrap | None] | None = None) -> list[Job]:
+        """n requests per prompt, made and checked before any is submitted; a refusal raises ApiError.
+        `bootstraps`: each prompt's bootstrap room under prefill/decode disaggregation."""
+        if bootstraps is not None and n > 1:
+            raise ApiError("n > 1 is not served under disaggregation (one bootstrap room names one request); "
+                           "send n: 1", param="n")
         limit = self.limits.max_queued_requests
         if limit is not None and self.queued() + len(prompts) * n > limit:
             raise ApiError(f"the server's queue is full ({limit} requests waiting, --max-queued-requests); retry "
@@ -144,7 +149,8 @@ class ServerContext:
                     rid = rids[i] if rids else None
                     if rid is not None and n > 1:
                         rid = f"{rid}-{j}"
-                    req = self.backend.make_request(ids, p, rid=rid, rank=rank)
+                    req = self.backend.make_request(ids, p, rid=rid, rank=rank,
+                                                    bootstrap=bootstraps[i] if bootstraps else None)
                     view = TextView(self.tokenizer, p.stop, skip_special_tokens)  # (the engine checks stops)
                     jobs.append(Job(req, view, i, rids[i] if rids else None))
         except (BadRequest, UnsupportedConfigError) as e:
@@ -219,6 +225,35 @@ def pinned_rank(body: dict, http: HttpRequest) -> int | None:
         raise ApiError(f"routed_dp_rank {rank} is out of range; this server has DP ranks 0..{num_ranks - 1}",
                        param="routed_dp_rank")
     return rank
+
+
+def bootstraps(body: dict, n_prompts: int) -> list[Bootstrap | None] | None:
+    """Prefill/decode disaggregation: the bootstrap fields SGLang's router adds to a request (`bootstrap_host`,
+    `bootstrap_port`, `bootstrap_room`, and `disagg_prefill_dp_rank` when it pins the prefill rank), one per
+    prompt (lists for a batch); None when the request has none."""
+    names = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank")
+    given = {k: body.get(k) for k in names if body.get(k) is not None}
+    if not given:
+        return None
+    if set(given) - {"disagg_prefill_dp_rank"} != set(names[:3]):
+        missing = [k for k in names[:3] if k not in given]
+        raise ApiError(f"{missing[0]} is missing: a request under disaggregation carries bootstrap_host, "
+                       "bootstrap_port and bootstrap_room (SGLang's router adds them)", param=missing[0])
+
+    def each(name: str, kind: type, ok) -> list:
+        v = given.get(name)
+        values = v if isinstance(v, list) else [v] * n_prompts
+        if len(values) != n_prompts or not all(x is None or (isinstance(x, kind) and not isinstance(x, bool)
+                                                             and ok(x)) for x in values):
+            raise ApiError(f"{name} {str(v)[:60]} is not valid here: one per prompt, each a {kind.__name__} in range",
+                           param=name)
+        return values
+
+    hosts = each("bootstrap_host", str, lambda x: 0 < len(x) <= 255)
+    ports = each("bootstrap_port", int, lambda x: 0 < x < 65536)
+    rooms = each("bootstrap_room", int, lambda x: 0 <= x < 2**63)
+    ranks = each("disagg_prefill_dp_rank", int, lambda x: x >= 0)
+    return [Bootstrap(h, p, r, k) for h, p, r, k in zip(hosts, ports, rooms, ranks, strict=True)]
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:

@@ -30,6 +30,7 @@ from jaxdp.api.common import ApiError, done_ids, error_response, finish_reason, 
 from jaxdp.api.context import (
     Job,
     ServerContext,
+    bootstraps,
     complete_jobs,
     event_stream,
     job_error,
@@ -116,7 +117,8 @@ async def generate(http: HttpRequest):
     chosen = token_ids_logprob(body, ctx.vocab_size)
     for p in params:
         p.return_logprob, p.logprob_start_len, p.top_logprobs, p.token_ids_logprob = with_logprobs, start, top, chosen
-    jobs = ctx.make_jobs(prompts, params, n, rank=rank, rids=rids(body, len(prompts)), skip_special_tokens=skip)
+    jobs = ctx.make_jobs(prompts, params, n, rank=rank, rids=rids(body, len(prompts)), skip_special_tokens=skip,
+                         bootstraps=bootstraps(body, len(prompts)))
     if stream:
         return event_stream(_stream(ctx, jobs, with_logprobs, is_batch or n > 1))
     await complete_jobs(http, ctx, jobs)

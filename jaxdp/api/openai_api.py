@@ -22,6 +22,7 @@ from jaxdp.api.common import ApiError, done_ids, finish_reason, openai_finish, s
 from jaxdp.api.context import (
     Job,
     ServerContext,
+    bootstraps,
     complete_jobs,
     event_stream,
     job_error,
@@ -170,7 +171,7 @@ async def _handle(http: HttpRequest, chat: bool):
     if prompt_top is not None and n > 1:
         raise ApiError("prompt_logprobs needs n: 1 (the prompt's logprobs are the same for every choice)",
                        param="prompt_logprobs")
-    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank)
+    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank, bootstraps=bootstraps(body, len(prompts)))
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if stream:
         return event_stream(_stream(ctx, jobs, cid, chat, want_logprobs, usage))

@@ -18,9 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from jaxdp.engine import Request, SamplingParams
-from jaxdp.engine.client import EngineClient
+from jaxdp.engine.client import EngineClient, prefill_rank
 from jaxdp.engine.controller import Controller
 from jaxdp.engine.nodes import NodeFlush
+from jaxdp.engine.request import Bootstrap
 
 
 @dataclasses.dataclass
@@ -86,15 +87,18 @@ class ReplicaSet:
         return self.controller.loads()
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
-                     rank: int | None = None) -> Request:
+                     rank: int | None = None, bootstrap: Bootstrap | None = None) -> Request:
         """A request assigned to a global rank (chosen, or pinned by `rank`); BadRequest when it cannot run."""
         with self._lock:
             self._rids += 1
             rid = rid or f"req-{self._rids}-{time.time_ns() % 10**9}"
         self.controller.check_rid(rid)
+        disagg = self.engines[0].cfg.disaggregation
+        if bootstrap is not None and disagg is not None and disagg.mode == "prefill" and rank is None:
+            rank = prefill_rank(bootstrap, len(self.ranks))  # the room names the rank, over every replica's
         g = self.controller.choose(rank)
         engine, local = self.ranks[g]
-        req = engine.make_request(prompt_ids, params, rid=rid, rank=local)
+        req = engine.make_request(prompt_ids, params, rid=rid, rank=local, bootstrap=bootstrap)
         req.dp_rank = g  # the global rank, for meta_info and metrics
         self.controller.add(req, g)
         return req

@@ -107,7 +107,8 @@ class ClientBase:
         check_bootstrap(mode, bootstrap)
         if mode == "prefill":  # (SGLang's prefill server: the first token, then the KV goes to the decode server)
             params = dataclasses.replace(params or SamplingParams(), max_new_tokens=1)
-            rank = bootstrap.prefill_dp_rank if bootstrap.prefill_dp_rank is not None else bootstrap.room % f.layout.dp
+            if rank is None:  # (a server's ReplicaSet chooses among all its replicas' ranks itself)
+                rank = prefill_rank(bootstrap, f.layout.dp)
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap
@@ -126,4 +127,15 @@ def check_bootstrap(mode: str | None, bootstrap: Bootstrap | None) -> None:
         raise BadRequest(f"this server runs --disaggregation-mode {mode}: send requests through SGLang's router "
                          "(python -m sglang_router.launch_router --pd-disaggregation), which adds bootstrap_host, "
                          "bootstrap_port and bootstrap_room")
+
+
+def prefill_rank(bootstrap: Bootstrap, dp: int) -> int:
+    """The prefill rank of a request under disaggregation, as SGLang picks it: the pinned
+    disagg_prefill_dp_rank, or its bootstrap room modulo the DP size."""
+    if bootstrap.prefill_dp_rank is not None:
+        if not 0 <= bootstrap.prefill_dp_rank < dp:
+            raise BadRequest(f"disagg_prefill_dp_rank {bootstrap.prefill_dp_rank} is not a rank of this prefill "
+                             f"server (0..{dp - 1})")
+        return bootstrap.prefill_dp_rank
+    return bootstrap.room % dp
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 
-from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide
+from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide, model_fingerprint
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
 from jaxdp.engine.options import DisaggConfig
 from jaxdp.engine.request import Request
@@ -108,6 +109,8 @@ class DecodeMode:
 def make_disagg(cfg: DisaggConfig | None, runner, schedulers: list[Scheduler], post):
     if cfg is None:
         return None
+    if not cfg.model:  # both servers must serve one model: its architecture, as config.json would say it
+        cfg = dataclasses.replace(cfg, model=model_fingerprint(dataclasses.asdict(runner.cfg)))
     if cfg.mode == "prefill":
         return PrefillMode(cfg, runner, schedulers)
     if cfg.mode == "decode":
