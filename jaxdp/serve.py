@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     if dist.multi and dist.node_rank > 0:
-        from jaxdp.api.node import run_node
+        from jaxdp.node import run_node
 
         return run_node(args, backend.engines[0])
     if args.engine_child:
