@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from jaxdp.engine.delayer import DelayerConfig, PrefillDelayer, RankSignal, decide, rank_signal
+from jaxdp.engine.messages import NodeMessage
 
 R, N = RankSignal(True, False), RankSignal(False, False)  # a prompt ready / none
 LOW = RankSignal(True, True)  # a prompt ready, token usage under the watermark
@@ -48,14 +49,14 @@ class FakeRank:
 def test_a_rank_starts_a_prompt_only_after_announcing_it_and_while_no_one_waits():
     d = PrefillDelayer(DelayerConfig(max_delay_passes=2), dp=2)
     assert not d.may_start_prompt(0)  # nothing announced yet: the others must hear of it first
-    msg = {}
+    msg = NodeMessage()
     d.post(msg, [FakeRank(True), FakeRank(False)])
     d.read([msg])
     assert d.decision.hold and d.pass_again and not d.may_start_prompt(0)
-    d.read([{"prefill_delayer": [(True, False), (True, False)]}])  # rank 1's prompt arrived: both go
+    d.read([NodeMessage(prefill_delayer=[(True, False), (True, False)])])  # rank 1's prompt arrived: both go
     assert d.decision.outcome == "wait_success" and d.may_start_prompt(0) and d.may_start_prompt(1)
     assert d.wait_passes == 1 and d.outcomes["delay"] == 1 and d.outcomes["wait_success"] == 1
-    d.read([{"prefill_delayer": [(False, False), (False, False)]}])
+    d.read([NodeMessage(prefill_delayer=[(False, False), (False, False)])])
     assert not d.pass_again and sum(d.outcomes.values()) == 2  # a pass with no prompt is not an outcome
 
 
@@ -68,12 +69,12 @@ def test_several_nodes_decide_alike_from_the_exchanged_numbers():
     alone = PrefillDelayer(DelayerConfig(max_delay_passes=1), dp=4)
     seen = []
     for ready in passes:
-        messages = [{}, {}]
+        messages = [NodeMessage(), NodeMessage()]
         for k, node in enumerate(nodes):
             node.post(messages[k], [FakeRank(r) for r in ready[2 * k: 2 * k + 2]])
         for node in nodes:
             node.read(messages)
-        alone.read([{"prefill_delayer": [(r, False) for r in ready]}])
+        alone.read([NodeMessage(prefill_delayer=[(r, False) for r in ready])])
         assert nodes[0].decision == nodes[1].decision == alone.decision
         assert nodes[0].announced == ready
         seen.append(alone.decision.outcome)
@@ -94,7 +95,7 @@ def test_metrics_export_wait_passes_and_outcomes_by_kind():
 
     d = PrefillDelayer(DelayerConfig(max_delay_passes=1), dp=2)
     for ready in ([True, False], [True, False], [True, True]):  # delay, wait_timeout, no_wait
-        d.read([{"prefill_delayer": [(r, False) for r in ready]}])
+        d.read([NodeMessage(prefill_delayer=[(r, False) for r in ready])])
     waits, outcomes = _delayer_metrics([SimpleNamespace(delayer=d), SimpleNamespace(delayer=None)])
     assert [(s.labels, s.value) for s in waits.samples] == [({"replica": "0"}, 1.0)]
     got = {s.labels["kind"]: s.value for s in outcomes.samples}

@@ -175,8 +175,17 @@ class StackedWeight:
 
         if kernel:
             return gemm(x, None)
-        return jax.lax.platform_dependent(x, cpu=lambda x: dense_dot(eq, x, self.dense()),
-                                          default=lambda x: gemm(x, False))
+
+        def dense(x, values, scales, layer):
+            return dense_dot(eq, x, StackedWeight(values, scales, layer, self.block, self.dtype).dense())
+
+        @jax.custom_jvp
+        def product(x, values, scales, layer):  # (the kernel has no derivative: training differentiates the
+            return jax.lax.platform_dependent(x, cpu=lambda x: dense(x, values, scales, layer),  # dense form)
+                                              default=lambda x: gemm(x, False))
+
+        product.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
+        return product(x, self.values, self.scales, self.layer)
 
 
 def _scale_index(dims: tuple[int, ...], scale_dims: tuple[int, ...], block: int) -> np.ndarray:
