@@ -299,7 +299,7 @@ class _FakeEngine:
         self.context_len = 4096
         self.facts = SimpleNamespace(num_pages=pages, page_size=16)
 
-    def make_request(self, ids, params, rid, rank):
+    def make_request(self, ids, params, rid, rank, bootstrap=None):
         from jaxdp.engine import Request
 
         return Request(rid, ids, params)

@@ -93,9 +93,10 @@ class ReplicaSet:
             self._rids += 1
             rid = rid or f"req-{self._rids}-{time.time_ns() % 10**9}"
         self.controller.check_rid(rid)
-        disagg = self.engines[0].cfg.disaggregation
-        if bootstrap is not None and disagg is not None and disagg.mode == "prefill" and rank is None:
-            rank = prefill_rank(bootstrap, len(self.ranks))  # the room names the rank, over every replica's
+        if bootstrap is not None and rank is None:
+            disagg = self.engines[0].cfg.disaggregation
+            if disagg is not None and disagg.mode == "prefill":  # the room names the rank, over every replica's
+                rank = prefill_rank(bootstrap, len(self.ranks))
         g = self.controller.choose(rank)
         engine, local = self.ranks[g]
         req = engine.make_request(prompt_ids, params, rid=rid, rank=local, bootstrap=bootstrap)
