@@ -131,6 +131,8 @@ def test_through_the_router_the_decode_server_answers_as_one_server(deployment, 
 
 def test_bootstrap_fields_sent_to_a_server_not_in_that_mode_are_refused(deployment):
     _, prefill, decode = deployment
+    for server in (prefill, decode):  # (a server that cannot generate alone answers its liveness there)
+        assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
     r = httpx.post(prefill.url + "/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400 and "send requests through SGLang's router" in r.text
     r = httpx.post(decode.url + "/generate", json={"text": "1+1=", "bootstrap_host": "127.0.0.1",

@@ -147,8 +147,11 @@ async def health(http: HttpRequest):
 
 @router.get("/health_generate")
 async def health_generate(http: HttpRequest):
-    """Healthy when a one-token generation completes within 20 s (SGLang's check)."""
+    """Healthy when a one-token generation completes within 20 s (SGLang's check). A server in a disaggregation
+    mode cannot generate alone (its requests need the other server): there it is /health."""
     ctx: ServerContext = http.app.state.ctx
+    if ctx.backend.engines[0].cfg.disaggregation is not None:
+        return Response(status_code=200 if ctx.backend.alive() else 503)
     try:
         req = ctx.backend.make_request([0], SamplingParams(max_new_tokens=1, temperature=0))
         await asyncio.wait_for(ctx.backend.generate(req), timeout=20)
