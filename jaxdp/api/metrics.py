@@ -134,6 +134,10 @@ class _StateCollector:
         "max_total_num_tokens": "Tokens the rank's KV pool holds",
         "cache_hit_rate": "Prompt tokens reused from the prefix cache over prompt tokens looked up",
     }
+    SPEC_GAUGES = {  # speculative decoding (SGLang's names), on ranks that verify
+        "spec_accept_length": "Tokens a request gets per verify step (accepted drafts + 1), mean",
+        "spec_accept_rate": "Draft tokens accepted over draft tokens offered",
+    }
 
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics
@@ -146,6 +150,12 @@ class _StateCollector:
             for s in states:
                 g.add_metric([str(s["dp_rank"])], float(s[name]))
             yield g
+        for name, doc in self.SPEC_GAUGES.items():
+            if any(name in s for s in states):
+                g = GaugeMetricFamily(P + name, doc, labels=RANK)
+                for s in states:
+                    g.add_metric([str(s["dp_rank"])], float(s.get(name, 0.0)))
+                yield g
         g = GaugeMetricFamily(P + "gen_throughput", "Generation throughput (token/s)", labels=RANK)
         for rank, value in enumerate(self.m.gen_throughput):
             g.add_metric([str(rank)], value)

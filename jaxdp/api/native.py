@@ -99,6 +99,9 @@ def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
         "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
         "e2e_latency": end - req.created, "dp_rank": req.dp_rank,
     }
+    if req.spec_verify_ct:  # speculative decoding (SGLang's names): verifies, and tokens per verify
+        meta |= {"spec_verify_ct": req.spec_verify_ct,
+                 "spec_accept_length": (req.spec_accepted + req.spec_verify_ct) / req.spec_verify_ct}
     if with_logprobs:
         meta |= sglang_meta(ctx.tokenizer, req)
     return {"text": job.view.text(req), "output_ids": ids, "meta_info": meta}
@@ -177,9 +180,14 @@ async def server_info(http: HttpRequest):
                 "decode_buckets": e.buckets.decode, "extend_buckets": e.buckets.extend,
                 "compiles_in_steps": e.stats.compiles_in_steps, "steps": e.stats.steps,
                 "step_summary": e.stats.summary()} for i, e in enumerate(b.engines)]
-    return {**ctx.server_args, "served_model_name": ctx.served_model_name, "num_ranks": b.num_ranks,
+    states = await asyncio.to_thread(b.states)
+    info = {**ctx.server_args, "served_model_name": ctx.served_model_name, "num_ranks": b.num_ranks,
             "num_replicas": b.num_replicas, "load_balance_method": b.method, "engines": engines,
-            "internal_states": await asyncio.to_thread(b.states), "version": "jaxdp-0.1.0"}
+            "internal_states": states, "version": "jaxdp-0.1.0"}
+    lengths = [s["spec_accept_length"] for s in states if s.get("spec_accept_length")]
+    if lengths:  # speculative decoding: SGLang's server-wide figure, the mean over ranks that verified
+        info["avg_spec_accept_length"] = sum(lengths) / len(lengths)
+    return info
 
 
 @router.get("/get_load")

@@ -78,3 +78,10 @@ class SglangMetrics:
         for rank, value in enumerate(gen_throughput):
             g.add_metric([self.model_name, str(rank)], value)
         yield g
+        for name, doc in (("spec_accept_length", "The average acceptance length of speculative decoding"),
+                          ("spec_accept_rate", "The average acceptance rate of speculative decoding")):
+            if any(name in s for s in states):  # a server that speculates
+                g = GaugeMetricFamily(S + name, doc, labels=LABELS)
+                for s in states:
+                    g.add_metric([self.model_name, str(s["dp_rank"])], float(s.get(name, 0.0)))
+                yield g

@@ -47,6 +47,7 @@ class Buckets:
     dp: int
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
+    draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
 
     def with_pages(self, pages_per_seq: int, page_size: int) -> Buckets:
         return dataclasses.replace(self, pages=tuple(page_buckets(pages_per_seq, page_size)))
@@ -56,14 +57,18 @@ class Buckets:
 
     @classmethod
     def make(cls, max_running: int, chunk: int, dp: int, decode: list[int] | None = None,
-             extend: list[int] | None = None, max_len_rows: int = 256) -> Buckets:
+             extend: list[int] | None = None, max_len_rows: int = 256, draft_tokens: int = 0) -> Buckets:
+        """draft_tokens: speculative decoding's; a verify of every running request, draft_tokens + 1 rows each,
+        must fit the largest extend bucket."""
         dec = sorted(decode) if decode else decode_buckets(max_running)
-        top = _pow2(max(chunk, max_running))
+        rows = max(chunk, max_running * (draft_tokens + 1))
+        top = _pow2(rows)
         ext = sorted(extend) if extend else [b for b in (1 << i for i in range(20)) if min(8, top) <= b <= top]
-        if ext[-1] < max(chunk, max_running):
+        if ext[-1] < rows:
             raise ValueError(f"the largest extend bucket {ext[-1]} is below the per-rank chunk {chunk} / batch "
-                             f"{max_running}; add a larger bucket")
-        return cls(dec, ext, max_running, dp, max_len_rows)
+                             f"{max_running} (x{draft_tokens + 1} rows a request when speculating); add a larger "
+                             "bucket")
+        return cls(dec, ext, max_running, dp, max_len_rows, draft_tokens=draft_tokens)
 
     def extend_seqs(self, rows: int) -> int:
         return min(rows, self.max_seqs)
@@ -81,6 +86,9 @@ class Buckets:
     def shapes(self) -> list[StepShape]:
         """Every step shape a serving step may take (compiled at start-up)."""
         out = []
+        if self.draft_tokens:  # every step verifies, samples and drafts
+            return [StepShape(False, t, self.extend_seqs(t), n, m, s, draft_tokens=self.draft_tokens)
+                    for n in self.pages for t in self.extend for m, s in self.extend_modes(t)]
         for n in self.pages:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
@@ -96,9 +104,14 @@ class Buckets:
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
+        if self.draft_tokens:
+            return dataclasses.replace(self._extend_shape(rows, busiest, pages_per_seq), draft_tokens=self.draft_tokens)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
             return StepShape(True, b, b, pages_per_seq)
+        return self._extend_shape(rows, busiest, pages_per_seq)
+
+    def _extend_shape(self, rows: list[int], busiest: int, pages_per_seq: int) -> StepShape:
         t = self.extend[bisect.bisect_left(self.extend, busiest)]
         if t <= self.max_len_rows or self.dp == 1:
             return StepShape(False, t, self.extend_seqs(t), pages_per_seq)

@@ -109,6 +109,10 @@ class ClientBase:
             params = dataclasses.replace(params or SamplingParams(), max_new_tokens=1)
             if rank is None:  # (a server's ReplicaSet chooses among all its replicas' ranks itself)
                 rank = prefill_rank(bootstrap, f.layout.dp)
+        if f.cfg.speculative is not None and params is not None and (params.wants_top or params.logprob_start_len >= 0):
+            raise BadRequest("this server decodes speculatively (--speculative-algorithm), which does not compute "
+                             "top logprobs or prompt logprobs; ask for return_logprob alone, or use a server "
+                             "without speculative decoding")
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap

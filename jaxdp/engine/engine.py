@@ -39,6 +39,7 @@ from jaxdp.engine.rows import RankRows, RowArrays
 from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
 from jaxdp.engine.setup import model_options as model_options_of
+from jaxdp.engine.spec import SpecPipeline, SpecScheduler, check_speculative
 from jaxdp.engine.stats import compiles_total
 from jaxdp.engine.streams import Result, Wakeups
 from jaxdp.engine.threads import start_thread
@@ -62,7 +63,10 @@ class Engine(ClientBase):
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
         over the whole mesh, and this engine schedules the ranks of its own node)."""
         c = config or EngineConfig()
+        spec = check_speculative(c)
         if isinstance(model, str | ModelOptions):
+            if spec:
+                model_options["draft"] = True
             runner = make_runner(model_options_of(model, **model_options), mesh, c.pool_pages, c.pool_page_size)
         elif model_options:
             raise TypeError(f"{', '.join(model_options)}: model options apply when the engine builds its runner, "
@@ -70,6 +74,9 @@ class Engine(ClientBase):
         else:
             runner = model
             c.check_runner(runner)
+            if spec and not getattr(runner, "has_draft", False):
+                raise ValueError("--speculative-algorithm needs the model's MTP layer; build the step runner with "
+                                 "its draft model (jaxdp.engine.setup.build_runners(..., draft=True))")
         self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else find_tokenizer(model)
         self.failed: str | None = None  # why the engine stopped serving (another node failed)
@@ -82,24 +89,26 @@ class Engine(ClientBase):
                      c.chunked_prefill_size, chunk)
         conservativeness = c.schedule_conservativeness * (0.3 if dp > 1 else 1.0)
         context_len = min(c.context_length or model_cfg.max_position_embeddings, num_pages * page_size)
-        pages_per_seq = -(-context_len // page_size)
+        draft_tokens = spec.num_steps if spec else 0
+        # (speculating, a request holds pages 2 x draft_tokens positions past its length: the verify, the drafts)
+        pages_per_seq = -(-(context_len + 2 * draft_tokens) // page_size)
         sched_cfg = SchedulerConfig(chunk, max_running, context_len, conservativeness, model_cfg.eos_token_ids,
                                     model_cfg.vocab_size, c.seed)
         rows = RowArrays.zeros(dp, max_running, pages_per_seq)  # the persistent batch
         self.schedulers = []
         for r in range(dp):
             pool = PagePool(num_pages, page_size)
-            self.schedulers.append(Scheduler(r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg,
-                                             RankRows(rows.rank(r), page_size)))
+            args = (r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg, RankRows(rows.rank(r), page_size))
+            self.schedulers.append(SpecScheduler(*args, draft_tokens=draft_tokens) if spec else Scheduler(*args))
         runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
-                               c.max_len_extend_rows).with_pages(pages_per_seq, page_size)
+                               c.max_len_extend_rows, draft_tokens).with_pages(pages_per_seq, page_size)
         if c.disaggregation is not None and hosts is not None:
             raise ValueError("--disaggregation-mode runs on one node for now; start each prefill and decode server "
                              "on one node (--dp-size for more)")
         self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
         self.hosts = hosts
-        self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes)
+        self.pipeline = (SpecPipeline if spec else StepPipeline)(runner, c, self.schedulers, rows, buckets, self.nodes)
         self.facts = EngineFacts(layout, c, buckets, model_cfg, context_len, self.nodes.local_ranks, sched_cfg,
                                  num_pages, page_size, 0, {r: self.schedulers[r].state() for r in range(dp)})
         self._init_intake()

@@ -24,6 +24,7 @@ class ModelOptions:
     index_key_dtype: str | None = None  # DSA models: None (the cache's dtype) or "fp8"
     num_layers: int | None = None  # fewer layers than the checkpoint's (experiments)
     tiny_width: bool = False  # the model's layers at a tiny width (experiments)
+    draft: bool = False  # also build the checkpoint's MTP layer (speculative decoding's draft model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,33 @@ class DisaggConfig:
     host: str = "127.0.0.1"  # where this server's transfer server and bootstrap endpoint listen
     timeout_s: float = 60.0  # the longest a decode server waits for a request's KV; a prefill server keeps it
     model: str = ""  # the model's fingerprint both servers must share (jaxdp.disagg.handoff.model_fingerprint)
+
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang's names for a draft model; both mean the MTP layer here
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with the model's MTP layer (SGLang's --speculative-* flags; `jaxdp.engine.spec`)."""
+
+    algorithm: str = "EAGLE"  # EAGLE | NEXTN: the checkpoint's MTP layer drafts (SGLang treats NEXTN as EAGLE)
+    num_steps: int = 3  # draft steps a verify checks (SGLang's DeepSeek default)
+    eagle_topk: int = 1  # one chain (trees are not built)
+    num_draft_tokens: int = 4  # rows a verify reads per request: num_steps + 1 with a chain
+
+    def __post_init__(self):
+        if self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm {self.algorithm!r} is not one of "
+                             f"{', '.join(SPECULATIVE_ALGORITHMS)} (the model's MTP layer drafts)")
+        if self.num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be at least 1, got {self.num_steps}")
+        if self.eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.eagle_topk}: only a chain (topk 1) is built; use "
+                             "--speculative-eagle-topk 1")
+        if self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens} does not match "
+                             f"--speculative-num-steps {self.num_steps} with topk 1; use "
+                             f"--speculative-num-draft-tokens {self.num_steps + 1}")
 
 
 @dataclasses.dataclass
@@ -57,6 +85,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
     prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
     disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/disagg.py)
+    speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/spec.py)
 
     @property
     def pool_page_size(self) -> int:

@@ -98,6 +98,9 @@ class Request:
     row: int = -1  # its row in its rank's persistent batch while it decodes
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     retractions: int = 0
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculative decoding: the next verify's drafts
+    spec_verify_ct: int = 0  # verify steps this request took part in (SGLang's meta_info name)
+    spec_accepted: int = 0  # draft tokens those verifies accepted
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why an aborted request was refused
     error_status: int | None = None  # the HTTP status of that error when not a 400 (503: the engine failed)

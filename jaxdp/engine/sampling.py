@@ -44,6 +44,15 @@ def _keep(scaled_V, top_p, top_k, min_p, mode: str):
     return keep & (jnp.zeros(V, bool).at[idx].set(ranked) | ~filtered)
 
 
+def filtered_probs(logits_V, temperature, top_p, top_k, min_p):
+    """The distribution a row samples from (temperature, then min-p, top-k and top-p), as probabilities over
+    the vocabulary: what speculative sampling accepts drafts against (`jaxdp.engine.spec_sampling`). A greedy
+    row (temperature 0) gets its scaled distribution too; the caller takes its argmax instead."""
+    scaled = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    masked = jnp.where(_keep(scaled, top_p, top_k, min_p, "sorted"), scaled, -jnp.inf)
+    return jax.nn.softmax(masked)
+
+
 def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data, mode: str):
     logprobs_V = jax.nn.log_softmax(logits_V)
     scaled = logits_V / jnp.maximum(temperature, 1e-6)

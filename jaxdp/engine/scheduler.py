@@ -74,6 +74,7 @@ class Scheduler:
         self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
         self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
         self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
+        self.lookahead = 0  # slots past a prompt's end its last chunk holds (speculative decoding's draft positions)
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -185,7 +186,8 @@ class Scheduler:
                 if not req.output_ids:
                     req.cached_tokens = req.computed
             n = min(budget, req.num_tokens - req.scheduled)
-            need = self.pool.pages_for(req.scheduled + n) - len(req.pages)
+            end = req.scheduled + n + (self.lookahead if req.scheduled + n == req.num_tokens else 0)
+            need = min(self.pool.pages_for(end), self.rows.pages_per_seq) - len(req.pages)
             reserve = self._reserve(req) if req.scheduled + n == req.num_tokens else 0
             if need + reserve > self._available() - reserved or (pages := self._take_pages(need)) is None:
                 if fresh:  # give the prefix back; try again on a later step

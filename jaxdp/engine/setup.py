@@ -102,16 +102,22 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width)
     log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
+    draft = None
+    if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are
+        from jaxdp.model.loader import build_mtp
+
+        draft = build_mtp(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
+                          num_layers=o.num_layers, tiny_width=o.tiny_width)
     step = StepOptions(decode_kernel=decode_kernel(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
                        index_key_dtype=o.index_key_dtype)
     runners = []
     for i, mesh in enumerate(meshes):
-        if i == 0:
-            sharded = first
-        else:  # another replica: the same arrays, copied device to device in the same specs
-            sharded = ShardedModel(first.cfg, first.graphdef, jax.tree.map(
-                lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), first.state))
-        runners.append(StepRunner(sharded, layout, mesh, num_pages=num_pages, page_size=page_size, options=step))
+        copies = [first] if draft is None else [first, draft]
+        if i > 0:  # another replica: the same arrays, copied device to device in the same specs
+            copies = [ShardedModel(c.cfg, c.graphdef, jax.tree.map(
+                lambda x, m=mesh: jax.device_put(x, NamedSharding(m, x.sharding.spec)), c.state)) for c in copies]
+        runners.append(StepRunner(copies[0], layout, mesh, num_pages=num_pages, page_size=page_size, options=step,
+                                  draft=copies[1] if draft is not None else None))
     return runners
 
 

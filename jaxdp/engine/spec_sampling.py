@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 
 
-def verify_row(p_KV, q_KV, draft_K, greedy_K1, is_greedy, key):
+def verify_row(p_KV, q_KV, draft_K, greedy_K1, is_greedy, key, n_draft=None):
     """One row: p_KV the target's filtered probabilities at the K + 1 positions ([K + 1, V]), q_KV the
     draft's at the K drafted positions ([K, V]) or None for point masses, draft_K the draft tokens,
-    greedy_K1 the target's argmax at the K + 1 positions, is_greedy whether the row samples greedily.
+    greedy_K1 the target's argmax at the K + 1 positions, is_greedy whether the row samples greedily;
+    n_draft: how many of the K are drafts (the rest are not offered: the token after the last draft is drawn
+    from the target itself; 0 for a row that only samples, such as a prompt's first token). Default K.
 
     Returns (tokens [K + 1]: the accepted draft tokens, then the next token, then -1 padding;
     accepted: the number of draft tokens accepted, 0..K)."""
@@ -41,9 +43,11 @@ def verify_row(p_KV, q_KV, draft_K, greedy_K1, is_greedy, key):
     u = jax.random.uniform(accept_key, (K,), p_draft.dtype)
     sampled_ok = u * q_draft < p_draft  # u in [0, 1): accepted with probability min(1, p / q); never when p = 0
     ok = jnp.where(is_greedy, draft_K == greedy_K1[:K], sampled_ok)
+    offered = jnp.arange(K) < (K if n_draft is None else n_draft)
+    ok = ok & offered
     accepted = jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)]))  # leading accepts (K when all)
     q_full = jax.nn.one_hot(draft_K, p_KV.shape[1], dtype=p_KV.dtype) if q_KV is None else q_KV
-    residual_KV = jnp.maximum(p_KV[:K] - q_full, 0.0)
+    residual_KV = jnp.where(offered[:, None], jnp.maximum(p_KV[:K] - q_full, 0.0), p_KV[:K])
     residual_KV = jnp.concatenate([residual_KV, p_KV[K:]])  # position K: no draft, the target itself
     dist_V = residual_KV[accepted]
     total = dist_V.sum()

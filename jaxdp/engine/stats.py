@@ -113,3 +113,4 @@ class InFlight:
     agree_s: float
     top: object = None  # top_logprobs' (ids, values, chosen ids') on the device, when a request of the step asks
     prompt: object = None  # prompt_logprobs' (target, top ids, top values, chosen ids') when a request asks
+    spec: object = None  # a speculative step's (tokens per sequence, next drafts) on the device

@@ -49,6 +49,7 @@ class Update(msgspec.Struct, array_like=True, frozen=True):
     error_status: int | None
     chosen: list[Pairs]  # the logprobs of the token ids it asked about (token_ids_logprob)
     prompt: PromptLogprobs | None  # in the first update only
+    spec: tuple[int, int] = (0, 0)  # speculative decoding: (verify steps, draft tokens accepted) so far
 
 
 def sent(req: Request) -> SentRequest:
@@ -75,7 +76,7 @@ def report(req: Request, sent: int) -> tuple[Update | None, int]:
     prompt = PromptLogprobs(req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) \
         if sent == 0 else None
     return Update(req.rid, ids[sent:], lps, tops, req.cached_tokens, req.finish_reason if req.finished else None,
-                  req.error, req.error_status, chosen, prompt), len(ids)
+                  req.error, req.error_status, chosen, prompt, (req.spec_verify_ct, req.spec_accepted)), len(ids)
 
 
 def apply(requests: dict[str, Request], updates: Iterable[Update], now: float) -> None:
@@ -92,6 +93,7 @@ def apply(requests: dict[str, Request], updates: Iterable[Update], now: float) -
             req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = (
                 list(u.prompt.logprobs), list(u.prompt.top), list(u.prompt.chosen))
         req.cached_tokens = u.cached_tokens
+        req.spec_verify_ct, req.spec_accepted = u.spec
         if u.ids and req.first_token_at is None:
             req.first_token_at = now
         if u.finish:

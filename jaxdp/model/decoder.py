@@ -83,7 +83,7 @@ class DeepseekV3(nnx.Module):
         the step's rows alone (training; `batch` needs only positions_T and seq_T). Returns
         (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache (None without one),
         rows received per expert summed over MoE layers [E_local]); with `return_hidden`, also the final
-        normed hidden state of the rows `logits_idx_B` [B, D] (what the MTP layer reads, `jaxdp.model.mtp`).
+        normed hidden state of every row [T, D] (what the MTP layer reads, `jaxdp.model.mtp`).
         """
         cfg = self.cfg
         with jax.named_scope("embedding"):  # (the scopes name the parts of `python -m jaxdp.bench.profile`)
@@ -119,7 +119,7 @@ class DeepseekV3(nnx.Module):
             logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
             logits_BV, h_BD = (logits_BV[:1], h_BD[:1]) if one else (logits_BV, h_BD)
         if return_hidden:
-            return logits_BV, new_cache, expert_rows, h_BD
+            return logits_BV, new_cache, expert_rows, rms_norm(x_TD, self.final_norm[...], cfg.rms_norm_eps)
         return logits_BV, new_cache, expert_rows
 
 

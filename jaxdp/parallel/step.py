@@ -27,6 +27,7 @@ from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.indexer import fp8_key_width
 from jaxdp.model.mla import AttnBatch
+from jaxdp.model.mtp import MTPLayer, mtp_layer_is_moe
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
@@ -43,6 +44,7 @@ class StepShape:
     gather_mode: str = "max_len"  # "max_len" | "sum_len"
     sum_rows: int = 0  # SUM_LEN buffer rows
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
+    draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
 
     @property
     def num_logits(self) -> int:
@@ -50,7 +52,7 @@ class StepShape:
 
     @property
     def kind(self) -> str:
-        return "decode" if self.absorbed else "extend"
+        return "spec" if self.draft_tokens else "decode" if self.absorbed else "extend"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +82,12 @@ class StepRunner:
     """Holds the sharded weights and caches of one model copy and runs compiled steps on them."""
 
     def __init__(self, model: DeepseekV3 | ShardedModel, layout: Layout, mesh, *, num_pages: int, page_size: int,
-                 options: StepOptions | None = None, **option_fields):
+                 options: StepOptions | None = None, draft: MTPLayer | ShardedModel | None = None, **option_fields):
         """model: its state already in its final sharding on `mesh` (`jaxdp.model.sharded`, how the entry
         points build it), or a model in memory, moved onto the mesh here. The runner owns the paged pool:
-        `num_pages` pages of `page_size` tokens per DP rank. `options` (or its fields as keywords): StepOptions."""
+        `num_pages` pages of `page_size` tokens per DP rank. `options` (or its fields as keywords): StepOptions.
+        draft: the model's MTP layer (speculative decoding's draft model, `jaxdp.parallel.spec_step`), placed the
+        same way; its draft KV lives in the same pages as entries "mtp_*" of the pool."""
         o = dataclasses.replace(options or StepOptions(), **option_fields)
         self.index_key_dtype = o.index_key_dtype
         sharded = model if isinstance(model, ShardedModel) else None
@@ -107,6 +111,16 @@ class StepRunner:
             self.state = _abstract_on(state, self.state_specs, mesh)
         else:
             self.state = state if sharded else shard_state(state, layout, mesh)
+        self.draft_graphdef = self.draft_state = self.draft_specs = None
+        if draft is not None:
+            sharded_draft = draft if isinstance(draft, ShardedModel) else None
+            draft = sharded_draft.merge() if sharded_draft else draft
+            self.draft_graphdef, draft_state = nnx.split(draft)
+            self.draft_specs = state_specs(draft_state, layout)
+            if o.abstract:
+                self.draft_state = _abstract_on(draft_state, self.draft_specs, mesh)
+            else:
+                self.draft_state = draft_state if sharded_draft else shard_state(draft_state, layout, mesh)
         self.cache_dtype = o.cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
@@ -124,6 +138,11 @@ class StepRunner:
             key = (fp8_key_width(cfg.index_key_dim), jnp.uint8) if self.index_key_dtype == "fp8" else (
                 cfg.index_key_dim, dtype)
             entries |= {"dense_index": (cfg.num_dense_layers, *key), "moe_index": (cfg.num_moe_layers, *key)}
+        if self.draft_graphdef is not None:  # the MTP layer's draft KV: one layer, in the same pages
+            name = "moe" if mtp_layer_is_moe(cfg) else "dense"
+            entries[f"mtp_{name}"] = (1, cfg.kv_cache_dim, dtype)
+            if cfg.index_topk:
+                entries[f"mtp_{name}_index"] = (1, cfg.index_key_dim, dtype)
         return entries
 
     @property
@@ -161,7 +180,7 @@ class StepRunner:
 
     def close(self) -> None:
         """Free the weights, the caches and the executables."""
-        self.state = self.cache = None
+        self.state = self.cache = self.draft_state = None
         self._compiled.clear()
 
     def ensure_token_carry(self, width: int) -> None:
@@ -180,8 +199,16 @@ class StepRunner:
         """Zero every page (a fresh pool; the engine never needs this, experiments do)."""
         self.cache = self._empty_cache(self.cache_dtype)
 
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_graphdef is not None
+
     # ---- compiling -----------------------------------------------------------------------------
     def _build(self, shape: StepShape):
+        if shape.draft_tokens:
+            from jaxdp.parallel.spec_step import build_spec_step
+
+            return build_spec_step(self, shape)
         lay, cfg = self.layout, self.cfg
         gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
         lm_mode = lm_head_mode(lay)
@@ -221,6 +248,10 @@ class StepRunner:
         self.compile_seconds += time.perf_counter() - t0
 
     def _abstract_args(self, shape: StepShape):
+        if shape.draft_tokens:
+            from jaxdp.parallel.spec_step import spec_abstract_args
+
+            return spec_abstract_args(self, shape)
         dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
         sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
         batch = {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in STEP_SPEC}
@@ -242,6 +273,11 @@ class StepRunner:
         logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
+
+    def executable(self, shape: StepShape):
+        """The compiled step of `shape` (compiled first if it is not yet)."""
+        self.compile(shape)
+        return self._compiled[shape]
 
     def account(self, shape: StepShape, rows_R) -> StepAccount:
         """The accounting of a step of this shape: what crossed, what was padded, rows computed / needed."""

@@ -1,0 +1,212 @@
+"""Speculative decoding (MTP / EAGLE, topk 1) in the engine: what a rank plans, how a step's arrays are laid out,
+and how its tokens are booked. The step itself is `jaxdp.parallel.spec_step`.
+
+Under speculation every step is a speculative one. A rank that reads a prompt plans its chunks as usual (the last
+chunk also holds the pages its first drafts are written into); otherwise it verifies every running request: one
+piece per request, its last token and its D drafts at the next D positions, with pages held up to 2D positions
+ahead (the verify's rows, then the chained drafts after the longest acceptance). The ranks agree on rows as in
+any step (a verify counts D + 1 rows a request), so a rank with nothing to do runs the idle step beside the
+others. The overlap is off: the next verify needs this one's accepted tokens. Booking appends 1 to D + 1 tokens
+a request, checking stops at each; the request's length, not its pages, says which latents count, so the
+rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from jaxdp.batch import Piece, empty_step, fill_pieces
+from jaxdp.engine.pipeline import StepPipeline
+from jaxdp.engine.plan import RankPlan
+from jaxdp.engine.rows import fill_sampling
+from jaxdp.engine.sampling import sampling_row
+from jaxdp.engine.scheduler import Scheduler
+from jaxdp.engine.stats import InFlight
+from jaxdp.parallel.spec_step import run_spec_step
+
+log = logging.getLogger("jaxdp.engine")
+
+
+def check_speculative(cfg):
+    """The engine config's speculative decoding, checked against what it cannot serve with (ValueError in one
+    sentence naming the flag); turns the overlap off (the next verify needs this one's tokens)."""
+    spec = cfg.speculative
+    if spec is None:
+        return None
+    if cfg.enable_mixed_chunk:
+        raise ValueError("--enable-mixed-chunk cannot serve with --speculative-algorithm (a prompt step does not "
+                         "verify); leave one of them out")
+    if cfg.disaggregation is not None:
+        raise ValueError("--disaggregation-mode cannot serve with --speculative-algorithm yet (the draft KV is not "
+                         "handed over); leave one of them out")
+    if cfg.overlap:
+        log.info("speculative decoding: the overlap scheduler is off (each verify needs the last one's tokens)")
+        cfg.overlap = False
+    return spec
+
+
+class SpecScheduler(Scheduler):
+    """A rank's scheduler under speculative decoding with `draft_tokens` drafts a request per step."""
+
+    def __init__(self, *args, draft_tokens: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_tokens = draft_tokens
+        self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
+        self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
+        self.drafted = 0
+        self.accepted = 0
+
+    def state(self) -> dict:
+        out = super().state()
+        out["spec_accept_length"] = 1 + self.accepted / self.verify_steps if self.verify_steps else 0.0
+        out["spec_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        return out
+
+    def _schedule_decode(self) -> RankPlan | None:
+        """Verify every running request that may still grow, each holding pages 2D positions ahead (retracting
+        the newest requests when the pool runs dry, as a decode does)."""
+        reach = 2 * self.draft_tokens
+        for req in list(self.running.values()):
+            if req.rid not in self.running:  # retracted below for an earlier one
+                continue
+            need = min(self.pool.pages_for(req.num_tokens - 1 + reach), self.rows.pages_per_seq) - len(req.pages)
+            if need <= 0:
+                continue
+            while (pages := self._take_pages(need)) is None and self.running:
+                self._retract(next(reversed(self.running.values())))
+                if req.rid not in self.running:
+                    break
+            if req.rid in self.running and pages is not None:
+                self.rows.add_pages(req, pages)
+        reqs = [r for r in self.running.values() if len(r.output_ids) < self.limit(r)]
+        if not reqs:
+            return None
+        pieces = [Piece([r.output_ids[-1], *r.drafts], r.num_tokens - 1, r.pages) for r in reqs]
+        sampling = [sampling_row(r.params, r.rid, self.cfg.seed, self.cfg.vocab_size) for r in reqs]
+        return RankPlan("verify", reqs, pieces, sampling=sampling)
+
+    def commit(self, plan: RankPlan, step: int) -> None:
+        if plan.kind != "verify":
+            return super().commit(plan, step)
+        plan.step = step
+        plan.out_pos = np.asarray([len(r.output_ids) for r in plan.reqs], np.int64)
+        for req, piece in zip(plan.reqs, plan.pieces, strict=True):
+            req.scheduled = piece.start + len(piece.tokens)
+
+    def book_spec(self, plan: RankPlan, tokens_BJ: np.ndarray, counts_B: np.ndarray, logprobs_BJ: np.ndarray,
+                  drafts_BD: np.ndarray, now: float) -> int:
+        """One speculative step's results: each sampling request gets its accepted drafts and the next token
+        (stopping at the first that ends it) and its next drafts. Returns the tokens booked."""
+        verify = plan.kind == "verify"
+        booked = 0
+        for i, req in enumerate(plan.reqs):
+            if req.finished:  # aborted meanwhile
+                continue
+            piece, n = plan.pieces[i], int(counts_B[i])
+            if verify:
+                req.computed = piece.start + n  # the last token and the accepted drafts
+                req.spec_verify_ct += 1
+                req.spec_accepted += n - 1
+                self.verify_steps += 1
+                self.drafted += self.draft_tokens
+                self.accepted += n - 1
+            else:
+                req.computed = max(req.computed, piece.start + len(piece.tokens))
+                if plan.out_pos[i] < 0:  # a prompt chunk that samples nothing
+                    continue
+                del req.output_ids[plan.out_pos[i]:]  # its marker
+            req.drafts = drafts_BD[i].tolist()
+            reason = self._append(req, tokens_BJ[i, :n].tolist(), logprobs_BJ[i, :n].tolist(), now)
+            booked += n
+            a = self.rows.a
+            a.n_out[req.row], a.length[req.row], a.token[req.row], a.step[req.row] = (
+                len(req.output_ids), req.num_tokens, req.output_ids[-1], -1)
+            if reason is not None:
+                self.finish(req, reason, now)
+            elif req.on_update:
+                req.on_update(req)
+        return booked
+
+    def _append(self, req, tokens: list[int], logprobs: list[float], now: float) -> str | None:
+        """Append a request's new tokens one by one; the reason it finishes at one of them, or None."""
+        p = req.params
+        for tok, lp in zip(tokens, logprobs, strict=True):
+            req.output_ids.append(tok)
+            if p.return_logprob:
+                req.output_logprobs.append(lp)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if (tok in self._eos and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids) or (
+                    req.stop_check is not None and req.stop_check(req)):
+                return "stop"
+            if len(req.output_ids) >= self.limit(req):
+                return "length"
+        return None
+
+
+def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: int) -> dict[str, np.ndarray]:
+    """A speculative step's arrays from every rank's plan (`jaxdp.batch.SPEC_SPEC`): its pieces as in an extend,
+    per sequence its drafts, its rows, the token after a chunk that does not end its prompt, and the slots of the
+    2D - 1 positions after the earliest row a verify may stop at (where the chained drafts write)."""
+    D = shape.draft_tokens
+    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, shape.pages_per_seq, pad_slot, draft_tokens=D)
+    ahead = np.arange(1, 2 * D)
+    for r, plan in enumerate(plans):
+        if plan is None:
+            continue
+        fill_pieces(out, r, plan.pieces, page_size)
+        verify, row = plan.kind == "verify", 0
+        for b, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
+            m, end = len(piece.tokens), piece.start + len(piece.tokens)
+            n_draft = D if verify else 0
+            out["first_row_B"][r, b], out["last_row_B"][r, b], out["n_draft_B"][r, b] = row, row + m - 1, n_draft
+            if verify:
+                out["drafts_BD"][r, b] = piece.tokens[1:]
+            samples = verify or end == req.num_tokens
+            out["live_B"][r, b] = samples
+            out["next_token_B"][r, b] = -1 if samples else req.all_ids[end]
+            pos = piece.start + m - 1 - n_draft + ahead
+            pages = np.asarray(piece.pages, np.int64)
+            held = pos < len(pages) * page_size
+            slots = pages[np.minimum(pos // page_size, len(pages) - 1)] * page_size + pos % page_size
+            out["ahead_slots_BA"][r, b] = np.where(held & samples, slots, pad_slot)
+            fill_sampling(out, r, b, *plan.sampling[b], len(req.output_ids))
+            row += m
+    return out
+
+
+class SpecPipeline(StepPipeline):
+    """The step pipeline with speculative steps (`jaxdp.engine.pipeline`; the overlap is off)."""
+
+    def _shape_for(self, rows: list[int], agreement):
+        return self.buckets.shape_for(rows, agreement)  # (every step a speculative one)
+
+    def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
+               agree_s: float) -> InFlight:
+        runner = self.runner
+        out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
+        out["rows_R"] = np.asarray(rows, np.int32)
+        out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)
+        t1 = time.perf_counter()
+        runner.compile(shape)
+        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")
+        tokens, counts, logprobs, drafts, _ = run_spec_step(runner, shape, out)
+        self.blocked = None
+        return InFlight(plans, tokens, logprobs, shape, rows, agreement, runner.last_account, host_s=t1 - t0,
+                        dispatch_s=time.perf_counter() - t1, agree_s=agree_s, spec=(counts, drafts))
+
+    def _book(self, f: InFlight, t_start: float) -> None:
+        t0 = time.perf_counter()
+        self.blocked = (t0, "waiting for a step that runs on every node")
+        tokens, logprobs = self.runner.local_values(f.tokens), self.runner.local_values(f.logprobs)
+        counts, drafts = (self.runner.local_values(a) for a in f.spec)
+        self.blocked = None
+        t1 = time.perf_counter()
+        booked = sum(self.schedulers[r].book_spec(plan, tokens[r], counts[r], logprobs[r], drafts[r], t1)
+                     for r, plan in enumerate(f.plans) if plan)
+        t2 = time.perf_counter()
+        self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
+                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0, new_tokens=booked)

@@ -1,0 +1,164 @@
+"""The speculative step (MTP / EAGLE with topk 1): verify, accept and draft in one compiled `shard_map`.
+
+Every sequence of a rank is a piece of rows, as in an extend step: a prompt chunk, or a verify (the request's
+last token and its D draft tokens at the next D positions). Per rank, the step:
+
+1. runs the target model over the rows (the expanded MLA path, the places of `jaxdp.parallel.places` as in
+   every step), writing their latents, and takes the logits of D + 1 rows per sequence (a verify's every row;
+   a prompt's last row) and the final normed hidden state of every row;
+2. accepts (`jaxdp.engine.spec_sampling.verify_row`): a verify keeps its leading drafts the target agrees
+   with (greedy: equal to its argmax; sampling: rejection sampling against the request's own filtered
+   distribution) and adds the target's next token; a prompt that ends in this chunk only samples its first
+   token. The tokens a request gets are distributed as without speculation (greedy: identical);
+3. drafts the next D tokens with the MTP layer: one pass over the same rows (row i: the target's hidden state
+   of row i and the token that follows it, the sampled one after the last accepted row), which writes the
+   draft KV of the accepted positions, then D - 1 one-row steps chained on the draft's own normed hidden state
+   (SGLang's choice), each writing the draft KV of its position (`ahead_slots_BA`, pages the scheduler holds).
+
+Rows a verify rejected leave latents past the request's accepted length, in its own pages: the next verify
+starts at the first of them and writes them again before anything reads them (attention reads only positions
+up to its own row), so they are given back simply by the request's length not covering them. Ranks with no
+sequences run the same program on padding (the idle draft and verify steps); the gather before the MoE counts
+each rank's rows (`rows_R`) in the target pass and the MTP pass, and its live sequences (`seqs_R`) in the chained
+steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, step_sizes
+from jaxdp.engine.sampling import filtered_probs
+from jaxdp.engine.spec_sampling import verify_row
+from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
+from jaxdp.parallel.sharding import lm_head_mode
+
+DRAFT_PREFIX = "mtp_"  # the draft KV's entries in the runner's pool
+
+
+def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):
+    """Tokens [B, D + 1] (the accepted drafts, the next token, -1 after), accepted drafts [B] and the
+    log-probability of each token under the unmodified distribution [B, D + 1]."""
+    greedy_BJ = jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32)
+    is_greedy = temperature == 0
+
+    def probs():
+        f = jax.vmap(jax.vmap(filtered_probs, in_axes=(0, None, None, None, None)))
+        return f(logits_BJV, temperature, top_p, top_k, min_p)
+
+    # every row greedy (the common case): no distribution to build; the point masses make it exact anyway
+    p_BJV = jax.lax.cond(jnp.all(is_greedy), lambda: jax.nn.one_hot(greedy_BJ, logits_BJV.shape[-1]), probs)
+    keys = jax.vmap(lambda k: jax.random.wrap_key_data(k, impl="threefry2x32"))(keys_B2)
+    tokens_BJ, accepted_B = jax.vmap(verify_row, in_axes=(0, None, 0, 0, 0, 0, 0))(
+        p_BJV, None, drafts_BD, greedy_BJ, is_greedy, keys, n_draft_B)
+    lp_BJV = jax.nn.log_softmax(logits_BJV.astype(jnp.float32), axis=-1)
+    logprobs_BJ = jnp.take_along_axis(lp_BJV, jnp.maximum(tokens_BJ, 0)[..., None], axis=-1)[..., 0]
+    return tokens_BJ, accepted_B, logprobs_BJ
+
+
+def build_spec_step(runner, shape):
+    """The jitted speculative step of `shape` (a StepShape with draft_tokens D) for `runner` (a StepRunner with
+    a draft model)."""
+    lay, cfg = runner.layout, runner.cfg
+    D, T, B = shape.draft_tokens, shape.num_rows, shape.num_seqs
+    gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
+    chain_gather = GatherSpec("max_len", lay.dp, lay.tp)
+    lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
+    graphdef, draft_graphdef, decode_kernel = runner.graphdef, runner.draft_graphdef, runner.decode_kernel
+    ep_ragged = ragged_a2a_on(runner.mesh.devices.flat[0].platform)
+
+    def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R):
+        b = {k: v[0] for k, v in batch.items()}
+        s = {k: v[0] for k, v in spec.items()}
+        smp = {k: v[0] for k, v in sampling.items()}
+        cache = {k: v[0] for k, v in cache.items()}
+        main = {k: v for k, v in cache.items() if not k.startswith(DRAFT_PREFIX)}
+        draft_kv = {k[len(DRAFT_PREFIX):]: v for k, v in cache.items() if k.startswith(DRAFT_PREFIX)}
+        comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged)
+        model = nnx.merge(graphdef, state)
+        attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
+        first, last, n_draft = s["first_row_B"], s["last_row_B"], s["n_draft_B"]
+        # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times
+        lead_B = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
+        j = jnp.arange(D + 1)
+        rows_BJ = first[:, None] + jnp.minimum(lead_B[:, None] + j[None], (last - first)[:, None])
+        logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_BJ.reshape(-1), comm,
+                                                   absorbed=False, decode_kernel=decode_kernel, return_hidden=True)
+        logits_BJV = logits_LV.reshape(B, D + 1, -1)
+        tokens_BJ, accepted_B, logprobs_BJ = _accept(logits_BJV, s["drafts_BD"], n_draft, smp["temperature"],
+                                                     smp["top_p"], smp["top_k"], smp["min_p"], smp["keys"])
+        following_B = jnp.take_along_axis(tokens_BJ, accepted_B[:, None], axis=1)[:, 0]
+        next_B = jnp.where(s["next_token_B"] >= 0, s["next_token_B"], following_B)
+        accrow_B = lead_B + accepted_B  # the last accepted row of each sequence, from its first
+
+        # the MTP pass over the step's rows: row i reads the token after it (the sampled one after accrow)
+        seq_T = jnp.minimum(b["seq_T"], B - 1)
+        i_T = jnp.arange(T) - first[seq_T]
+        acc_T = accrow_B[seq_T]
+        after_T = jnp.concatenate([b["tokens_T"][1:], jnp.zeros((1,), jnp.int32)])
+        mtp_tokens_T = jnp.where(i_T < acc_T, after_T, jnp.where(i_T == acc_T, next_B[seq_T], 0))
+        mtp_valid_T = b["valid_T"] & (i_T <= acc_T)
+        drafter = nnx.merge(draft_graphdef, draft_state)
+        embed, head = model.embed_VD[...], model.lm_head_weight()
+        at_B = first + accrow_B
+        d_logits_BV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden_TD, mtp_valid_T, attn, draft_kv, at_B, comm,
+                                                 embed, head, absorbed=False, decode_kernel=decode_kernel)
+        drafts = [jnp.argmax(d_logits_BV, axis=-1).astype(jnp.int32)]
+        h_BD = drafter.shared_norm(h_TD[at_B])
+        # the chained one-row steps, at the positions after the last accepted one
+        chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, B, seqs_R, tied, ep_ragged)
+        pos_B = b["positions_T"][first] + accrow_B
+        seqs = jnp.arange(B, dtype=jnp.int32)
+        for step in range(1, D):
+            p_B = pos_B + step
+            slot_B = jnp.take_along_axis(s["ahead_slots_BA"], (accepted_B + step - 1)[:, None], axis=1)[:, 0]
+            one = AttnBatch(p_B, seqs, slot_B, b["page_table_BN"], p_B + 1)
+            d_logits_BV, h_BD, draft_kv, _ = drafter(drafts[-1], h_BD, s["live_B"], one, draft_kv, seqs, chain, embed,
+                                                     head, absorbed=True, decode_kernel=decode_kernel)
+            drafts.append(jnp.argmax(d_logits_BV, axis=-1).astype(jnp.int32))
+            h_BD = drafter.shared_norm(h_BD)
+        cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
+        out = (tokens_BJ, accepted_B + 1, logprobs_BJ, jnp.stack(drafts, axis=1))
+        return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+
+    dp_spec = P("dp")
+    fn = jax.shard_map(
+        per_device, mesh=runner.mesh,
+        in_specs=(runner.state_specs, runner.draft_specs, {k: dp_spec for k in runner.cache},
+                  {k: dp_spec for k in STEP_FIELDS}, {a.name: dp_spec for a in SPEC_SPEC},
+                  {a.name: dp_spec for a in SAMPLING_SPEC}, P(), P()),
+        out_specs=(dp_spec, dp_spec, dp_spec, dp_spec, {k: dp_spec for k in runner.cache}, P(ALL)), check_vma=False)
+    return jax.jit(fn, donate_argnums=(2,))
+
+
+def spec_abstract_args(runner, shape):
+    """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time)."""
+    dp, sh = runner.layout.dp, NamedSharding(runner.mesh, P("dp"))
+    sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, draft_tokens=shape.draft_tokens)
+
+    def structs(spec):
+        return {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in spec}
+
+    per_rank = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(runner.mesh, P()))
+    return (runner.state, runner.draft_state, runner.cache, structs(STEP_SPEC), structs(SPEC_SPEC),
+            structs(SAMPLING_SPEC), per_rank, per_rank)
+
+
+def run_spec_step(runner, shape, arrays: dict[str, np.ndarray]):
+    """Queue one speculative step: returns device arrays (tokens [dp, B, D + 1], tokens per sequence [dp, B],
+    their log-probabilities [dp, B, D + 1], the next drafts [dp, B, D], rows per expert)."""
+    runner.compile(shape)
+    put = {name: {a.name: runner.put(arrays[a.name]) for a in spec}
+           for name, spec in (("step", STEP_SPEC), ("spec", SPEC_SPEC), ("sampling", SAMPLING_SPEC))}
+    rows = runner.put(np.asarray(arrays["rows_R"], np.int32), P())
+    seqs = runner.put(np.asarray(arrays["seqs_R"], np.int32), P())
+    *out, runner.cache, rows_E = runner.executable(shape)(runner.state, runner.draft_state, runner.cache,
+                                                          put["step"], put["spec"], put["sampling"], rows, seqs)
+    runner.last_account = runner.account(shape, arrays["rows_R"])
+    return (*out, rows_E)
