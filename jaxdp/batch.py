@@ -39,24 +39,29 @@ STEP_SPEC = (StepArray("tokens_T", "T", np.int32, 0), StepArray("valid_T", "T", 
 SAMPLING_SPEC = (StepArray("temperature", "B", np.float32, 0.0), StepArray("top_p", "B", np.float32, 1.0),
                  StepArray("top_k", "B", np.int32, -1), StepArray("min_p", "B", np.float32, 0.0),
                  StepArray("keys", "BK", np.uint32, 0))
-# what a speculative step reads besides (`jaxdp.parallel.spec_step`), per sequence: each sequence is a piece of
-# rows (a prompt chunk, or a verify: the last token and D drafts); D the draft tokens, A = 2D - 1 positions ahead
-SPEC_SPEC = (StepArray("drafts_BD", "BD", np.int32, 0),  # the draft tokens a verify row offers
-             StepArray("n_draft_B", "B", np.int32, 0),  # D for a verify, 0 for a prompt chunk
-             StepArray("first_row_B", "B", np.int32, 0), StepArray("last_row_B", "B", np.int32, 0),
-             StepArray("next_token_B", "B", np.int32, -1),  # a chunk's next prompt token; -1: the sampled one
-             StepArray("live_B", "B", np.bool_, False),  # the sequence samples (its drafts are made)
-             StepArray("ahead_slots_BA", "BA", np.int32, "slot"))  # slots of the A positions past the base
+# what a speculative step reads besides (`jaxdp.parallel.spec_step`): per request (R) its rows, its drafts (D), the
+# token after a chunk that does not end its prompt, the slots of A = 2D - 1 positions ahead; per row (T) its request
+SPEC_SPEC = (StepArray("req_T", "T", np.int32, "R"),  # the request of each row (padding: none)
+             StepArray("drafts_RD", "RD", np.int32, 0),  # the draft tokens a verify offers
+             StepArray("n_draft_R", "R", np.int32, 0),  # D for a verify, 0 for a prompt chunk
+             StepArray("first_row_R", "R", np.int32, 0), StepArray("last_row_R", "R", np.int32, 0),
+             StepArray("next_token_R", "R", np.int32, -1),  # a chunk's next prompt token; -1: the sampled one
+             StepArray("live_R", "R", np.bool_, False),  # the request samples (its drafts are made)
+             StepArray("ahead_slots_RA", "RA", np.int32, "slot"))  # slots of the A positions past its base
 STEP_FIELDS = tuple(a.name for a in STEP_SPEC)
 SAMPLING_KEYS = tuple(a.name for a in SAMPLING_SPEC)
 SPEC_FIELDS = tuple(a.name for a in SPEC_SPEC)
 
 
-def step_sizes(num_rows: int, num_seqs: int, pages_per_seq: int, num_logits: int | None = None,
-               draft_tokens: int = 0) -> dict[str, int]:
+def step_sizes(num_rows: int, num_seqs: int, pages_per_seq: int, num_logits: int | None = None) -> dict[str, int]:
     """The sizes of the shape letters of `StepArray.dims`."""
     return {"T": num_rows, "B": num_seqs, "N": pages_per_seq, "L": num_seqs if num_logits is None else num_logits,
-            "K": 2, "D": max(draft_tokens, 1), "A": max(2 * draft_tokens - 1, 1)}
+            "K": 2}
+
+
+def spec_sizes(num_rows: int, num_requests: int, draft_tokens: int) -> dict[str, int]:
+    """The sizes of a speculative step's own arrays (SPEC_SPEC), and of its sampling arrays: one row a request."""
+    return {"T": num_rows, "R": num_requests, "B": num_requests, "K": 2, "D": draft_tokens, "A": 2 * draft_tokens - 1}
 
 
 @dataclasses.dataclass
@@ -66,13 +71,19 @@ class Piece:
     pages: list[int]  # pages of the whole context, in order
 
 
-def empty_step(dp: int, num_rows: int, num_seqs: int, pages_per_seq: int, pad_slot: int,
-               draft_tokens: int = 0) -> dict[str, np.ndarray]:
-    """All-padding arrays of a step and its sampling: T = num_rows token rows and B = num_seqs sequences per rank;
-    with `draft_tokens`, a speculative step's arrays too."""
-    sizes = step_sizes(num_rows, num_seqs, pages_per_seq, draft_tokens=draft_tokens)
-    fill = {"B": num_seqs, "slot": pad_slot}
-    arrays = (*STEP_SPEC, *SAMPLING_SPEC, *(SPEC_SPEC if draft_tokens else ()))
+def empty_step(dp: int, num_rows: int, num_seqs: int, pages_per_seq: int, pad_slot: int) -> dict[str, np.ndarray]:
+    """All-padding arrays of a step and its sampling: T = num_rows token rows and B = num_seqs sequences per rank."""
+    sizes, fill = step_sizes(num_rows, num_seqs, pages_per_seq), {"B": num_seqs, "slot": pad_slot}
+    return _filled((*STEP_SPEC, *SAMPLING_SPEC), dp, sizes, fill)
+
+
+def empty_spec(dp: int, num_rows: int, num_requests: int, draft_tokens: int, pad_slot: int) -> dict[str, np.ndarray]:
+    """All-padding arrays of a speculative step's own inputs and of its sampling (one row a request)."""
+    sizes = spec_sizes(num_rows, num_requests, draft_tokens)
+    return _filled((*SPEC_SPEC, *SAMPLING_SPEC), dp, sizes, {"R": num_requests, "slot": pad_slot})
+
+
+def _filled(arrays, dp: int, sizes: dict[str, int], fill: dict[str, int]) -> dict[str, np.ndarray]:
     return {a.name: np.full(a.shape(dp, sizes), fill[a.pad] if isinstance(a.pad, str) else a.pad, a.dtype)
             for a in arrays}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxdp.experiments import crossover, ep, single_request, skew
+from jaxdp.experiments import crossover, ep, recipes, single_request, skew
 from jaxdp.experiments.__main__ import EXPERIMENTS, main
 
 
@@ -98,8 +98,24 @@ def check_crossover(r: dict) -> None:
                                           for c in concurrency}
 
 
+def check_recipes(r: dict) -> None:
+    assert set(r["curves"]) == set(recipes.LAYOUTS)
+    concurrency = [p["concurrency"] for p in r["curves"]["tp=4"]["plain"]]
+    assert concurrency == sorted(concurrency) and len(concurrency) >= 3
+    for name, modes in r["curves"].items():
+        assert set(modes) == {"plain", "mtp"}, name
+        for mode, pts in modes.items():
+            assert [p["concurrency"] for p in pts] == concurrency, (name, mode)
+            assert positive(p["output_throughput"] for p in pts), (name, mode)
+        tok = {m: {p["concurrency"]: p["output_throughput"] for p in v} for m, v in modes.items()}
+        assert r["mtp_speedup"][name] == {str(c): pytest.approx(tok["mtp"][c] / tok["plain"][c]) for c in concurrency}
+        # the drafts were accepted: more than one token a verify on the default model's long skill
+        assert 1.0 < r["avg_spec_accept_length"][name] <= 4.0, name
+
+
 CHECKS = {"skew": check_skew, "single-request": check_single_request,
-          "prompt-in-the-way": check_prompt_in_the_way, "ep": check_ep, "crossover": check_crossover}
+          "prompt-in-the-way": check_prompt_in_the_way, "ep": check_ep, "crossover": check_crossover,
+          "recipes": check_recipes}
 RECORDED = Path(__file__).parent.parent / "docs" / "experiments"  # tables and plots
 RECORDED_JSON = Path(__file__).parent.parent / "benchmarks" / "results" / "experiments"  # their raw results
 
@@ -135,7 +151,8 @@ def test_the_recorded_runs_pass_the_same_checks(name):
      "single-request": lambda r: r["median_itl_ms"].update({"dp=4": float("nan")}),
      "prompt-in-the-way": lambda r: r["tests"]["pinned long"].update(prompts_done=0),
      "ep": lambda r: r["expert_rows_per_step"]["moe=tp"]["skewed"].update(jaxdp_computed=160),
-     "crossover": lambda r: r["curves"]["dp=4"][-1].update(output_throughput=0.0)}[name](broken)
+     "crossover": lambda r: r["curves"]["dp=4"][-1].update(output_throughput=0.0),
+     "recipes": lambda r: r["avg_spec_accept_length"].update({"dp=4": 1.0})}[name](broken)
     with pytest.raises(AssertionError):
         CHECKS[name](broken)
 

@@ -100,3 +100,43 @@ def test_greedy_rows_keep_the_greedy_tokens():
         a = wrong_at[b]
         np.testing.assert_array_equal(tokens[b, : a + 1], np.asarray(greedy[b, : a + 1]))
         assert (tokens[b, a + 1:] == -1).all()
+
+
+@pytest.mark.parametrize("n_draft", [0, 1])
+def test_fewer_drafts_offered_than_positions(n_draft):
+    """A row offering n_draft < K drafts (a prompt's first token: 0) accepts at most n_draft, and the token after
+    the offered ones follows the target there (no draft subtracted from it)."""
+    from jaxdp.engine.spec_sampling import verify_row
+
+    rng = np.random.default_rng(4)
+    V, K = 8, 2
+    p = _probs(rng, (K + 1, V))
+    draft = np.array([np.argmax(p[0]), np.argmax(p[1])])
+    keys = jax.random.split(jax.random.key(5), N)
+    f = jax.jit(jax.vmap(verify_row, in_axes=(None, None, None, None, None, 0, None)))
+    tokens, accepted = f(jnp.asarray(p), None, jnp.asarray(draft), jnp.argmax(jnp.asarray(p), -1), False, keys,
+                         n_draft)
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    assert accepted.max() == n_draft
+    after = tokens[accepted == n_draft, n_draft]
+    assert _chi_square_p(np.bincount(after, minlength=V), p[n_draft]) > 1e-3
+
+
+def test_filtered_probs_are_what_a_row_samples_from():
+    """`filtered_probs` (what speculative sampling accepts against) is the distribution `sample_tokens` draws
+    from: temperature, top-k, top-p and min-p applied the same way (chi-square over the sampler's draws)."""
+    from jaxdp.engine.sampling import filtered_probs, sample_tokens
+
+    rng = np.random.default_rng(6)
+    V = 16
+    logits = jnp.asarray(rng.normal(size=(V,)) * 2, jnp.float32)
+    t, top_p, top_k, min_p = 0.7, 0.9, 6, 0.02
+    p = np.asarray(filtered_probs(logits, t, top_p, top_k, min_p), np.float64)
+    n = 4000
+    ones = np.ones((1, n), np.float32)
+    keys = np.stack([np.full(n, 11, np.uint32), np.arange(n, dtype=np.uint32)], -1)[None]
+    tokens, _ = sample_tokens(jnp.broadcast_to(logits, (1, n, V)), jnp.asarray(ones * t), jnp.asarray(ones * top_p),
+                              jnp.asarray(np.full((1, n), top_k, np.int32)), jnp.asarray(ones * min_p),
+                              jnp.asarray(keys))
+    assert (p > 0).sum() <= top_k
+    assert _chi_square_p(np.bincount(np.asarray(tokens)[0], minlength=V), p / p.sum()) > 1e-3

@@ -49,6 +49,11 @@ class Buckets:
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
 
+    @property
+    def largest_decode_rows(self) -> int:
+        """Rows per rank the largest decode bucket holds (a verify's draft_tokens + 1 a request)."""
+        return self.decode[-1] * (self.draft_tokens + 1)
+
     def with_pages(self, pages_per_seq: int, page_size: int) -> Buckets:
         return dataclasses.replace(self, pages=tuple(page_buckets(pages_per_seq, page_size)))
 
@@ -86,9 +91,12 @@ class Buckets:
     def shapes(self) -> list[StepShape]:
         """Every step shape a serving step may take (compiled at start-up)."""
         out = []
-        if self.draft_tokens:  # every step verifies, samples and drafts
-            return [StepShape(False, t, self.extend_seqs(t), n, m, s, draft_tokens=self.draft_tokens)
-                    for n in self.pages for t in self.extend for m, s in self.extend_modes(t)]
+        if self.draft_tokens:  # every step verifies, samples and drafts: as a decode (only verifies), or an extend
+            rows = self.draft_tokens + 1
+            return [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
+                    for n in self.pages for b in self.decode] + [
+                StepShape(False, t, self.extend_seqs(t), n, m, s, draft_tokens=self.draft_tokens)
+                for n in self.pages for t in self.extend for m, s in self.extend_modes(t)]
         for n in self.pages:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
@@ -104,7 +112,11 @@ class Buckets:
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
-        if self.draft_tokens:
+        if self.draft_tokens:  # (a verify is draft_tokens + 1 rows a request)
+            if agreement.use_decode_bucket:
+                per = self.draft_tokens + 1
+                b = self.decode[bisect.bisect_left(self.decode, -(-busiest // per))] * per
+                return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens)
             return dataclasses.replace(self._extend_shape(rows, busiest, pages_per_seq), draft_tokens=self.draft_tokens)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]

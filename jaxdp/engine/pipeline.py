@@ -139,7 +139,7 @@ class StepPipeline:
 
     def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
         tops = [s.top_logprob_requests > 0 for s in self.schedulers]
-        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
+        return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages, tops)
 
     def _isolate(self, plans: list[RankPlan | None]) -> None:
         """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan

@@ -48,6 +48,8 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
     t0 = time.perf_counter()
     for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
         runner.compile(shape)
+        if shape.draft_tokens:  # a speculative step samples inside itself
+            continue
         idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
         logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
         jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))

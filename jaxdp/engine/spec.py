@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxdp.batch import Piece, empty_step, fill_pieces
+from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
 from jaxdp.engine.pipeline import StepPipeline
 from jaxdp.engine.plan import RankPlan
 from jaxdp.engine.rows import fill_sampling
@@ -148,31 +148,38 @@ class SpecScheduler(Scheduler):
 
 
 def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: int) -> dict[str, np.ndarray]:
-    """A speculative step's arrays from every rank's plan (`jaxdp.batch.SPEC_SPEC`): its pieces as in an extend,
-    per sequence its drafts, its rows, the token after a chunk that does not end its prompt, and the slots of the
-    2D - 1 positions after the earliest row a verify may stop at (where the chained drafts write)."""
-    D = shape.draft_tokens
-    out = empty_step(len(plans), shape.num_rows, shape.num_seqs, shape.pages_per_seq, pad_slot, draft_tokens=D)
+    """A speculative step's arrays from every rank's plan: the rows as in an extend (each request a piece) or, in
+    the absorbed form, as in a decode (each verify row a sequence of its own at its position); per request
+    (`jaxdp.batch.SPEC_SPEC`) its rows and drafts, the token after a chunk that does not end its prompt, and the
+    slots of the 2D - 1 positions after the earliest row a verify may stop at (where the chained drafts write)."""
+    D, dp = shape.draft_tokens, len(plans)
+    out = empty_step(dp, shape.num_rows, shape.num_seqs, shape.pages_per_seq, pad_slot)
+    out |= empty_spec(dp, shape.num_rows, shape.num_requests, D, pad_slot)
     ahead = np.arange(1, 2 * D)
     for r, plan in enumerate(plans):
         if plan is None:
             continue
-        fill_pieces(out, r, plan.pieces, page_size)
+        if shape.absorbed:  # every row a sequence: its request's pages, its own length
+            fill_pieces(out, r, [Piece([t], p.start + j, p.pages) for p in plan.pieces for j, t in enumerate(p.tokens)],
+                        page_size)
+        else:
+            fill_pieces(out, r, plan.pieces, page_size)
         verify, row = plan.kind == "verify", 0
         for b, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
             m, end = len(piece.tokens), piece.start + len(piece.tokens)
             n_draft = D if verify else 0
-            out["first_row_B"][r, b], out["last_row_B"][r, b], out["n_draft_B"][r, b] = row, row + m - 1, n_draft
+            out["first_row_R"][r, b], out["last_row_R"][r, b], out["n_draft_R"][r, b] = row, row + m - 1, n_draft
+            out["req_T"][r, row: row + m] = b
             if verify:
-                out["drafts_BD"][r, b] = piece.tokens[1:]
+                out["drafts_RD"][r, b] = piece.tokens[1:]
             samples = verify or end == req.num_tokens
-            out["live_B"][r, b] = samples
-            out["next_token_B"][r, b] = -1 if samples else req.all_ids[end]
+            out["live_R"][r, b] = samples
+            out["next_token_R"][r, b] = -1 if samples else req.all_ids[end]
             pos = piece.start + m - 1 - n_draft + ahead
             pages = np.asarray(piece.pages, np.int64)
             held = pos < len(pages) * page_size
             slots = pages[np.minimum(pos // page_size, len(pages) - 1)] * page_size + pos % page_size
-            out["ahead_slots_BA"][r, b] = np.where(held & samples, slots, pad_slot)
+            out["ahead_slots_RA"][r, b] = np.where(held & samples, slots, pad_slot)
             fill_sampling(out, r, b, *plan.sampling[b], len(req.output_ids))
             row += m
     return out

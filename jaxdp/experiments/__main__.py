@@ -7,11 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdp.experiments import crossover, ep, prompt_in_the_way, single_request, skew
+from jaxdp.experiments import crossover, ep, prompt_in_the_way, recipes, single_request, skew
 from jaxdp.experiments.runner import Context, ExperimentError, check_server_flags
 
 EXPERIMENTS = {"skew": skew, "single-request": single_request, "prompt-in-the-way": prompt_in_the_way, "ep": ep,
-               "crossover": crossover}
+               "crossover": crossover, "recipes": recipes}
 
 
 class Parser(argparse.ArgumentParser):

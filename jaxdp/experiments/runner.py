@@ -69,14 +69,16 @@ class Context:
         return [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-path"][-1]
 
     @contextlib.contextmanager
-    def server(self, mesh: str, *flags: str, label: str = "") -> Iterator[str]:
+    def server(self, mesh: str, *flags: str, label: str = "", tokenizer: bool = False) -> Iterator[str]:
         """`python -m jaxdp.serve --mesh MESH` on a free port of 127.0.0.1 for the `with` block; yields its URL.
-        The experiment's own sizes come before the user's flags, so a user flag wins."""
+        The experiment's own sizes come before the user's flags, so a user flag wins. `tokenizer`: the server
+        reads text (the default flags skip its tokenizer: the loads are token ids)."""
         port = free_port()
         tag = mesh.replace(",", "_").replace("=", "") + (f"-{label}" if label else "")
         log_path = self.output_dir / "logs" / f"{self.name}-{tag}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "jaxdp.serve", *DEFAULT_SERVER_FLAGS, *flags, *self.server_flags,
+        defaults = [f for f in DEFAULT_SERVER_FLAGS if not (tokenizer and f == "--skip-tokenizer-init")]
+        cmd = [sys.executable, "-m", "jaxdp.serve", *defaults, *flags, *self.server_flags,
                "--mesh", mesh, "--host", "127.0.0.1", "--port", str(port)]
         print(f"[{self.name}] starting a server: --mesh {mesh} {' '.join(flags)} (log: {log_path})", flush=True)
         with log_path.open("w") as log:
@@ -92,11 +94,16 @@ class Context:
             _stop(proc)
 
     def bench(self, url: str, *, num_prompts: int, input_len: int, output_len: int, concurrency: int | None = None,
-              ranks: str = "none", rate: float | None = None, warmup: int = 1, seed: int = 1) -> dict:
-        """One `jaxdp.bench` point (random token ids) against `url`."""
+              ranks: str = "none", rate: float | None = None, warmup: int = 1, seed: int = 1,
+              dataset: Path | None = None) -> dict:
+        """One `jaxdp.bench` point against `url`: random token ids, or the conversations of a ShareGPT-format
+        `dataset` (text; each request stops at its end of sequence, at most `output_len` tokens)."""
         argv = ["--base-url", url, "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
                 "--random-output-len", str(output_len), "--routed-dp-rank", ranks, "--warmup-requests", str(warmup),
                 "--seed", str(seed), "--disable-tqdm"]
+        if dataset is not None:
+            argv += ["--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len",
+                     str(output_len), "--disable-ignore-eos"]
         if concurrency is not None:
             argv += ["--max-concurrency", str(concurrency)]
         if rate is not None:

@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, step_sizes
+from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, spec_sizes, step_sizes
 from jaxdp.engine.sampling import filtered_probs
 from jaxdp.engine.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
@@ -43,8 +43,8 @@ DRAFT_PREFIX = "mtp_"  # the draft KV's entries in the runner's pool
 
 
 def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):
-    """Tokens [B, D + 1] (the accepted drafts, the next token, -1 after), accepted drafts [B] and the
-    log-probability of each token under the unmodified distribution [B, D + 1]."""
+    """Per request (B of them here): tokens [B, D + 1] (the accepted drafts, the next token, -1 after), accepted
+    drafts [B] and the log-probability of each token under the unmodified distribution [B, D + 1]."""
     greedy_BJ = jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32)
     is_greedy = temperature == 0
 
@@ -64,9 +64,11 @@ def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, 
 
 def build_spec_step(runner, shape):
     """The jitted speculative step of `shape` (a StepShape with draft_tokens D) for `runner` (a StepRunner with
-    a draft model)."""
+    a draft model). `shape.absorbed`: every rank only verifies, and each verify row is a sequence of its own
+    (its request's page table, its own length: causal inside the verify), so the target and the MTP pass run
+    the absorbed decode form; otherwise the rows are pieces as in an extend step (a prompt chunk somewhere)."""
     lay, cfg = runner.layout, runner.cfg
-    D, T, B = shape.draft_tokens, shape.num_rows, shape.num_seqs
+    D, T, R, absorbed = shape.draft_tokens, shape.num_rows, shape.num_requests, shape.absorbed
     gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
     chain_gather = GatherSpec("max_len", lay.dp, lay.tp)
     lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
@@ -83,48 +85,49 @@ def build_spec_step(runner, shape):
         comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged)
         model = nnx.merge(graphdef, state)
         attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
-        first, last, n_draft = s["first_row_B"], s["last_row_B"], s["n_draft_B"]
+        first, last, n_draft = s["first_row_R"], s["last_row_R"], s["n_draft_R"]
         # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times
-        lead_B = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
+        lead_R = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
         j = jnp.arange(D + 1)
-        rows_BJ = first[:, None] + jnp.minimum(lead_B[:, None] + j[None], (last - first)[:, None])
-        logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_BJ.reshape(-1), comm,
-                                                   absorbed=False, decode_kernel=decode_kernel, return_hidden=True)
-        logits_BJV = logits_LV.reshape(B, D + 1, -1)
-        tokens_BJ, accepted_B, logprobs_BJ = _accept(logits_BJV, s["drafts_BD"], n_draft, smp["temperature"],
+        rows_RJ = first[:, None] + jnp.minimum(lead_R[:, None] + j[None], (last - first)[:, None])
+        logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
+                                                   absorbed=absorbed, decode_kernel=decode_kernel, return_hidden=True)
+        logits_RJV = logits_LV.reshape(R, D + 1, -1)
+        tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"], n_draft, smp["temperature"],
                                                      smp["top_p"], smp["top_k"], smp["min_p"], smp["keys"])
-        following_B = jnp.take_along_axis(tokens_BJ, accepted_B[:, None], axis=1)[:, 0]
-        next_B = jnp.where(s["next_token_B"] >= 0, s["next_token_B"], following_B)
-        accrow_B = lead_B + accepted_B  # the last accepted row of each sequence, from its first
+        following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
+        next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
+        accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
 
         # the MTP pass over the step's rows: row i reads the token after it (the sampled one after accrow)
-        seq_T = jnp.minimum(b["seq_T"], B - 1)
-        i_T = jnp.arange(T) - first[seq_T]
-        acc_T = accrow_B[seq_T]
+        req_T = jnp.minimum(s["req_T"], R - 1)
+        i_T = jnp.arange(T) - first[req_T]
+        acc_T = accrow_R[req_T]
         after_T = jnp.concatenate([b["tokens_T"][1:], jnp.zeros((1,), jnp.int32)])
-        mtp_tokens_T = jnp.where(i_T < acc_T, after_T, jnp.where(i_T == acc_T, next_B[seq_T], 0))
+        mtp_tokens_T = jnp.where(i_T < acc_T, after_T, jnp.where(i_T == acc_T, next_R[req_T], 0))
         mtp_valid_T = b["valid_T"] & (i_T <= acc_T)
         drafter = nnx.merge(draft_graphdef, draft_state)
         embed, head = model.embed_VD[...], model.lm_head_weight()
-        at_B = first + accrow_B
-        d_logits_BV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden_TD, mtp_valid_T, attn, draft_kv, at_B, comm,
-                                                 embed, head, absorbed=False, decode_kernel=decode_kernel)
-        drafts = [jnp.argmax(d_logits_BV, axis=-1).astype(jnp.int32)]
-        h_BD = drafter.shared_norm(h_TD[at_B])
+        at_R = first + accrow_R
+        d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden_TD, mtp_valid_T, attn, draft_kv, at_R, comm,
+                                                 embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
+        drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
+        h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one
-        chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, B, seqs_R, tied, ep_ragged)
-        pos_B = b["positions_T"][first] + accrow_B
-        seqs = jnp.arange(B, dtype=jnp.int32)
+        chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged)
+        pos_R = b["positions_T"][first] + accrow_R
+        table_RN = b["page_table_BN"][first] if absorbed else b["page_table_BN"]  # (absorbed: a row's is its request's)
+        reqs = jnp.arange(R, dtype=jnp.int32)
         for step in range(1, D):
-            p_B = pos_B + step
-            slot_B = jnp.take_along_axis(s["ahead_slots_BA"], (accepted_B + step - 1)[:, None], axis=1)[:, 0]
-            one = AttnBatch(p_B, seqs, slot_B, b["page_table_BN"], p_B + 1)
-            d_logits_BV, h_BD, draft_kv, _ = drafter(drafts[-1], h_BD, s["live_B"], one, draft_kv, seqs, chain, embed,
+            p_R = pos_R + step
+            slot_R = jnp.take_along_axis(s["ahead_slots_RA"], (accepted_R + step - 1)[:, None], axis=1)[:, 0]
+            one = AttnBatch(p_R, reqs, slot_R, table_RN, p_R + 1)
+            d_logits_RV, h_RD, draft_kv, _ = drafter(drafts[-1], h_RD, s["live_R"], one, draft_kv, reqs, chain, embed,
                                                      head, absorbed=True, decode_kernel=decode_kernel)
-            drafts.append(jnp.argmax(d_logits_BV, axis=-1).astype(jnp.int32))
-            h_BD = drafter.shared_norm(h_BD)
+            drafts.append(jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32))
+            h_RD = drafter.shared_norm(h_RD)
         cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-        out = (tokens_BJ, accepted_B + 1, logprobs_BJ, jnp.stack(drafts, axis=1))
+        out = (tokens_RJ, accepted_R + 1, logprobs_RJ, jnp.stack(drafts, axis=1))
         return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
 
     dp_spec = P("dp")
@@ -140,19 +143,20 @@ def build_spec_step(runner, shape):
 def spec_abstract_args(runner, shape):
     """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time)."""
     dp, sh = runner.layout.dp, NamedSharding(runner.mesh, P("dp"))
-    sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, draft_tokens=shape.draft_tokens)
+    step = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq)
+    own = spec_sizes(shape.num_rows, shape.num_requests, shape.draft_tokens)
 
-    def structs(spec):
+    def structs(spec, sizes):
         return {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in spec}
 
     per_rank = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(runner.mesh, P()))
-    return (runner.state, runner.draft_state, runner.cache, structs(STEP_SPEC), structs(SPEC_SPEC),
-            structs(SAMPLING_SPEC), per_rank, per_rank)
+    return (runner.state, runner.draft_state, runner.cache, structs(STEP_SPEC, step), structs(SPEC_SPEC, own),
+            structs(SAMPLING_SPEC, own), per_rank, per_rank)
 
 
 def run_spec_step(runner, shape, arrays: dict[str, np.ndarray]):
-    """Queue one speculative step: returns device arrays (tokens [dp, B, D + 1], tokens per sequence [dp, B],
-    their log-probabilities [dp, B, D + 1], the next drafts [dp, B, D], rows per expert)."""
+    """Queue one speculative step: returns device arrays (tokens [dp, R, D + 1], tokens per request [dp, R],
+    their log-probabilities [dp, R, D + 1], the next drafts [dp, R, D], rows per expert)."""
     runner.compile(shape)
     put = {name: {a.name: runner.put(arrays[a.name]) for a in spec}
            for name, spec in (("step", STEP_SPEC), ("spec", SPEC_SPEC), ("sampling", SAMPLING_SPEC))}

@@ -51,6 +51,12 @@ class StepShape:
         return self.num_rows if self.all_logits else self.num_seqs
 
     @property
+    def num_requests(self) -> int:
+        """A speculative step's requests per rank: its sequences, or in the absorbed form (a verify of every
+        row as a sequence of its own) its rows over draft_tokens + 1."""
+        return self.num_rows // (self.draft_tokens + 1) if self.draft_tokens and self.absorbed else self.num_seqs
+
+    @property
     def kind(self) -> str:
         return "spec" if self.draft_tokens else "decode" if self.absorbed else "extend"
 
