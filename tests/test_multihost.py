@@ -324,3 +324,14 @@ def test_parse_dist_addr():
 
 
 # ---- the exchange, against a fake key-value store ------------------------------------------------------
+
+
+@pytest.mark.slow  # two nodes speculating (MTP) under dp=8: the single process's greedy tokens
+def test_two_nodes_speculating_match_single_process(tmp_path, reference):
+    with Cluster(tmp_path, "127.0.0.1", extra=("--speculative-algorithm", "EAGLE")) as cluster:
+        for i, p in enumerate(PROMPTS):  # four on node 0's ranks, four on node 1's
+            out = generate(cluster.node0, p, rank=i)
+            assert out["output_ids"] == reference[p], (p, i)
+            assert out["meta_info"]["spec_verify_ct"] >= 1
+        info = httpx.get(cluster.node0.url + "/get_server_info", timeout=10).json()
+        assert info["avg_spec_accept_length"] > 1.0

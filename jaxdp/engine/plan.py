@@ -19,7 +19,7 @@ class RankPlan:
     queued (markers for the tokens in flight, prompt progress, requests that start decoding), `book` takes
     its tokens back. A plan that is never committed (its step failed) changes nothing but page ownership."""
 
-    kind: str  # "extend" | "decode"
+    kind: str  # "extend" | "decode" | "verify" (speculative decoding: jaxdp.engine.spec)
     reqs: list[Request]  # those of the pieces, then those of the rows
     pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per prompt read
     rows: np.ndarray | None = None  # rows of the persistent batch that decode (in an extend: a mixed chunk's)
@@ -43,7 +43,8 @@ class RankPlan:
             return None
         n = len(self.pieces)
         pieces, rows = [i for i in keep if i < n], [i - n for i in keep if i >= n]
-        return RankPlan("extend" if pieces else "decode", [self.reqs[i] for i in keep],
+        kind = self.kind if self.kind == "verify" else "extend" if pieces else "decode"  # (a verify's are pieces)
+        return RankPlan(kind, [self.reqs[i] for i in keep],
                         [self.pieces[i] for i in pieces], self.rows[rows] if self.rows is not None else None,
                         sampling=[self.sampling[i] for i in pieces])
 
