@@ -74,6 +74,7 @@ class Scheduler:
         self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
         self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
         self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
+        self.disagg_state = None  # either: disagg_state() -> this rank's hand-off figures, added to `state`
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -104,7 +105,7 @@ class Scheduler:
             try:
                 pool, cache = self.pool, self.cache
                 running, waiting = len(self.running), len(self.waiting) + len(self.kv_waiting)
-                return {
+                out = {
                     "num_running_reqs": running, "num_queue_reqs": waiting, "num_reqs": running + waiting,
                     "num_tokens": self.num_tokens,
                     "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
@@ -115,6 +116,9 @@ class Scheduler:
                     "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
                     "retracted_reqs": self.retracted_total,
                 }
+                if self.disagg_state is not None:
+                    out["disagg"] = self.disagg_state()
+                return out
             except RuntimeError:  # a dict resized mid-read
                 continue
         raise RuntimeError("the scheduler kept changing while its state was read")
