@@ -167,3 +167,27 @@ def test_metrics_show_the_hand_off_under_sglang_names(engines):
     assert "jaxdp:kv_transfer_bytes_total" in text
     text = ServerMetrics(ReplicaSet([together]), "default").render().decode()
     assert "kv_transfer" not in text and "prealloc_queue" not in text  # (a server in no disaggregation mode)
+
+
+def test_a_request_its_first_token_ends_leaves_the_rows_as_they_were(engines):
+    """The prefill server's first token can end a request (EOS, a stop token): the decode side finishes it
+    without giving it a row, and the requests decoding beside it go on (this lost a running request before)."""
+    prefill, decode, together, port = engines
+    first = together.generate([together.tokenizer.encode(PROMPTS[0])], GREEDY)[0].output_ids[0]
+    ends = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[first])
+    rng = random.Random(1)
+    rooms = [rng.getrandbits(63) for _ in range(6)]
+    params = [ends] * 3 + [GREEDY] * 3
+    prompts = [PROMPTS[0]] * 3 + PROMPTS[1:4]
+    dec = [decode.submit(decode.make_request(p, sp, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for p, sp, room in zip(prompts, params, rooms, strict=True)]
+    pre = [prefill.submit(prefill.make_request(p, GREEDY, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for p, room in zip(prompts, rooms, strict=True)]
+    _wait(pre + dec)
+    assert [r.output_ids for r in dec[:3]] == [[first]] * 3 and all(r.finish_reason == "stop" for r in dec[:3])
+    want = [r.output_ids for r in together.generate([together.tokenizer.encode(p) for p in PROMPTS[1:4]], GREEDY)]
+    assert [r.output_ids for r in dec[3:]] == want
+    for s in decode.schedulers:
+        assert sorted(s.rows._free) == list(range(len(s.rows.reqs))), "a row was lost or freed twice"
+    _pages_back(decode)
+    _pages_back(prefill)

@@ -73,7 +73,7 @@ class DecodeMode:
         self.runner, self.schedulers, self.post = runner, schedulers, post
         self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
                                host=cfg.host, timeout_s=cfg.timeout_s)
-        self.workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxdp-kv")
+        self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxdp-kv")
         self.stats = [RankKV() for _ in schedulers]
         for s in schedulers:
             s.fetch_kv = self.fetch
@@ -117,7 +117,7 @@ class DecodeMode:
                 stats.transfer_failed += 1
             else:
                 stats.bootstrap_failed += 1
-            req.error = str(e)
+            req.error, req.error_status = str(e), 503  # (the prefill side failed it: a router may retry elsewhere)
             log.warning("request %s: %s", req.rid, e)
             sched.finish(req, "abort", now)
             return

@@ -231,15 +231,16 @@ class Scheduler:
         if req.params.return_logprob:
             req.output_logprobs.append(float(logprob))
         req.first_token_at = now
-        req.state = State.RUNNING
-        self.running[req.rid] = req
         p = req.params
+        # (a request the first token ends never joins `running`: finish would take it out of a row it never had)
         if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids or (
                 req.stop_check is not None and req.stop_check(req)):
             self.finish(req, "stop", now)
         elif self.limit(req) <= 1:
             self.finish(req, "length", now)
         else:
+            req.state = State.RUNNING
+            self.running[req.rid] = req
             self.rows.join(req, int(token), -1, self.limit(req),
                            sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size))
             if req.on_update:
