@@ -335,11 +335,11 @@ def test_a_decode_server_of_another_model_refuses_in_one_sentence(deployment):
 
 def test_a_transfer_backend_not_installed_is_one_sentence(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxdp.serve", "--mesh", "dp=1", "--disaggregation-mode", "decode",
-                        "--disaggregation-transfer-backend", "nixl", "--port", str(free_port())],
+                        "--disaggregation-transfer-backend", "mooncake", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     lines = [line for line in r.stderr.splitlines() if "--disaggregation-transfer-backend" in line]
-    assert lines and "nixl" in lines[-1] and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines and "mooncake" in lines[-1] and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_bootstrap_fields_where_they_do_not_belong_are_refused(deployment):

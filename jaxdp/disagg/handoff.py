@@ -75,9 +75,9 @@ class PrefillSide:
         """Offer a request's KV (its first n_tokens at `rank`'s `pages` of pool `cache`) and announce the room.
         Only dispatches the read: the caller may free the pages and run the next step at once."""
         chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt)
-        self.transport.offer(room, chunks, self.offer_timeout_s)
+        ticket = self.transport.offer(room, chunks, self.offer_timeout_s)
         self.offered_bytes += self.fmt.nbytes(n_tokens)
-        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens,
+        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens, "ticket": ticket,
                                   "first_token": int(first_token), "first_logprob": float(first_logprob)})
 
     def refuse(self, room: int, sentence: str) -> None:
@@ -104,6 +104,10 @@ class DecodeSide:
         if info.model != self.fingerprint:
             raise HandoffError(f"the prefill server at bootstrap {host}:{port} serves another model than this decode "
                                "server; give both the same --model-path")
+        if info.backend != self.transport.name:
+            raise HandoffError(f"the prefill server at bootstrap {host}:{port} hands KV over with "
+                               f"--disaggregation-transfer-backend {info.backend}, this decode server with "
+                               f"{self.transport.name}; give both the same")
         fmt = KVFormat.from_json(info.kv)
         why = fmt.mismatch(KVFormat(self.fmt.entries, fmt.chunk_tokens))
         if why:
@@ -121,7 +125,7 @@ class DecodeSide:
         left = max(self.timeout_s - (t1 - t0), 1.0)
         try:
             specs = fmt.specs(n_tokens, jax.sharding.SingleDeviceSharding(device))
-            chunks = self.transport.fetch(info.address, room, specs, left)
+            chunks = self.transport.fetch(info.address, room, specs, left, outcome.get("ticket"))
         except TransferError as e:
             raise HandoffError(str(e), "transfer") from None
         except Exception as e:  # noqa: BLE001 (the transfer library's own errors: connecting to a server gone)
