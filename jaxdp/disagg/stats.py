@@ -16,8 +16,9 @@ under `sglang:` with SGLang's labels and buckets and under `jaxdp:` with `dp_ran
 - `num_bootstrap_failed_reqs_total` (the room refused, never ready, another model, the prefill server gone
   before the pull) and `num_transfer_failed_reqs_total` (the pull failed).
 - jaxdp's own: `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (decode: received, pulling;
-  prefill: offered), `kv_transfers_total` (decode: pulled; prefill: offered), `kv_offers_dropped_total`
-  (prefill: offers no decode server took within `--disaggregation-timeout`).
+  prefill: offered, offering with the pages' read dispatched), `kv_transfers_total` (decode: pulled;
+  prefill: offered), `kv_offers_dropped_total` (prefill: offers no decode server took within
+  `--disaggregation-timeout`).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def metric_families(prefix: str, states: list[dict], labels: list[str], values) 
         "num_bootstrap_failed_reqs": ("bootstrap_failed", "The number of bootstrap failed requests."),
         "num_transfer_failed_reqs": ("transfer_failed", "The number of transfer failed requests."),
         "kv_transfer_bytes": ("bytes", "KV bytes handed over (decode: received; prefill: offered)."),
-        "kv_transfer_seconds": ("seconds", "Seconds spent on hand-offs (decode: pulling; prefill: reading the "
-                                "pages)."),
+        "kv_transfer_seconds": ("seconds", "Seconds spent on hand-offs (decode: pulling; prefill: offering, "
+                                "the pages' read dispatched)."),
         "kv_transfers": ("transfers", "Requests' KV handed over (decode: pulled; prefill: offered)."),
         "kv_offers_dropped": ("dropped", "Prefill: KV offers no decode server took in time, dropped."),
     }
