@@ -2,7 +2,8 @@
 holding known values and a `PrefillSide` (transfer server and bootstrap endpoint). Prints the endpoint's port
 once the room is settled, then waits for stdin to close. argv: port, room, mode: "ok" hands one request's KV
 over from rank 1's pages; "refuse" announces the room as refused; "silent" never announces it; "big" offers
-512 MiB under the room instead (for killing the process mid-transfer)."""
+512 MiB under the room instead (for killing the process mid-transfer). An optional 4th argument names the
+transfer backend (default jax)."""
 
 import sys
 
@@ -27,10 +28,11 @@ def pool_values():
 
 def main():
     port, room, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    backend = sys.argv[4] if len(sys.argv) > 4 else "jax"
     jax.config.update("jax_num_cpu_devices", 4)  # (before the backend starts; the test's process imports this file too)
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     cache = {k: jax.device_put(v, NamedSharding(mesh, P("dp"))) for k, v in pool_values().items()}
-    side = PrefillSide(KVFormat.of(cache, CHUNK), 2, MODEL, bootstrap_port=port, offer_timeout_s=60)
+    side = PrefillSide(KVFormat.of(cache, CHUNK), 2, MODEL, backend=backend, bootstrap_port=port, offer_timeout_s=60)
     if mode == "ok":
         side.hand_off(cache, room, RANK, PAGES, N_TOKENS, 42, -0.5)
     elif mode == "refuse":

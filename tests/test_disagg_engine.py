@@ -87,6 +87,18 @@ def test_decode_server_gives_the_colocated_greedy_tokens(engines):
     assert decode.disagg.transferred_bytes > 0
     _pages_back(prefill)
     _pages_back(decode)
+    # the hand-off's figures per rank (what /metrics shows under SGLang's names)
+    got = [s.state()["disagg"] for s in decode.schedulers]
+    assert sum(d["transfers"] for d in got) == len(PROMPTS)
+    assert sum(d["bytes"] for d in got) == decode.disagg.transferred_bytes
+    assert all(d["prealloc"] == d["transfer"] == 0 and d["transfer_failed"] == 0 for d in got)
+    for key in ("latency_ms", "speed_gbs", "total_mb", "bootstrap_ms"):
+        assert sum(sum(d[key]["counts"]) for d in got) == len(PROMPTS) and all(d[key]["sum"] >= 0 for d in got)
+    sent = [s.state()["disagg"] for s in prefill.schedulers]
+    assert [d["transfers"] for d in sent] == [sum(r.rank == k for r in pre) for k in range(2)]
+    assert sum(d["bytes"] for d in sent) == decode.disagg.transferred_bytes
+    assert all(d["inflight"] == 0 and d["dropped"] == 0 for d in sent)  # every offer taken
+    assert "disagg" not in together.schedulers[0].state()
 
 
 def test_a_refused_or_lost_hand_off_ends_the_request_in_one_sentence(engines):
@@ -103,6 +115,27 @@ def test_a_refused_or_lost_hand_off_ends_the_request_in_one_sentence(engines):
     assert req.finish_reason == "abort" and "no prefill server answers at bootstrap" in req.error
     assert "\n" not in req.error
     _pages_back(decode)
+    failed = sum(s.state()["disagg"]["bootstrap_failed"] for s in decode.schedulers)
+    assert failed == 2 and sum(s.state()["disagg"]["transfer_failed"] for s in decode.schedulers) == 0
+
+
+def test_an_offer_no_decode_server_takes_is_in_flight_then_dropped(engines):
+    """A decode server that disappears: the prefill side's offer counts in flight, then is dropped after the
+    timeout (the board's keep_s, here shortened), and the prefill rank's pages are back at once."""
+    prefill, _, _, port = engines
+    board = prefill.disagg.side.board
+    keep, board.keep_s = board.keep_s, 1.0
+    try:
+        req = prefill.submit(prefill.make_request("7+8=", GREEDY, bootstrap=Bootstrap("127.0.0.1", port, 4)))
+        _wait([req])
+        _pages_back(prefill)
+        assert prefill.schedulers[0].state()["disagg"]["inflight"] == 1
+        import time
+        time.sleep(1.2)
+        d = prefill.schedulers[0].state()["disagg"]
+        assert d["inflight"] == 0 and d["dropped"] == 1
+    finally:
+        board.keep_s = keep
 
 
 def test_bootstrap_fields_where_they_do_not_belong(engines):
@@ -112,3 +145,49 @@ def test_bootstrap_fields_where_they_do_not_belong(engines):
     for e in (prefill, decode):
         with pytest.raises(BadRequest, match="send requests through SGLang's router"):
             e.make_request("1+1=", GREEDY)
+
+
+def test_metrics_show_the_hand_off_under_sglang_names(engines):
+    """/metrics of each server (ServerMetrics over the engine, as the app builds it): SGLang's disaggregation
+    queues, transfer histograms and failure counters, under `sglang:` and `jaxdp:`."""
+    from jaxdp.api.metrics import ServerMetrics
+    from jaxdp.api.replicas import ReplicaSet
+
+    prefill, decode, together, _ = engines
+    text = ServerMetrics(ReplicaSet([decode]), "default").render().decode()
+    for name in ("num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs", "kv_transfer_speed_gb_s_bucket",
+                 "kv_transfer_latency_ms_count", "kv_transfer_total_mb_sum", "kv_transfer_bootstrap_ms_count",
+                 "num_bootstrap_failed_reqs_total", "num_transfer_failed_reqs_total", "kv_transfer_bytes_total"):
+        assert f"sglang:{name}{{" in text and f"jaxdp:{name}{{" in text, name
+    count = sum(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("sglang:kv_transfer_latency_ms_count"))
+    assert count == sum(s.state()["disagg"]["transfers"] for s in decode.schedulers) > 0
+    text = ServerMetrics(ReplicaSet([prefill]), "default").render().decode()
+    assert 'sglang:num_prefill_inflight_queue_reqs{dp_rank="0",model_name="default"}' in text
+    assert "jaxdp:kv_transfer_bytes_total" in text
+    text = ServerMetrics(ReplicaSet([together]), "default").render().decode()
+    assert "kv_transfer" not in text and "prealloc_queue" not in text  # (a server in no disaggregation mode)
+
+
+def test_a_request_its_first_token_ends_leaves_the_rows_as_they_were(engines):
+    """The prefill server's first token can end a request (EOS, a stop token): the decode side finishes it
+    without giving it a row, and the requests decoding beside it go on (this lost a running request before)."""
+    prefill, decode, together, port = engines
+    first = together.generate([together.tokenizer.encode(PROMPTS[0])], GREEDY)[0].output_ids[0]
+    ends = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[first])
+    rng = random.Random(1)
+    rooms = [rng.getrandbits(63) for _ in range(6)]
+    params = [ends] * 3 + [GREEDY] * 3
+    prompts = [PROMPTS[0]] * 3 + PROMPTS[1:4]
+    dec = [decode.submit(decode.make_request(p, sp, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for p, sp, room in zip(prompts, params, rooms, strict=True)]
+    pre = [prefill.submit(prefill.make_request(p, GREEDY, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for p, room in zip(prompts, rooms, strict=True)]
+    _wait(pre + dec)
+    assert [r.output_ids for r in dec[:3]] == [[first]] * 3 and all(r.finish_reason == "stop" for r in dec[:3])
+    want = [r.output_ids for r in together.generate([together.tokenizer.encode(p) for p in PROMPTS[1:4]], GREEDY)]
+    assert [r.output_ids for r in dec[3:]] == want
+    for s in decode.schedulers:
+        assert sorted(s.rows._free) == list(range(len(s.rows.reqs))), "a row was lost or freed twice"
+    _pages_back(decode)
+    _pages_back(prefill)

@@ -17,18 +17,21 @@ from jaxdp.bench.launch import free_port
 from jaxdp.disagg.bootstrap import BootstrapClient
 from jaxdp.disagg.handoff import DecodeSide, HandoffError
 from jaxdp.disagg.kv import KVFormat
-from jaxdp.disagg.transfer import JaxTransport, TransferError, make_transport
+from jaxdp.disagg.transfer import TRANSPORTS, JaxTransport, TransferError, make_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import disagg_sender as sender  # noqa: E402
 
 
-def _start_sender(mode: str, room: int):
+def _start_sender(mode: str, room: int, backend: str = "jax"):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "disagg_sender.py"), str(port), str(room), mode],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "disagg_sender.py"), str(port), str(room), mode,
+                             backend],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stdout.readline()
+    while line and not line.strip().isdigit():  # (NIXL logs its start on stdout)
+        line = proc.stdout.readline()
     assert line.strip() == str(port), f"the sender did not start: {line!r}"
     return proc, port
 
@@ -46,15 +49,19 @@ def mesh():
                          devices=jax.devices()[4:8])
 
 
-@pytest.mark.parametrize("page_size", [4, 32], ids=["pages-of-4", "pages-of-32-per-token"])
-def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh, page_size):
+NIXL = pytest.mark.skipif("nixl" not in TRANSPORTS, reason="NIXL is not installed (pip install nixl-cu12)")
+
+
+@pytest.mark.parametrize("page_size, backend", [(4, "jax"), (32, "jax"), pytest.param(4, "nixl", marks=NIXL)],
+                         ids=["pages-of-4", "pages-of-32-per-token", "nixl"])
+def test_a_request_kv_moves_between_pools_of_different_page_sizes(mesh, page_size, backend):
     """The sender's pages hold 8 tokens, its chunks 16: pages of 4 take whole pages per copy, pages of 32
-    (more than a chunk) one token per copy."""
+    (more than a chunk) one token per copy; through JAX's transfer server, and through NIXL where installed."""
     room = (1 << 63) - 12345 + page_size  # the router's rooms are 63-bit
-    proc, port = _start_sender("ok", room)
+    proc, port = _start_sender("ok", room, backend)
     cache = _decode_pool(mesh, page_size)
     rank = 0  # the sender's rank 1 lands on this server's rank 0
-    side = DecodeSide(KVFormat.of(cache, 1), sender.MODEL)
+    side = DecodeSide(KVFormat.of(cache, 1), sender.MODEL, backend=backend)
     try:
         device = next(s.device for s in cache["moe"].addressable_shards if s.index[0].start in (0, None))
         arrived = side.fetch("127.0.0.1", port, room, sender.N_TOKENS, device)
@@ -126,5 +133,18 @@ def test_nobody_at_the_bootstrap_and_a_pool_of_another_format_are_sentences(mesh
     other = KVFormat.of({"dense": cache["dense"], "moe": cache["dense"]}, 16)
     why = fmt.mismatch(other)
     assert why and "differs from the decode server's" in why and "\n" not in why
-    with pytest.raises(ValueError, match="--disaggregation-transfer-backend 'nixl' is not available"):
-        make_transport("nixl")
+    with pytest.raises(ValueError, match="--disaggregation-transfer-backend 'mooncake' is not available here;"):
+        make_transport("mooncake")
+
+
+def test_a_decode_server_of_another_transfer_backend_is_one_sentence(mesh):
+    proc, port = _start_sender("ok", 8)
+    side = DecodeSide(KVFormat.of(_decode_pool(mesh), 1), sender.MODEL, backend="jax")
+    side.transport.name = "nixl"  # (as a decode server started with --disaggregation-transfer-backend nixl)
+    try:
+        with pytest.raises(HandoffError, match="hands KV over with --disaggregation-transfer-backend jax, this "
+                                               "decode server with nixl; give both the same"):
+            side.fetch("127.0.0.1", port, 8, sender.N_TOKENS, jax.devices()[4])
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxdp.api.sglang_metrics import SglangMetrics
+from jaxdp.disagg.stats import metric_families as kv_metric_families
 from jaxdp.engine import Request
 from jaxdp.engine.stats import StepRecord, compiles_total
 
@@ -170,6 +171,7 @@ class _StateCollector:
             c.add_metric([str(i)], e.stats.compiles_in_steps)
         yield c
         yield from _delayer_metrics(backend.engines)
+        yield from kv_metric_families(P, states, RANK, lambda s: [str(s["dp_rank"])])  # disaggregation's hand-off
 
 
 def _delayer_metrics(engines):

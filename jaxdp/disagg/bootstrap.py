@@ -10,10 +10,12 @@ endpoint, over HTTP with JSON:
   sentence before anything moves;
 - `GET /disagg/rooms/{room}?wait=S`: waits up to S seconds for the room's prompt to be read; answers
   `{"status": "ready", "rank", "n_tokens", "first_token", "first_logprob"}` once its KV is offered,
-  `{"status": "failed", "error": sentence}` if the prefill side refused or lost it, or `{"status": "pending"}`.
+  `{"status": "failed", "error": sentence}` if the prefill side refused or lost it, or `{"status": "pending"}`;
+- `POST /disagg/rooms/{room}/taken`: the decode server pulled the room's KV (so the prefill side counts its
+  offers in flight: SGLang's `num_prefill_inflight_queue_reqs`).
 
 The board keeps each room's answer for `keep_s` seconds (a decode server that never asks costs nothing after
-that; the KV offered with it is dropped by the transport after its own timeout).
+that; the KV offered with it is dropped by the transport after its own timeout, and counted as dropped).
 """
 
 from __future__ import annotations
@@ -42,14 +44,36 @@ class RoomBoard:
     def __init__(self, keep_s: float = 300.0):
         self.keep_s = keep_s
         self._rooms: dict[int, tuple[float, dict]] = {}
+        self._untaken: dict[int, tuple[float, int]] = {}  # rooms offered and not yet taken: (when, rank)
+        self._dropped: dict[int, int] = {}  # by rank: offers that expired untaken
         self._cond = threading.Condition()
+
+    def _expire(self, now: float) -> None:
+        self._rooms = {r: v for r, v in self._rooms.items() if now - v[0] < self.keep_s}
+        for room, (t, rank) in list(self._untaken.items()):
+            if now - t >= self.keep_s:
+                del self._untaken[room]
+                self._dropped[rank] = self._dropped.get(rank, 0) + 1
 
     def publish(self, room: int, outcome: dict) -> None:
         with self._cond:
             now = time.monotonic()
-            self._rooms = {r: v for r, v in self._rooms.items() if now - v[0] < self.keep_s}
+            self._expire(now)
             self._rooms[int(room)] = (now, outcome)
+            if outcome.get("status") == "ready":
+                self._untaken[int(room)] = (now, int(outcome.get("rank", 0)))
             self._cond.notify_all()
+
+    def take(self, room: int) -> None:
+        """A decode server pulled the room's KV."""
+        with self._cond:
+            self._untaken.pop(int(room), None)
+
+    def inflight(self, rank: int) -> tuple[int, int]:
+        """The rank's offers not yet taken, and those dropped untaken so far."""
+        with self._cond:
+            self._expire(time.monotonic())
+            return sum(r == rank for _, r in self._untaken.values()), self._dropped.get(rank, 0)
 
     def wait(self, room: int, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -72,6 +96,11 @@ def bootstrap_app(info: PrefillInfo, board: RoomBoard, max_wait_s: float = 30.0)
     @app.get("/disagg/rooms/{room}")
     def get_room(room: int, wait: float = 0.0) -> dict:  # (a plain def: FastAPI runs it on its thread pool)
         return board.wait(room, min(max(wait, 0.0), max_wait_s))
+
+    @app.post("/disagg/rooms/{room}/taken")
+    def taken(room: int) -> dict:
+        board.take(room)
+        return {"status": "ok"}
 
     return app
 
@@ -124,6 +153,13 @@ class BootstrapClient:
             return {"status": "failed", "error": f"the prefill server at bootstrap {host}:{port} stopped answering "
                                                  f"({type(e).__name__})"}
         return r.json()
+
+    def taken(self, host: str, port: int, room: int) -> None:
+        """Tell the prefill server the room's KV was pulled (its count of offers in flight; best effort)."""
+        try:
+            self._http.post(f"http://{host}:{port}/disagg/rooms/{int(room)}/taken", timeout=5)
+        except httpx.HTTPError:
+            pass  # (the prefill server counts the offer as dropped when it expires)
 
     def close(self) -> None:
         self._http.close()

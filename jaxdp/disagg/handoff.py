@@ -29,7 +29,13 @@ from jaxdp.disagg.transfer import TransferError, make_transport
 
 
 class HandoffError(RuntimeError):
-    """A request's KV could not be handed over; the message is one sentence for its client."""
+    """A request's KV could not be handed over; the message is one sentence for its client. `stage`: where
+    it failed, "bootstrap" (before the pull: the prefill server, its model, the room) or "transfer" (the
+    pull), as SGLang counts them (`num_bootstrap_failed_reqs_total`, `num_transfer_failed_reqs_total`)."""
+
+    def __init__(self, sentence: str, stage: str = "bootstrap"):
+        super().__init__(sentence)
+        self.stage = stage
 
 
 def model_fingerprint(config: dict, name: str = "") -> str:
@@ -50,6 +56,8 @@ class Arrived:
     fmt: KVFormat
     seconds: float  # from asking the bootstrap endpoint to the last byte
     nbytes: int
+    bootstrap_s: float = 0.0  # of which: until the room was ready (the prompt's reading, seen from here)
+    pull_s: float = 0.0  # of which: the pull, from asking for the arrays to the last byte
 
 
 class PrefillSide:
@@ -67,9 +75,9 @@ class PrefillSide:
         """Offer a request's KV (its first n_tokens at `rank`'s `pages` of pool `cache`) and announce the room.
         Only dispatches the read: the caller may free the pages and run the next step at once."""
         chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt)
-        self.transport.offer(room, chunks, self.offer_timeout_s)
+        ticket = self.transport.offer(room, chunks, self.offer_timeout_s)
         self.offered_bytes += self.fmt.nbytes(n_tokens)
-        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens,
+        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens, "ticket": ticket,
                                   "first_token": int(first_token), "first_logprob": float(first_logprob)})
 
     def refuse(self, room: int, sentence: str) -> None:
@@ -96,6 +104,10 @@ class DecodeSide:
         if info.model != self.fingerprint:
             raise HandoffError(f"the prefill server at bootstrap {host}:{port} serves another model than this decode "
                                "server; give both the same --model-path")
+        if info.backend != self.transport.name:
+            raise HandoffError(f"the prefill server at bootstrap {host}:{port} hands KV over with "
+                               f"--disaggregation-transfer-backend {info.backend}, this decode server with "
+                               f"{self.transport.name}; give both the same")
         fmt = KVFormat.from_json(info.kv)
         why = fmt.mismatch(KVFormat(self.fmt.entries, fmt.chunk_tokens))
         if why:
@@ -109,14 +121,21 @@ class DecodeSide:
         if outcome["n_tokens"] != n_tokens:
             raise HandoffError(f"the prefill server read {outcome['n_tokens']} prompt tokens for bootstrap room {room} "
                                f"but this server has {n_tokens}; give both servers the same tokenizer")
-        left = max(self.timeout_s - (time.monotonic() - t0), 1.0)
+        t1 = time.monotonic()
+        left = max(self.timeout_s - (t1 - t0), 1.0)
         try:
             specs = fmt.specs(n_tokens, jax.sharding.SingleDeviceSharding(device))
-            chunks = self.transport.fetch(info.address, room, specs, left)
+            chunks = self.transport.fetch(info.address, room, specs, left, outcome.get("ticket"))
         except TransferError as e:
-            raise HandoffError(str(e)) from None
+            raise HandoffError(str(e), "transfer") from None
+        except Exception as e:  # noqa: BLE001 (the transfer library's own errors: connecting to a server gone)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise HandoffError(f"the KV of bootstrap room {room} could not be pulled from the prefill server at "
+                               f"bootstrap {host}:{port}: {first}", "transfer") from None
+        t2 = time.monotonic()
+        self.client.taken(host, port, room)
         return Arrived(room, n_tokens, outcome["first_token"], outcome["first_logprob"], chunks, fmt,
-                       time.monotonic() - t0, fmt.nbytes(n_tokens))
+                       t2 - t0, fmt.nbytes(n_tokens), t1 - t0, t2 - t1)
 
     def write(self, cache: dict, rank: int, pages: list[int], arrived: Arrived) -> dict:
         """The pool with the request's KV at `rank`'s `pages` (on the engine loop, between steps)."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide, model_fingerprint
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
+from jaxdp.disagg.stats import RankKV
 from jaxdp.engine.options import DisaggConfig
 from jaxdp.engine.request import Request
 from jaxdp.engine.scheduler import Scheduler
@@ -38,16 +39,26 @@ class PrefillMode:
         fmt = KVFormat.of(runner.cache, CHUNK_TOKENS)
         self.side = PrefillSide(fmt, len(schedulers), cfg.model, backend=cfg.backend, host=cfg.host,
                                 bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s)
+        self.stats = [RankKV() for _ in schedulers]
         for s in schedulers:
             s.handoff = self.handoff
+            s.disagg_state = self._state_of(s.rank)
         for rank in range(len(schedulers)):  # compiled at start-up (for each rank's devices), never while serving
             jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt))
+
+    def _state_of(self, rank: int):
+        def state() -> dict:
+            inflight, dropped = self.side.board.inflight(rank)
+            return self.stats[rank].state("prefill", inflight=inflight, dropped=dropped)
+        return state
 
     def handoff(self, rank: int, req: Request, reason: str) -> None:
         room = req.bootstrap.room
         if reason in ("stop", "length") and req.output_ids and req.pages and req.computed >= len(req.prompt_ids):
             lp = req.output_logprobs[0] if req.output_logprobs else 0.0
+            t0 = time.perf_counter()
             self.side.hand_off(self.runner.cache, room, rank, req.pages, len(req.prompt_ids), req.output_ids[0], lp)
+            self.stats[rank].offered(self.side.fmt.nbytes(len(req.prompt_ids)), time.perf_counter() - t0)
         else:
             self.side.refuse(room, req.error or f"the prefill server ended the request ({reason}) before its KV "
                                                 f"was ready")
@@ -62,9 +73,11 @@ class DecodeMode:
         self.runner, self.schedulers, self.post = runner, schedulers, post
         self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
                                host=cfg.host, timeout_s=cfg.timeout_s)
-        self.workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxdp-kv")
+        self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxdp-kv")
+        self.stats = [RankKV() for _ in schedulers]
         for s in schedulers:
             s.fetch_kv = self.fetch
+            s.disagg_state = self._state_of(s)
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
         fmt = self.side.fmt  # the write compiled at start-up for each rank's devices, never while serving: zeros
@@ -73,6 +86,13 @@ class DecodeMode:
                      for chunk in fmt.specs(1, jax.sharding.SingleDeviceSharding(self._device(rank)))]
             runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros)
         jax.block_until_ready(runner.cache)
+
+    def _state_of(self, sched: Scheduler):
+        def state() -> dict:
+            waiting = list(sched.kv_waiting.values())  # (a snapshot: the loop changes it)
+            travelling = sum(bool(r.pages) for r in waiting)
+            return self.stats[sched.rank].state("decode", prealloc=len(waiting) - travelling, transfer=travelling)
+        return state
 
     def _device(self, rank: int):
         x = next(iter(self.runner.cache.values()))
@@ -92,13 +112,19 @@ class DecodeMode:
         try:
             arrived = fut.result()
         except HandoffError as e:
-            req.error = str(e)
+            stats = self.stats[req.rank]
+            if e.stage == "transfer":
+                stats.transfer_failed += 1
+            else:
+                stats.bootstrap_failed += 1
+            req.error, req.error_status = str(e), 503  # (the prefill side failed it: a router may retry elsewhere)
             log.warning("request %s: %s", req.rid, e)
             sched.finish(req, "abort", now)
             return
         self.runner.cache = self.side.write(self.runner.cache, req.rank, req.pages, arrived)
         self.transferred_bytes += arrived.nbytes
         self.transfer_seconds += arrived.seconds
+        self.stats[req.rank].pulled(arrived.nbytes, arrived.pull_s, arrived.bootstrap_s)
         sched.join_prefilled(req, arrived.first_token, arrived.first_logprob, time.perf_counter())
 
     def close(self) -> None:

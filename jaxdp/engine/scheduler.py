@@ -75,6 +75,7 @@ class Scheduler:
         self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
         self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
         self.lookahead = 0  # slots past a prompt's end its last chunk holds (speculative decoding's draft positions)
+        self.disagg_state = None  # either: disagg_state() -> this rank's hand-off figures, added to `state`
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -105,7 +106,7 @@ class Scheduler:
             try:
                 pool, cache = self.pool, self.cache
                 running, waiting = len(self.running), len(self.waiting) + len(self.kv_waiting)
-                return {
+                out = {
                     "num_running_reqs": running, "num_queue_reqs": waiting, "num_reqs": running + waiting,
                     "num_tokens": self.num_tokens,
                     "num_used_tokens": (pool.num_pages - pool.free) * pool.page_size,
@@ -116,6 +117,9 @@ class Scheduler:
                     "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
                     "retracted_reqs": self.retracted_total,
                 }
+                if self.disagg_state is not None:
+                    out["disagg"] = self.disagg_state()
+                return out
             except RuntimeError:  # a dict resized mid-read
                 continue
         raise RuntimeError("the scheduler kept changing while its state was read")
@@ -229,15 +233,16 @@ class Scheduler:
         if req.params.return_logprob:
             req.output_logprobs.append(float(logprob))
         req.first_token_at = now
-        req.state = State.RUNNING
-        self.running[req.rid] = req
         p = req.params
+        # (a request the first token ends never joins `running`: finish would take it out of a row it never had)
         if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids or (
                 req.stop_check is not None and req.stop_check(req)):
             self.finish(req, "stop", now)
         elif self.limit(req) <= 1:
             self.finish(req, "length", now)
         else:
+            req.state = State.RUNNING
+            self.running[req.rid] = req
             self.rows.join(req, int(token), -1, self.limit(req),
                            sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size))
             if req.on_update:

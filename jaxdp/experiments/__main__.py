@@ -27,14 +27,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default="experiments-out", help="where NAME.png and NAME.md go (and NAME.json "
                    "unless --json-dir)")
     p.add_argument("--json-dir", default=None, help="where the raw NAME.json goes (default: --output-dir)")
+    p.add_argument("--disaggregated", action="store_true", help="prompt-in-the-way: the unpinned load colocated, "
+                   "with the prefill delayer, and with prefill and decode on separate servers behind SGLang's "
+                   "router (NAME: prompt-in-the-way-disaggregated)")
     try:
         args, server_flags = p.parse_known_args(argv)
         check_server_flags(server_flags)
+        if args.disaggregated and args.name != "prompt-in-the-way":
+            raise ExperimentError("--disaggregated is an option of prompt-in-the-way only")
         for name in EXPERIMENTS if args.name == "all" else [args.name]:
             t0 = time.time()
+            if args.disaggregated:  # (its own outputs: prompt-in-the-way's stay as they are)
+                name = "prompt-in-the-way-disaggregated"
             ctx = Context(name, args.quick, Path(args.output_dir), server_flags,
                           json_dir=Path(args.json_dir) if args.json_dir else None)
-            EXPERIMENTS[name].run(ctx)
+            if args.disaggregated:
+                prompt_in_the_way.run_disaggregated(ctx)
+            else:
+                EXPERIMENTS[name].run(ctx)
             print(f"[{name}] done in {time.time() - t0:.0f} s: {Path(args.output_dir) / name}.{{png,md}}, "
                   f"{ctx.json_path}")
             print(Path(f"{Path(args.output_dir) / name}.md").read_text())

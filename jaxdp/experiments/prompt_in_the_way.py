@@ -8,6 +8,14 @@ same shape of load), short prompts, then long ones; every decoder token's time s
 prompts arrive than alone. Unpinned test: 64 decoding requests and a long prompt every 10 decode steps (the
 article's 4 a second) wherever the server puts them, without and with `--enable-prefill-delayer`: the
 decoders' loss and the prompts' TTFT.
+
+`--disaggregated` (the article's section 8.2, its third remedy; experiment `prompt-in-the-way-disaggregated`):
+the unpinned load three ways, the same now: one colocated dp=4 server, the same with the prefill delayer, and
+a prefill server (dp=4) and a decode server (dp=4) behind SGLang's router (`jaxdp.disagg.router`): every
+prompt, the decoders' own included, is read on the prefill server and its KV handed to the decode server, which
+never runs a prompt step. The decoders' tokens lost to the prompts beside the colocated and the delayer's, and
+the prompts' TTFT (which now includes the hand-off). On this 2-core machine the two servers share the cores, so
+the prefill server's work still slows the decoders through the CPU, where separate GPUs would not.
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ import dataclasses
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
 from jaxdp.bench import serving as bench
+from jaxdp.bench.launch import free_port
 from jaxdp.experiments.runner import Context, ExperimentError, figure
 
 BIN_S = 0.25  # the decoders' tokens per second are counted in bins of this many seconds
@@ -38,10 +48,8 @@ class Load:
 
 
 def run(ctx: Context) -> dict:
-    q = ctx.quick
     # small pools, batch and context: a CPU's steps are slow, and --quick must fit in minutes
-    short, long, context = (64, 384, 512) if q else (128, 768, 1024)
-    alone_s, n = (4.0, 8) if q else (10.0, 30)
+    short, long, context, alone_s, n = _sizes(ctx.quick)
     pinned = [r for r in (1, 2, 3) for _ in range(16)]
     # prompts come every 20 decode steps pinned (the article: every 0.5 s, a step 24 ms) and every 10 unpinned
     # (4 a second), so a slower machine sees the same shape of load
@@ -80,6 +88,64 @@ def run(ctx: Context) -> dict:
              ("unpinned, long: a prompt's TTFT without -> with the delayer", "0.30 -> 0.65 s",
               f"{wo['prompt_ttft_s']:.2f} -> {wi['prompt_ttft_s']:.2f} s")]
     ctx.write(result, fig, table)
+    return result
+
+
+def _sizes(q: bool) -> tuple[int, int, int, float, int]:
+    """(short, long, context, alone_s, prompts) of a --quick or full run."""
+    short, long, context = (64, 384, 512) if q else (128, 768, 1024)
+    alone_s, n = (4.0, 8) if q else (10.0, 30)
+    return short, long, context, alone_s, n
+
+
+def run_disaggregated(ctx: Context) -> dict:
+    """The unpinned long load on one colocated server, with the delayer, and with prefill and decode apart."""
+    from jaxdp.disagg.router import launch_router
+
+    if any(f.startswith("--disaggregation") for f in ctx.server_flags):
+        raise ExperimentError("--disaggregation-* flags are chosen by the experiment itself (it starts a prefill "
+                              "and a decode server); drop them from the command line")
+    _, long, context, alone_s, n = _sizes(ctx.quick)
+    load = Load([None] * 64, [None], long, 10, 2 * n, alone_s)
+    flags = ("--max-running-requests", "80", "--max-total-tokens", str(24 * context), "--chunked-prefill-size",
+             "1024", "--context-length", str(context))
+    out = {}
+    with ctx.server("dp=4", *flags) as url:
+        out["colocated"] = asyncio.run(_measure(url, load, context))
+    with ctx.server("dp=4", *flags, "--enable-prefill-delayer", label="delayer") as url:
+        out["colocated, delayer"] = asyncio.run(_measure(url, load, context))
+    bootstrap = free_port()
+    log = ctx.output_dir / "logs" / f"{ctx.name}-router.log"
+    pd = ("--disaggregation-timeout", "300")
+    with ctx.server("dp=4", *flags, *pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                    str(bootstrap), label="prefill") as prefill, \
+            ctx.server("dp=4", *flags, *pd, "--disaggregation-mode", "decode", label="decode") as decode:
+        try:
+            with launch_router(prefill, bootstrap, decode, Path(log)) as url:
+                out["disaggregated"] = asyncio.run(_measure(url, load, context))
+        except RuntimeError as e:
+            raise ExperimentError(str(e)) from None
+    summary = {k: {x: v for x, v in r.items() if x != "itl_series"} for k, r in out.items()}
+    lost = {k: r["lost_pct"] for k, r in out.items()}
+    result = {"decode_tokens_lost_pct": lost,
+              "decoder_tok_s_during_prompts": {k: r["rate_prompts"] for k, r in out.items()},
+              "prompt_ttft_s": {k: r["prompt_ttft_s"] for k, r in out.items()},
+              "prompt_len": long, "tests": summary, "article": ARTICLE,
+              "itl_series": {k: r["itl_series"][:: 1 + len(r["itl_series"]) // 1000] for k, r in out.items()}}
+    co, de, dis = out["colocated"], out["colocated, delayer"], out["disaggregated"]
+    table = [(f"decoder tokens lost to long prompts ({long} tokens here): colocated / delayer / apart",
+              "38% / - / (none: \"the decode server never sees a prompt\")",
+              f"{co['lost_pct']:.0f}% / {de['lost_pct']:.0f}% / {dis['lost_pct']:.0f}%"),
+             ("decoder tok/s during prompts: colocated / delayer / apart", "1,270 / 1,610 / -",
+              f"{co['rate_prompts']:.0f} / {de['rate_prompts']:.0f} / {dis['rate_prompts']:.0f}"),
+             ("decoder tok/s alone: colocated / delayer / apart", "-",
+              f"{co['rate_alone']:.0f} / {de['rate_alone']:.0f} / {dis['rate_alone']:.0f}"),
+             ("a prompt's TTFT: colocated / delayer / apart (with the hand-off)", "0.30 / 0.65 s / -",
+              f"{co['prompt_ttft_s']:.2f} / {de['prompt_ttft_s']:.2f} / {dis['prompt_ttft_s']:.2f} s")]
+    notes = ("Apart: a prefill server and a decode server (dp=4 each) behind SGLang's router, on the same 2 CPU "
+             "cores: the decode server never runs a prompt step, but the prefill server's work still takes the "
+             "cores the decode server would use.")
+    ctx.write(result, plot(out), table, notes)
     return result
 
 
@@ -126,8 +192,10 @@ async def _measure(url: str, load: Load, context: int) -> dict:
             if time.perf_counter() - t0 > 300 or any(t.done() for t in tasks):
                 _cancel(tasks)
                 await asyncio.gather(*tasks, return_exceptions=True)
+                failed = [o.error for o in dec if o.error] + [repr(t.exception()) for t in tasks
+                                                              if t.done() and t.exception()]
                 raise ExperimentError("the decoding requests did not all start within 300 s "
-                                      f"({next((o.error for o in dec if o.error), 'no error')})")
+                                      f"({(failed or ['no error'])[0]})")
             await asyncio.sleep(0.05)
         await asyncio.sleep(2.0)  # let the decoders settle (the last prompts read, the streams caught up)
         t_alone = time.perf_counter()
