@@ -74,11 +74,14 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
     heads = cfg.num_heads // layout.tp
     kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    if not shape.absorbed and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
+    path = prompt_path(cfg, layout, shape, page_size)
+    if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
         # the prompt's expansion of the latents by kv_b_proj [L, H * (N + V)]: the context's keys at once (B x C,
-        # `prefill.attend_dense`), the step's own rows (`attend_split`) or a key block (`attend_blocked`)
-        contexts = {shape.num_seqs * shape.pages_per_seq * page_size, shape.num_rows,
-                    max(1, min(KEY_BLOCK // page_size, shape.pages_per_seq)) * page_size}
+        # `prefill.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
+        contexts = {"dense": {shape.num_seqs * shape.pages_per_seq * page_size}, "split": {shape.num_rows},
+                    "blocked": set()}[path]
+        if path != "dense":
+            contexts.add(max(1, min(KEY_BLOCK // page_size, shape.pages_per_seq)) * page_size)
         linear += [(_cdiv(r, 64), kv_b // _fit_block(64, kv_b), 1) for r in contexts]
     expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
     if cfg.index_topk:  # the DSA indexer's projections (plain weights): the rank's rows, or its blocks of queries
@@ -99,24 +102,42 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     return expected
 
 
+def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
+    """Which of MLA's attention forms the step runs (`jaxdp.model.mla.MLA.attend_expanded`): "decode" (absorbed),
+    "selected" (a DSA selection), "dense", "split" or "blocked" (`jaxdp.model.prefill`)."""
+    from jaxdp.model import prefill
+    from jaxdp.model.indexer import selection_size
+
+    capacity = shape.pages_per_seq * page_size
+    if shape.absorbed:
+        return "decode"
+    if selection_size(cfg, capacity):
+        return "selected"
+    t, heads, keys = shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity
+    if (t * heads * keys <= prefill.DENSE_MAX_SCORES
+            and keys * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) <= prefill.DENSE_MAX_KEYS):
+        return "dense"
+    return "split" if t * heads * t <= prefill.DENSE_MAX_SCORES else "blocked"
+
+
 def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
                      expert_dtype: str) -> dict[str, list[tuple[int, int, int]]]:
     """The per-head GEMM of MLA's absorbed products with kv_b_proj [L, H, N + V] (`fp8_head_matmul`): q_nope . W_UK
     (contracting N, L wide out) and W_UV after attention (contracting L, V wide out), with the rows of the
-    decode step, of a prompt step's selected attention (DSA), or of the prompt's absorbed windows of one or a
-    few rows (`prefill.attend_blocked`)."""
+    decode step or of a prompt step's selected attention (DSA), or the prompt's absorbed windows of one or a few
+    rows (`prefill.attend_blocked`, also inside `attend_split`); none in `attend_dense`."""
     from jaxdp.model.prefill import ABSORBED_BLOCK
     from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
     from kernels_pallas.nvfp4_moe import _fit_block
 
     heads, lat = cfg.num_heads // layout.tp, cfg.kv_lora_rank
-    products = [(n, w) for n, w, c in ((lat, cfg.qk_nope_head_dim, "B"), (cfg.v_head_dim, cfg.v_head_dim, "A"))
+    products = [n for n, w, c in ((lat, cfg.qk_nope_head_dim, "B"), (cfg.v_head_dim, cfg.v_head_dim, "A"))
                 if head_tiles(lat, w, c)]
-    if not products:
+    path, t = prompt_path(cfg, layout, shape, page_size), shape.num_rows
+    if not products or path == "dense":
         return {}
-    t = shape.num_rows
-    rows = {t} if shape.absorbed or cfg.index_topk else {t, 1, min(ABSORBED_BLOCK, t)}
-    grids = [(_cdiv(r, 64), heads, n // min(_fit_block(64, n), BLOCK_K)) for r in rows for n, _ in products]
+    rows = {t} if path in ("decode", "selected") else {1, min(ABSORBED_BLOCK, t)}
+    grids = [(_cdiv(r, 64), heads, n // min(_fit_block(64, n), BLOCK_K)) for r in rows for n in products]
     return {"fp8_head_matmul" if expert_dtype == "fp8" else "stacked_head_matmul": grids}
 
 
