@@ -17,7 +17,10 @@ whole buffers, so XLA would copy the slice).
 - `fp8_grouped_matmul`: the routed experts, W [L, E, K, N]; rows sorted by expert, `group_sizes_E` rows each,
   cut into row tiles that never straddle two experts (`kernels_pallas.nvfp4_moe.tile_schedule`: the grid has
   the static worst case cdiv(T, block_m) + min(E, T) row tiles; tiles past the real count exit at once, rows
-  in no tile come back zero).
+  in no tile come back zero). Its launch is `kernels_pallas.nvfp4_moe.grouped_call`, shared with the NVFP4 one.
+- `fp8_head_matmul`: a product per head with MLA's kv_b_proj [L, A, H, B] (or columns of B: W_UK, W_UV),
+  contracting A (W_UV after the absorbed attention) or B (q_nope . W_UK); grid (cdiv(M, block_m), H, N /
+  block_n).
 
 Block sizes are powers of two (Triton); block_n is cut to the largest power of two dividing N.
 """
