@@ -92,6 +92,30 @@ def tile_schedule(sizes_E: jax.Array, num_rows: int, block_m: int):
     return expert_X.astype(jnp.int32), start_X.astype(jnp.int32), end_X.astype(jnp.int32), num_tiles
 
 
+def grouped_call(kernel, x_TK, n: int, group_sizes_E, num_valid_rows, leading: tuple, weights: tuple, *,
+                 block_m: int, block_n: int, interpret: bool, num_warps: int, num_stages: int, name: str):
+    """Launch a grouped GEMM `kernel` over row tiles that never straddle two experts (`tile_schedule`), grid
+    (row tiles, N / block_n), y [T, N] in x's dtype. The kernel's operands, each whole: `leading` (the layer
+    index, ...), the schedule (expert, first row, end row per tile, the tile count), x [T, K], `weights` and a
+    zeros buffer aliased to y (rows in no tile, or at or past `num_valid_rows`, stay zero)."""
+    t = x_TK.shape[0]
+    sizes_E = effective_group_sizes(group_sizes_E, _row_limit(t, num_valid_rows))
+    schedule = tile_schedule(sizes_E, t, block_m)
+    operands = (*leading, *schedule, x_TK, *weights, jnp.zeros((t, n), x_TK.dtype))
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t, n), x_TK.dtype),
+        grid=(schedule[0].shape[0], n // block_n),
+        in_specs=[whole] * len(operands),
+        out_specs=whole,
+        input_output_aliases={len(operands) - 1: 0},
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name,
+    )(*operands)
+
+
 def _dequant_tile(packed_NK2, scale_NKB, dtype):
     """uint8 [bn, bk/2] + e4m3 [bn, bk/16] -> [bn, bk] (without the per-expert scale), in registers."""
     bn, half_k = packed_NK2.shape
@@ -142,28 +166,13 @@ def _grouped_kernel(
 )
 def _grouped_call(x_TK, packed_LENK2, scales_LENK16, global_scale_LE, group_sizes_E, layer, num_valid_rows, *,
                   block_m, block_n, block_k, interpret, num_warps, num_stages):
-    t, k = x_TK.shape
-    sizes_E = effective_group_sizes(group_sizes_E, _row_limit(t, num_valid_rows))
-    n = packed_LENK2.shape[2]
-    expert_X, start_X, end_X, count = tile_schedule(sizes_E, t, block_m)
-    kernel = functools.partial(
-        _grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k, num_k_blocks=k // block_k
-    )
-    whole = pl.no_block_spec
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((t, n), x_TK.dtype),
-        grid=(expert_X.shape[0], n // block_n),
-        in_specs=[whole] * 10,
-        out_specs=whole,
-        input_output_aliases={9: 0},  # the zeros buffer: rows in no tile stay zero
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps,
-                                                                    num_stages=num_stages),
-        name="nvfp4_grouped_matmul",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), expert_X, start_X, end_X, count, x_TK, packed_LENK2, scales_LENK16,
-      global_scale_LE.astype(jnp.float32), jnp.zeros((t, n), x_TK.dtype))
-
+    kernel = functools.partial(_grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                               num_k_blocks=x_TK.shape[1] // block_k)
+    return grouped_call(kernel, x_TK, packed_LENK2.shape[2], group_sizes_E, num_valid_rows,
+                        (jnp.asarray(layer, jnp.int32).reshape(1),),
+                        (packed_LENK2, scales_LENK16, global_scale_LE.astype(jnp.float32)), block_m=block_m,
+                        block_n=block_n, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                        name="nvfp4_grouped_matmul")
 
 def nvfp4_grouped_matmul(
     x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, layer=None, *, num_valid_rows=None,

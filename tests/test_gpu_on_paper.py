@@ -5,7 +5,10 @@ XLA:GPU's fusions), and checks the optimized program (jaxdp.planner.hlo_checks).
 Needs the CUDA plugin's two wheels at JAX's version (`pip install -e ".[xla-gpu]"`; docs/gpu-on-paper.md);
 skipped without them. A small model (hidden 1024, 48 experts, 3 layers) keeps each compile to seconds; its
 row counts (24 decode, 200 prompt rows per rank) and experts per device (6 under EP) are chosen not to
-coincide with its widths, so the checks' shapes are unambiguous.
+coincide with its widths, so the checks' shapes are unambiguous. Four steps are compiled in all (tests/test_xla_gpu.py
+runs them in the suite): the three of one DP-attention + EP layout in block FP8 (a module fixture: ragged
+all-to-all, the MLA decode kernel and every FP8 GEMM in one program), and a 512-row decode step with NVFP4
+experts that does not fit (the NVFP4 grouped GEMM in a step, and the refusal).
 """
 
 import json
@@ -25,6 +28,8 @@ SMALL = {"model_type": "deepseek_v3", "vocab_size": 8192, "hidden_size": 1024, "
          "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 48, "n_shared_experts": 1,
          "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
          "first_k_dense_replace": 1}
+# block FP8 (every Linear of the layers in 128 x 128 blocks): widths that split into whole blocks over 8 devices
+SMALL_FP8 = dict(SMALL, moe_intermediate_size=1024, v_head_dim=128)
 STEPS = ["--decode-rows", "24", "--extend-rows", "200", "--context", "256"]
 
 
@@ -44,9 +49,11 @@ def plan_gpu(model, tmp_path, mesh, *extra, memory="2GiB"):
 
 
 @pytest.fixture(scope="module")
-def ep_plan(small_model, tmp_path_factory):
-    """DP attention with EP MoE and NVFP4 experts: decode and both extend modes, the GPU's defaults."""
-    code, plan = plan_gpu(small_model, tmp_path_factory.mktemp("ep"), "dp=8,moe=ep", "--expert-dtype", "nvfp4")
+def ep_plan(tmp_path_factory):
+    """DP attention with EP MoE, block-FP8 weights: decode and both extend modes, the GPU's defaults."""
+    d = tmp_path_factory.mktemp("ep")
+    (d / "config.json").write_text(json.dumps(SMALL_FP8))
+    code, plan = plan_gpu(str(d), d, "dp=8,moe=ep", "--expert-dtype", "fp8")
     assert code == 0
     return plan
 
@@ -73,11 +80,12 @@ def test_the_steps_compile_for_simulated_h200s_on_the_gpu_paths(ep_plan):
         assert col["ok"] and not col["sync"] and "ragged-all-to-all" in {p["op"] for p in col["pairs"]}, col
         assert checks["kernels"]["ok"], checks["kernels"]
         names = {k["name"] for k in checks["kernels"]["found"]}
-        assert {"nvfp4_grouped_matmul", "stacked_matmul"} <= names  # experts, router and Linear weights in place
-        # no layer copied out of its stack but (in the prompt steps) MLA's bf16 w_kv_b, which MLA's forward
-        # multiplies by an einsum of its own
-        copies = [dims(c["shape"]) for c in checks["layer_copies"]["copies"]]
-        assert all(wkv_b_shape(d, SMALL, 1) for d in copies), checks["layer_copies"]
+        # experts, router and Linear weights in place; MLA's kv_b_proj per head in the absorbed decode (the
+        # small prompt steps expand the latents in one piece, prefill.attend_dense: the dense FP8 GEMM)
+        want = {"fp8_grouped_matmul", "fp8_matmul", "stacked_matmul"}
+        want |= {"fp8_head_matmul"} if s["kind"] == "decode" else set()
+        assert want <= names, names
+        assert checks["layer_copies"]["ok"], checks["layer_copies"]  # no layer copied out of its stack
     # the decode kernel's grid: (16 heads / block 16, splits to fill 132 SMs, 24 rows)
     decode = steps[("decode", "max_len")]["checks"]["kernels"]
     assert decode["grids"]["mla_decode_split"] == [[1, 8, 24]]
@@ -85,75 +93,75 @@ def test_the_steps_compile_for_simulated_h200s_on_the_gpu_paths(ep_plan):
     out = "\n".join(format_compiled(ep_plan))
     assert "Compiled by XLA:GPU for 8 simulated NVIDIA H200 (sm_90)" in out and "checks of decode 24 max_len" in out
     assert "HBM floor" in out
-    assert {line.split()[1] for line in out.splitlines() if line.strip().startswith("FAIL")} <= {"stacked"}
-
-
-def dims(shape: str) -> list[int]:
-    return [int(d) for d in shape.split("[")[1].rstrip("]").split(",") if d]
-
-
-def wkv_b_shape(dims: list[int], cfg: dict, tp: int) -> bool:
-    """Whether an array's dims are those of (a slice of) MLA's w_kv_b [kv_lora_rank, heads, nope + v]."""
-    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    heads = {cfg["num_attention_heads"], cfg["num_attention_heads"] // tp}
-    return set(dims) <= {cfg["kv_lora_rank"], *heads, nope, v, nope + v, 1} and cfg["kv_lora_rank"] in dims
-
-
-def fp8_copies(checks) -> list[list[int]]:
-    return [dims(c["shape"]) for c in checks["fp8_weights"]["copies"]]
+    assert not [line for line in out.splitlines() if line.strip().startswith("FAIL")]
 
 
 @needs_plugin
-def test_block_fp8_weights_are_multiplied_in_place_by_the_pallas_gemms(small_model, tmp_path):
-    """DeepSeek's block FP8 (every Linear weight of the layers, 128 x 128 blocks; widths that split into whole
-    blocks over 8 devices): the projections, the dense FFN and shared expert run the Pallas FP8 GEMM, the routed
-    experts its grouped form, the router the plain one, each reading its layer from the stack: no layer copied,
-    and the only FP8 weight widened outside a GEMM is MLA's w_kv_b (MLA's forward slices it and multiplies it by
-    einsums of its own: docs/gpu-on-paper.md)."""
-    cfg = dict(SMALL, moe_intermediate_size=1024, v_head_dim=128)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    code, plan = plan_gpu(str(tmp_path), tmp_path, "dp=8", "--expert-dtype", "fp8", "--compile-steps", "decode")
-    assert code == 0
-    checks = plan["compiled"][0]["checks"]
-    assert checks["kernels"]["ok"] and checks["layer_copies"]["ok"], checks
+def test_block_fp8_weights_are_multiplied_in_place_by_the_pallas_gemms(ep_plan):
+    """DeepSeek's block FP8 (every Linear weight of the layers, 128 x 128 blocks): the projections, the dense FFN
+    and shared expert run the Pallas FP8 GEMM, the routed experts its grouped form, the router the plain one,
+    MLA's kv_b_proj the per-head one (q_nope . W_UK and W_UV of the absorbed decode), each reading its layer from
+    the stack: no layer copied, no FP8 weight widened (the decode step of the EP layout)."""
+    checks = ep_plan["compiled"][0]["checks"]
+    assert ep_plan["compiled"][0]["kind"] == "decode"
+    assert checks["kernels"]["ok"] and checks["layer_copies"]["ok"] and checks["fp8_weights"]["ok"], checks
     grids = checks["kernels"]["grids"]
-    # experts: (24 x 8 rows x top-8 / 16 + 48 row tiles, [2 x 1024 / 8 | 1024] / 64); router: 192 rows, 48 experts
-    assert grids["fp8_grouped_matmul"] == [[144, 4, 1], [144, 16, 1]]
-    assert grids["fp8_matmul"] and grids["stacked_matmul"] == [[3, 3, 1]]
-    copies = fp8_copies(checks)
-    assert copies and all(wkv_b_shape(d, cfg, 1) for d in copies), copies
+    # experts: the ragged all-to-all's receive buffer (24 rows x top-8 x 8 ranks) / 16 + 6 experts row tiles,
+    # [2 x 1024 | 1024] / 64; router: the rank's 24 rows, 48 experts
+    assert grids["fp8_grouped_matmul"] == [[102, 16, 1], [102, 32, 1]], grids
+    assert grids["fp8_matmul"] and grids["stacked_matmul"] == [[1, 3, 1]], grids
+    # kv_b_proj per head: (24 rows / 64, 16 heads, 128 values / 64 | 256 latent / 64)
+    assert grids["fp8_head_matmul"] == [[1, 16, 2], [1, 16, 4]], grids
 
 
 @needs_plugin
-def test_the_checks_fail_on_the_xla_expert_path(small_model, tmp_path):
-    """`lax.ragged_dot` (--moe-runner-backend xla) is expanded per expert on XLA:GPU too, and its NVFP4
-    experts are dequantized to bf16 outside any dot: both checks say so."""
-    code, plan = plan_gpu(small_model, tmp_path, "dp=8,moe=ep", "--expert-dtype", "nvfp4", "--moe-runner-backend",
-                          "xla", "--compile-steps", "decode")
-    assert code == 0
-    checks = plan["compiled"][0]["checks"]
-    expanded = checks["experts"]["expanded"]
-    assert not checks["experts"]["ok"] and any(",6," in e["shape"] for e in expanded), expanded
-    assert not checks["fp8_weights"]["ok"] and checks["fp8_weights"]["copies"][0]["shape"].startswith("bf16[6,")
-    assert "nvfp4_grouped_matmul" not in {k["name"] for k in checks["kernels"]["found"]}
+def test_the_checks_fail_on_the_xla_expert_path():
+    """What the xla MoE runner (--moe-runner-backend xla) makes of NVFP4 experts, compiled by XLA:GPU: a layer of
+    the stacks dequantized to bf16 outside any dot, then `lax.ragged_dot`, expanded per expert; the experts and
+    quantized-weights checks say so (the model's own function, without a whole step to compile)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.model.moe import _nvfp4_matmul_xla
+    from jaxdp.planner.hlo_checks import check_experts, check_fp8_weights, parse
+    from jaxdp.planner.xla_target import compile_for_gpu
+
+    spec = jax.ShapeDtypeStruct
+    layers, e, n, k, t = 3, 6, 512, 1024, 200
+    compiled = compile_for_gpu(lambda x, p, s, g, sizes, i: _nvfp4_matmul_xla(x, p[i], s[i], g[i], sizes),
+                               spec((t, k), jnp.bfloat16), spec((layers, e, n, k // 2), jnp.uint8),
+                               spec((layers, e, n, k // 16), jnp.float8_e4m3fn), spec((layers, e), jnp.float32),
+                               spec((e,), jnp.int32), spec((), jnp.int32))
+    mod = parse(compiled.as_text())
+    experts = check_experts(mod, e, {t}, {n, k})  # (the widths: the experts' output and the hidden size)
+    assert not experts["ok"] and any(",6," in x["shape"] for x in experts["expanded"]), experts
+    widened = check_fp8_weights(mod)
+    assert not widened["ok"] and widened["copies"][0]["shape"].startswith("bf16[6,"), widened
 
 
 @needs_plugin
 def test_a_layout_whose_temp_does_not_fit_is_one_sentence_with_a_layout_that_fits(small_model, tmp_path, capsys):
-    """Weights well inside the plan's budget (0.05 of 0.88 x 0.28 GiB), but not beside XLA:GPU's temp of a
-    512-row decode step under DP attention (the MoE sees every rank's rows); the layout the sentence names
-    fits."""
-    decode = ["--compile-steps", "decode", "--decode-rows", "512"]
-    code, plan = plan_gpu(small_model, tmp_path, "dp=8", *decode, memory="0.28GiB")
-    fit = json.loads((tmp_path / "plan.json").read_text())["compile"]["fit"]  # --json keeps the figures
-    assert code == 2 and plan is None and fit["xla_weight_bytes_per_device"] < 0.88 * 0.28 * 2**30
-    assert fit["xla_weight_bytes_per_device"] + fit["largest_temp_bytes_per_device"] > 0.28 * 2**30
+    """NVFP4 experts' weights well inside the plan's budget (0.04 of 0.88 x 0.17 GiB), but not beside XLA:GPU's
+    temp of a 512-row decode step under DP attention (0.14 GiB: the LM head's logits of every rank's rows): one
+    sentence, and the layout it names holds its weights beside that temp. The step, compiled all the same (its
+    figures in the JSON), runs the NVFP4 grouped GEMM with its grid and passes every check."""
+    decode = ["--compile-steps", "decode", "--decode-rows", "512", "--expert-dtype", "nvfp4"]
+    code, plan = plan_gpu(small_model, tmp_path, "dp=8", *decode, memory="0.17GiB")
+    record = json.loads((tmp_path / "plan.json").read_text())  # --json keeps the figures
+    fit, memory = record["compile"]["fit"], 0.17 * 2**30
+    assert code == 2 and plan is None and fit["xla_weight_bytes_per_device"] < 0.88 * memory
+    assert fit["xla_weight_bytes_per_device"] + fit["largest_temp_bytes_per_device"] > memory
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("plan: error: under dp=8 x tp=1") and "XLA:GPU's temp of the decode 512 max_len" in err
-    assert "more than the 0.28 GiB of a H200, leaving no room for a KV cache" in err, err
-    assert "use fewer --decode-rows, or a layout that fits: --gpus 8 --mesh dp=1,tp=8" in err, err
-    code, plan = plan_gpu(small_model, tmp_path, "dp=1,tp=8", *decode, memory="0.28GiB")
-    assert code == 0 and plan["compile"]["fit"]["kv_tokens_with_temp_per_rank"] > 0
+    assert "more than the 0.17 GiB of a H200, leaving no room for a KV cache" in err, err
+    assert "use fewer --decode-rows, or a layout that fits: --gpus 8 --mesh " in err, err
+    named = float(err.rsplit("(", 1)[1].split(" GiB")[0]) * 2**30  # its weights per GPU
+    assert named + fit["largest_temp_bytes_per_device"] < memory
+    checks = record["compiled"][0]["checks"]
+    assert all(c["ok"] for c in checks.values()), checks
+    # 512 rows x 8 ranks x top-8 / 16 + 48 experts row tiles, [2 x 256 / 8 | 1024] / 64 (a layout that fits, at
+    # size: docs/gpu-on-paper.md)
+    assert checks["kernels"]["grids"]["nvfp4_grouped_matmul"] == [[2096, 1, 1], [2096, 16, 1]]
 
 
 @needs_plugin
@@ -214,17 +222,14 @@ def test_without_the_plugin_the_gpu_target_says_what_to_install(small_model, cap
     assert "\n" not in err and 'pip install "jax-cuda12-plugin==<jax version>"' in err, err
 
 
-V3 = {"kv_lora_rank": 512, "num_attention_heads": 128, "qk_nope_head_dim": 128, "v_head_dim": 128}
-
-
 @needs_plugin
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["dp=8", "tp=8", "dp=8,moe=ep"])
 def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
     """docs/gpu-on-paper.md: the full model on abstract weights, 1-2 minutes and < 1 GiB of host memory each.
-    XLA:GPU's arguments are the plan's weights and pool; the kernels, experts, collectives and stacked-layer
-    checks hold; of the FP8 weights only MLA's w_kv_b is widened outside a GEMM (MLA's forward slices it and
-    multiplies it by einsums of its own), every other one in the Pallas GEMMs' registers."""
+    XLA:GPU's arguments are the plan's weights and pool; every check holds in every step: the kernels, the
+    experts, the collectives, no layer copied out of its stack and every FP8 weight widened in the Pallas GEMMs'
+    registers (MLA's kv_b_proj by the per-head one)."""
     out = tmp_path / "plan.json"
     argv = ["--model", "deepseek-v3", "--gpus", "8", "--gpu", "H200", "--mesh", mesh, "--expert-dtype", "fp8",
             "--compile", "--compile-target", "gpu", "--json", str(out)]
@@ -233,11 +238,9 @@ def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
     assert plan["compile"]["fit"]["fits"]
     for c in plan["compiled"]:
         assert abs(c["argument_vs_plan"]) < 0.03, c["argument_vs_plan"]
-        assert all(c["checks"][k]["ok"] for k in ("kernels", "experts", "collectives", "layer_copies")), c["checks"]
+        assert all(check["ok"] for check in c["checks"].values()), c["checks"]
         assert c["cost"]["estimate_ms"] > c["cost"]["floor_ms"] > 0
         names = {k["name"] for k in c["checks"]["kernels"]["found"]}
-        assert {"fp8_matmul", "fp8_grouped_matmul", "stacked_matmul"} <= names, names
-        tp = 8 if mesh == "tp=8" else 1
-        assert all(wkv_b_shape(d, V3, tp) for d in fp8_copies(c["checks"])), c["checks"]["fp8_weights"]
+        assert {"fp8_matmul", "fp8_grouped_matmul", "stacked_matmul", "fp8_head_matmul"} <= names, names
     decode = plan["compiled"][0]
     assert decode["kind"] == "decode" and decode["checks"]["kernels"]["grids"]["mla_decode_split"]

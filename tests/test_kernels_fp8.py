@@ -118,7 +118,75 @@ def test_stacked_fp8_dot_is_the_dense_product(eq, shape, name):
         got = w.dot(eq, x, dot, kernel=kernel)
         assert got.shape == want.shape and got.dtype == x.dtype
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
-    np.testing.assert_array_equal(w[..., :5], dequantized(q[1], s[1])[..., :5])  # other reads: the layer
+    view = w[..., :5]  # a view of some columns, read as an array: those columns of the layer
+    assert isinstance(view, fp8.StackedWeight) and view.shape == shape[:-1] + (5,)
+    np.testing.assert_array_equal(jnp.asarray(view), dequantized(q[1], s[1])[..., :5])
+    np.testing.assert_array_equal(w[0], dequantized(q[1], s[1])[0])  # other reads: the layer
+
+
+@pytest.mark.parametrize("contract,offset,width", [("A", 0, 128), ("A", 128, 128), ("B", 0, 128), ("B", 128, 64)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_head_gemm_matches_the_reference(contract, offset, width, dtype):
+    """MLA's kv_b_proj [A, H, B] per head (4 heads), columns [offset, offset + width) of B: contracting A (the
+    absorbed W_UV) or B (q_nope . W_UK), a layer of a 3-layer stack, block FP8 and plain."""
+    rng = np.random.default_rng(width + offset)
+    a, h, b = 256, 4, 256
+    q, s = quantized(rng, (3, a, h, b), "w_kv_b_LHX")  # scales [3, 2, 4, 2]
+    cols = np.arange(b) // 128
+    k = a if contract == "A" else width
+    x = jnp.asarray(rng.standard_normal((37, h, k)), dtype)
+    w = dequantized(q[2], s[2])[..., offset:offset + width]
+    exact = np.einsum("mha,ahb->mhb" if contract == "A" else "mhb,ahb->mha", np.asarray(x, np.float32), w)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    for scales, ref_w in ((s, exact), (None, None)):
+        got = fp8_gemm.fp8_head_matmul(x, q, scales, None if scales is None else cols, jnp.int32(2), offset=offset,
+                                       width=width, contract=contract, interpret=True, out_dtype=jnp.float32)
+        ref = fp8_gemm.fp8_head_matmul_reference(x, q, scales, None if scales is None else cols, 2, offset=offset,
+                                                 width=width, contract=contract, out_dtype=jnp.float32)
+        assert got.shape == (37, h, width if contract == "A" else a) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+        if ref_w is not None:
+            np.testing.assert_allclose(got, ref_w, rtol=tol, atol=tol * np.abs(ref_w).max() * 2)
+
+
+def test_head_gemm_refuses_what_it_cannot_tile():
+    rng = np.random.default_rng(0)
+    q, s = quantized(rng, (1, 256, 2, 256), "w_kv_b_LHX")
+    cols = np.arange(256) // 128
+    with pytest.raises(ValueError, match="do not match"):  # x's K is not A
+        fp8_gemm.fp8_head_matmul(jnp.ones((4, 2, 128)), q, s, cols, contract="A", interpret=True)
+    with pytest.raises(ValueError, match="at least 16"):  # a width Triton's dot cannot tile
+        fp8_gemm.fp8_head_matmul(jnp.ones((4, 2, 8)), q, s, cols, width=8, contract="B", interpret=True)
+    assert fp8_gemm.head_tiles(512, 192, "B") and not fp8_gemm.head_tiles(192, 128, "A")
+
+
+@pytest.mark.parametrize("eq,first", [("bhn,lhn->bhl", False), ("bhl,lhv->bhv", False), ("lhv,bhl->bhv", True),
+                                      ("tl,lhy->thy", False)])
+def test_mla_kv_b_products_read_the_stack_in_place(eq, first):
+    """MLA's products with kv_b_proj (jaxdp.model.mla, prefill): the absorbed W_UK and W_UV halves (views of the
+    stacked weight), the weight-first form of the decode step and the prompt's expansion, by the kernels (forced,
+    interpret mode) and by the CPU's path, equal the product with the layer dequantized."""
+    from jaxdp.model.mla import weight_first
+
+    rng = np.random.default_rng(3)
+    q, s = quantized(rng, (2, 128, 4, 256), "w_kv_b_LHX")
+    whole = fp8.StackedWeight(q, s, jnp.int32(1), 128, jnp.dtype(jnp.float32))
+    layer = dequantized(q[1], s[1])
+    w, dense = {"bhn,lhn->bhl": (whole[..., :128], layer[..., :128]),
+                "tl,lhy->thy": (whole, layer)}.get(eq, (whole[..., 128:], layer[..., 128:]))
+    x_shape = {"bhn,lhn->bhl": (5, 4, 128), "tl,lhy->thy": (5, 128)}.get(eq, (5, 4, 128))
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    want = np.einsum(eq, dense, np.asarray(x)) if first else np.einsum(eq, np.asarray(x), dense)
+    for kernel in (True, None):
+        if first:
+            xs, ws = eq.split("->")[0].split(",")[::-1]
+            got = w.dot(f"{xs},{ws}->{eq.split('->')[1]}", x, lambda _, x, w: weight_first(eq, w, x), kernel=kernel)
+        else:
+            got = fp8.einsum(eq, x, w, preferred_element_type=jnp.float32) if kernel is None else w.dot(
+                eq, x, dot, kernel=True)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    if first:
+        np.testing.assert_allclose(weight_first(eq, w, x), want, rtol=1e-4, atol=1e-3)
 
 
 CFG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
@@ -191,3 +259,13 @@ def test_the_fp8_gemms_compile_for_a_simulated_h200_reading_the_stack_in_place()
     assert [(c["name"], c["grid"]) for c in triton_calls(mod)] == [("fp8_grouped_matmul", (m // 16 + e, n // 64, 1))]
     assert check_layer_copies(mod, min_bytes=1)["ok"]
     assert grouped.memory_analysis().output_size_in_bytes == m * n * 2
+    # MLA's kv_b_proj per head (DeepSeek-V3 under dp=8: [512, 128, 256]): q_nope . W_UK and W_UV after attention
+    a, h, b = 512, 128, 256
+    for contract, k, n in (("B", 128, a), ("A", a, 128)):
+        head = compile_for_gpu(lambda x, w, s, i, c=contract: fp8_gemm.fp8_head_matmul(
+            x, w, s, np.arange(b) // 128, i, offset=0 if c == "B" else 128, width=128, contract=c),
+            spec((m, h, k), jnp.bfloat16), spec((layers, a, h, b), jnp.float8_e4m3fn),
+            spec((layers, a // 128, h, b // 128), jnp.float32), spec((), jnp.int32))
+        mod = parse(head.as_text())
+        assert [(c["name"], c["grid"]) for c in triton_calls(mod)] == [("fp8_head_matmul", (m // 64, h, n // 64))]
+        assert check_layer_copies(mod, min_bytes=1)["ok"]

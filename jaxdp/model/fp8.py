@@ -100,16 +100,22 @@ def in_place(module) -> tuple[str, ...]:
 class StackedWeight:
     """One layer's Linear weight, held as the whole stack of values [L, ...], of block-FP8 scales [L, ...] (None:
     a plain weight) and the layer index: `dot` multiplies it (a Pallas GEMM reading the layer in place on a GPU,
-    the layer, dequantized, on a CPU); read any other way (`dense()`, a slice, an einsum) it is the layer
-    (dequantized to `dtype`)."""
+    the layer, dequantized, on a CPU); read any other way (`dense()`, an einsum) it is the layer (dequantized to
+    `dtype`). `w[..., a:b]` is a view of columns [a, b) of its last dim (MLA's W_UK and W_UV halves of kv_b_proj),
+    which `dot` multiplies in place too."""
 
-    def __init__(self, values, scales, layer, block: int = 128, dtype=None):
+    def __init__(self, values, scales, layer, block: int = 128, dtype=None, cols: tuple[int, int] | None = None):
         self.values, self.scales, self.layer, self.block = values, scales, layer, block
         self.dtype = values.dtype if scales is None else dtype
+        self.cols = cols  # a view of columns [start, stop) of the last dim (None: all)
+
+    def _like(self, values, scales, layer) -> StackedWeight:
+        return StackedWeight(values, scales, layer, self.block, self.dtype, self.cols)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape[1:])
+        full = tuple(self.values.shape[1:])
+        return full if self.cols is None else full[:-1] + (self.cols[1] - self.cols[0],)
 
     @property
     def ndim(self) -> int:
@@ -117,29 +123,36 @@ class StackedWeight:
 
     def dense(self):
         w = jax.lax.dynamic_index_in_dim(self.values, self.layer, keepdims=False)
-        if self.scales is None:
-            return w
-        s = jax.lax.dynamic_index_in_dim(self.scales, self.layer, keepdims=False)
-        return dequantize(w, s, self.block, self.dtype)
+        if self.scales is not None:
+            s = jax.lax.dynamic_index_in_dim(self.scales, self.layer, keepdims=False)
+            w = dequantize(w, s, self.block, self.dtype)
+        return w if self.cols is None else w[..., self.cols[0]:self.cols[1]]
 
     def __jax_array__(self):
         return self.dense()
 
     def __getitem__(self, key):
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)
+                and key[1].step in (None, 1)):
+            start, stop, _ = key[1].indices(self.shape[-1])
+            base = 0 if self.cols is None else self.cols[0]
+            view = self._like(self.values, self.scales, self.layer)
+            view.cols = (base + start, base + max(start, stop))
+            return view
         return self.dense()[key]
 
     def gemm_operands(self, n_in: int, lead: int = 0):
         """For the kernels: the stack as [L, *lead, K, N] (K: the first `n_in` dims after the `lead` ones,
         flattened), its scales as [L, *lead, K / 128, S] with the scale column of each of the N columns (None,
         None for a plain weight); None where K is not a multiple of 128 or the scales do not block it by 128
-        (the kernels' K tile)."""
+        (the kernels' K tile), or for a view of some columns."""
         from kernels_pallas.fp8_gemm import tiles
 
         shape = self.shape
         ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
         k, n = math.prod(ins), math.prod(outs)
         L, lead_dims = self.values.shape[0], shape[:lead]
-        if not tiles(k, n):
+        if self.cols is not None or not tiles(k, n):
             return None
         w = self.values.reshape(L, *lead_dims, k, n)
         if self.scales is None:
@@ -152,32 +165,69 @@ class StackedWeight:
         s = self.scales.reshape(L, *lead_dims, k // 128, math.prod(s_outs))
         return w, s, _scale_index(outs, s_outs, self.block)
 
-    def dot(self, eq: str, x, dense_dot, kernel: bool | None = None):
-        """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, float32 accumulation): by the Pallas
-        GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode on a CPU,
-        for tests), when eq contracts x's trailing dims with the weight's leading ones; else, and on a CPU,
-        `dense_dot(eq, x, self.dense())`."""
+    def head_operands(self, contract: str):
+        """For the per-head kernel (`kernels_pallas.fp8_gemm.fp8_head_matmul`) of a weight [A, H, B] (or a view of
+        some columns of B): the stack [L, A, H, B], its scales [L, A/128, H, S] and the scale column of each
+        column of B (None, None for a plain weight); None where the kernel cannot tile it or the scales do not
+        block A by 128."""
+        from kernels_pallas.fp8_gemm import head_tiles
+
+        if self.ndim != 3:
+            return None
+        a, width = self.shape[0], self.shape[2]
+        b = self.values.shape[3]
+        if not head_tiles(a, width, contract):
+            return None
+        if self.scales is None:
+            return self.values, None, None
+        s_a, s_h, s_b = self.scales.shape[1:]
+        if self.block != 128 or s_a != -(-a // 128) or s_h != self.shape[1]:
+            return None
+        return self.values, self.scales, _scale_index((b,), (s_b,), self.block)
+
+    def dot(self, eq: str, x, dense_dot, kernel: bool | None = None, out_dtype=None):
+        """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, or `out_dtype`, float32 accumulation):
+        by a Pallas GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode
+        on a CPU, for tests), else, and on a CPU, `dense_dot(eq, x, self.dense())`. The GEMMs: `fp8_matmul` when
+        eq contracts x's trailing dims with the weight's leading ones; `fp8_head_matmul` for a product per head
+        with a weight [A, H, B] (or a view of columns of B), contracting A ("...ha,ahb->...hb") or B
+        ("...hb,ahb->...ha")."""
+        out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
         lhs, out = eq.replace(" ", "").split("->")
         xs, ws = lhs.split(",")
         n_in = (len(xs) + len(ws) - len(out)) // 2  # contracted dims
-        operands = None
+        gemm = None
         if kernel is not False and n_in and xs[len(xs) - n_in:] == ws[:n_in] and out == xs[:len(xs) - n_in] + ws[n_in:]:
             operands = self.gemm_operands(n_in)
-        if operands is None:
-            return dense_dot(eq, x, self.dense())
+            if operands is not None:
+                def gemm(x, interpret):
+                    from kernels_pallas.fp8_gemm import fp8_matmul
 
-        def gemm(x, interpret):
-            from kernels_pallas.fp8_gemm import fp8_matmul
+                    w, s, cols = operands
+                    y = fp8_matmul(x.reshape(-1, w.shape[1]), w, s, cols, self.layer, interpret=interpret,
+                                   out_dtype=out_dtype)
+                    return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:])
+        elif kernel is not False and len(ws) == 3 and len(xs) >= 2 and xs[-2] == ws[1] and (
+                xs[-1] in (ws[0], ws[2]) and out == xs[:-1] + ws[2 if xs[-1] == ws[0] else 0]):
+            contract = "A" if xs[-1] == ws[0] else "B"
+            operands = self.head_operands(contract)
+            if operands is not None:
+                def gemm(x, interpret):
+                    from kernels_pallas.fp8_gemm import fp8_head_matmul
 
-            w, s, cols = operands
-            y = fp8_matmul(x.reshape(-1, w.shape[1]), w, s, cols, self.layer, interpret=interpret)
-            return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:])
-
-        if kernel:
-            return gemm(x, None)
+                    w, s, cols = operands
+                    offset, width = (0, self.shape[2]) if self.cols is None else (self.cols[0], self.shape[2])
+                    y = fp8_head_matmul(x.reshape(-1, *x.shape[-2:]), w, s, cols, self.layer, offset=offset,
+                                        width=width, contract=contract, interpret=interpret, out_dtype=out_dtype)
+                    return y.reshape(*x.shape[:-1], y.shape[-1])
 
         def dense(x, values, scales, layer):
-            return dense_dot(eq, x, StackedWeight(values, scales, layer, self.block, self.dtype).dense())
+            return dense_dot(eq, x, self._like(values, scales, layer).dense()).astype(out_dtype)
+
+        if gemm is None:
+            return dense(x, self.values, self.scales, self.layer)
+        if kernel:
+            return gemm(x, None)
 
         @jax.custom_jvp
         def product(x, values, scales, layer):  # (the kernel has no derivative: training differentiates the
@@ -186,6 +236,17 @@ class StackedWeight:
 
         product.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
         return product(x, self.values, self.scales, self.layer)
+
+
+def einsum(eq: str, x, w, preferred_element_type=None):
+    """jnp.einsum(eq, x, w, preferred_element_type=...) for a weight that may be a `StackedWeight` (which then
+    multiplies itself: a Pallas GEMM reading its layer in place where the step is lowered for a GPU, this very
+    einsum of the dequantized layer on a CPU)."""
+    if not isinstance(w, StackedWeight):
+        return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
+    out = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
+    return w.dot(eq, x, lambda eq, x, w: jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type),
+                 out_dtype=out)
 
 
 def _scale_index(dims: tuple[int, ...], scale_dims: tuple[int, ...], block: int) -> np.ndarray:

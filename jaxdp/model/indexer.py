@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
+from jaxdp.model.fp8 import einsum, weight
 from jaxdp.model.layers import apply_rope, init_normal, param
 
 NEG_INF = -1e30
@@ -42,6 +43,11 @@ class Indexer(nnx.Module):
         self.k_norm_bias = param(jnp.zeros((E,), dtype), ("index_dim",))
         self.w_weights_DI = param(init_normal(rngs, (D, I), dtype, D), ("embed", "index_heads"))
 
+    def params_read_in_place(self) -> tuple[str, ...]:
+        """The projections, multiplied where they lie in the layer stack (`jaxdp.model.stacked`): on a GPU by the
+        plain Pallas GEMM (`kernels_pallas.fp8_gemm.stacked_matmul`), on a CPU as before."""
+        return ("w_q_QIE", "w_k_DE", "w_weights_DI")
+
     def _rope(self, x_TNE: jax.Array, positions_T: jax.Array) -> jax.Array:
         R = self.rope_cfg.qk_rope_head_dim
         rot = apply_rope(x_TNE[..., :R], positions_T, self.rope_cfg)
@@ -49,7 +55,7 @@ class Indexer(nnx.Module):
 
     def keys(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
         """The index key of each token [T, E] (what the pool caches)."""
-        k_TE = (x_TD @ self.w_k_DE[...]).astype(jnp.float32)
+        k_TE = einsum("td,de->te", x_TD, weight(self, "w_k_DE")).astype(jnp.float32)
         mean = k_TE.mean(-1, keepdims=True)
         var = ((k_TE - mean) ** 2).mean(-1, keepdims=True)
         k_TE = (k_TE - mean) * jax.lax.rsqrt(var + LAYERNORM_EPS)
@@ -58,9 +64,9 @@ class Indexer(nnx.Module):
 
     def queries(self, q_resid_TQ: jax.Array, x_TD: jax.Array, positions_T: jax.Array):
         """Index queries [T, I, E] (scaled by 1/sqrt(E)) and head weights [T, I] (float32)."""
-        q_TIE = self._rope(jnp.einsum("tq,qie->tie", q_resid_TQ, self.w_q_QIE[...]), positions_T)
+        q_TIE = self._rope(einsum("tq,qie->tie", q_resid_TQ, weight(self, "w_q_QIE")), positions_T)
         E, I = q_TIE.shape[-1], q_TIE.shape[-2]
-        w_TI = x_TD.astype(jnp.float32) @ self.w_weights_DI[...].astype(jnp.float32) * I**-0.5
+        w_TI = einsum("td,di->ti", x_TD.astype(jnp.float32), weight(self, "w_weights_DI")) * I**-0.5
         return q_TIE.astype(jnp.float32) * E**-0.5, w_TI
 
     def select(self, q_resid_TQ, x_TD, positions_T, keys_TCE, visible_TC, k: int) -> jax.Array:

@@ -23,6 +23,7 @@ V value dim, L kv_lora_rank, K = L + R, P pages, S page size, C context position
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model import prefill
-from jaxdp.model.fp8 import weight
+from jaxdp.model.fp8 import StackedWeight, weight
+from jaxdp.model.fp8 import einsum as weight_einsum
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
 from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
@@ -191,8 +193,10 @@ class MLA(nnx.Module):
     def expand(self, kv_XK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Cache entries [..., K] -> per-head k_nope [..., H, N], values [..., H, V], shared k_rope [..., R]."""
         cfg = self.cfg
-        kv_XHX = jnp.einsum("...l,lhx->...hx", kv_XK[..., : cfg.kv_lora_rank], weight(self, "w_kv_b_LHX"),
-                            preferred_element_type=jnp.float32).astype(kv_XK.dtype)
+        kv_XL = kv_XK[..., : cfg.kv_lora_rank]
+        kv_XHX = weight_einsum("xl,lhy->xhy", kv_XL.reshape(-1, kv_XL.shape[-1]), weight(self, "w_kv_b_LHX"),
+                               preferred_element_type=jnp.float32).astype(kv_XK.dtype)
+        kv_XHX = kv_XHX.reshape(*kv_XK.shape[:-1], *kv_XHX.shape[1:])
         return kv_XHX[..., : cfg.qk_nope_head_dim], kv_XHX[..., cfg.qk_nope_head_dim :], kv_XK[..., cfg.kv_lora_rank :]
 
     @jax.named_scope("mla_attention")
@@ -213,7 +217,8 @@ class MLA(nnx.Module):
             T, H = q_nope_THN.shape[:2]
             keys = batch.page_table_BN.size * kv_PSK.shape[1]  # B x C
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
-            if T * H * keys <= prefill.DENSE_MAX_SCORES and keys * w_kv_b_LHX[0].size <= prefill.DENSE_MAX_KEYS:
+            per_key = math.prod(w_kv_b_LHX.shape[1:])  # H x (N + V) expanded values
+            if T * H * keys <= prefill.DENSE_MAX_SCORES and keys * per_key <= prefill.DENSE_MAX_KEYS:
                 return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
             if kv_TK is not None and T * H * T <= prefill.DENSE_MAX_SCORES:
                 return prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, **kw)
@@ -267,7 +272,13 @@ def weight_first(eq: str, w: jax.Array, x: jax.Array) -> jax.Array:
     """`layers.dot` with the weight as the einsum's first operand. A per-head product over a weight sliced out
     of kv_b_proj ([L, H, N + V]) makes XLA copy the slice into a head-major layout at every step; with the
     weight first, XLA:CPU copies it keeping its minor axis (a block copy), with x first it transposes the
-    latent axis to minor (8 layers of W_UV at batch 1-32: 2.5-4 ms against 14-30 ms, load 8)."""
+    latent axis to minor (8 layers of W_UV at batch 1-32: 2.5-4 ms against 14-30 ms, load 8). A weight the
+    layer scan handed whole (`StackedWeight`) multiplies itself: on a GPU the per-head Pallas GEMM reading the
+    layer in place (`kernels_pallas.fp8_gemm.fp8_head_matmul`), on a CPU this product."""
+    if isinstance(w, StackedWeight):
+        ws, xs_out = eq.replace(" ", "").split(",")
+        xs, out = xs_out.split("->")
+        return w.dot(f"{xs},{ws}->{out}", x, lambda _, x, w: weight_first(eq, w, x))
     pad = x.dtype == jnp.bfloat16 and x.shape[0] == 1  # (as `dot`: a one-row bf16 product is slow)
     xp = jnp.concatenate([x, jnp.zeros_like(x)]) if pad else x
     y = jnp.einsum(eq, w, xp, preferred_element_type=jnp.float32)

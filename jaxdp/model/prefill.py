@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxdp.model.fp8 import einsum as weight_einsum  # (w_kv_b may be a layer of its stack, read in place)
+
 NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
 ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
@@ -111,7 +113,7 @@ def blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w
         """Each key block of b expanded once, scored by every window of b's rows that sees it."""
         def key_block_of(j, carry):
             kv_XK, key_pos_X = keys(b, j)
-            kv_XHY = jnp.einsum("xl,lhy->xhy", kv_XK[:, :L], w_kv_b_LHX)
+            kv_XHY = weight_einsum("xl,lhy->xhy", kv_XK[:, :L], w_kv_b_LHX)
             k_nope_XHN, v_XHV = kv_XHY[..., :N], kv_XHY[..., N:]
             sees_T = (seq_T == b) & (see_T >= j * Kb)  # b's rows that see part of this block
             first, last = span(sees_T)
@@ -141,7 +143,7 @@ def blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w
         def window(r, carry):
             at, mine_W = window_of(mine_T, first + r * Ta, Ta)
             sl = lambda a: jax.lax.dynamic_slice_in_dim(a, at, Ta)  # noqa: E731
-            q_latent_WHL = jnp.einsum("whn,lhn->whl", sl(q_nope_THN), w_uk_LHN)
+            q_latent_WHL = weight_einsum("whn,lhn->whl", sl(q_nope_THN), w_uk_LHN)
             q_rope_WHR, see_W = sl(q_rope_THR), sl(see_T)
 
             def key_block_of(j, state):
@@ -156,8 +158,8 @@ def blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w
                     jnp.zeros((Ta, H, L), jnp.float32))
             m_WH, l_WH, o_WHL = jax.lax.fori_loop(0, (top + Kb) // Kb, key_block_of, init)
             o_WHL = o_WHL / jnp.where(l_WH > 0, l_WH, 1.0)[..., None]
-            o_WHV = jnp.einsum("whl,lhv->whv", o_WHL.astype(w_uv_LHV.dtype), w_uv_LHV,
-                               preferred_element_type=jnp.float32)
+            o_WHV = weight_einsum("whl,lhv->whv", o_WHL.astype(w_uv_LHV.dtype), w_uv_LHV,
+                                  preferred_element_type=jnp.float32)
             new = (m_WH, l_WH, o_WHV * l_WH[..., None])
             return put(carry, at, mine_W, new)
 
@@ -190,7 +192,7 @@ def attend_split(q_nope_THN, q_rope_THR, kv_TK, kv_PSK, page_table_BN, seq_T, po
     R = kv_TK.shape[-1] - L
     # head-major ([H, T, ...]): XLA:CPU runs a product batched over a middle axis (h of "thn,uhn->thu") several
     # times slower than over the leading one; the rope part rides in the same product as the nope part
-    kv_HTY = jnp.einsum("tl,lhy->thy", kv_TK[:, :L], w_kv_b_LHX).transpose(1, 0, 2)  # (W as stored: no copy)
+    kv_HTY = weight_einsum("tl,lhy->thy", kv_TK[:, :L], w_kv_b_LHX).transpose(1, 0, 2)  # (W as stored: no copy)
     q_HTK = jnp.concatenate([q_nope_THN, q_rope_THR], -1).transpose(1, 0, 2)
     k_HTK = jnp.concatenate([kv_HTY[..., :N], jnp.broadcast_to(kv_TK[None, :, L:], (H, T, R))], -1)
     s_HTU = jnp.einsum("htk,huk->htu", q_HTK, k_HTK, preferred_element_type=jnp.float32) * softmax_scale
@@ -229,7 +231,7 @@ def attend_dense(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_
     N = q_nope_THN.shape[-1]
     kv_BCK = kv_PSK[page_table_BN].reshape(page_table_BN.shape[0], -1, kv_PSK.shape[-1])
     B, C = kv_BCK.shape[:2]
-    kv_BCHX = jnp.einsum("bcl,lhx->bchx", kv_BCK[..., :kv_lora_rank], w_kv_b_LHX)
+    kv_BCHX = weight_einsum("bcl,lhx->bchx", kv_BCK[..., :kv_lora_rank], w_kv_b_LHX)
     s = jnp.einsum("thn,bchn->thbc", q_nope_THN, kv_BCHX[..., :N], preferred_element_type=jnp.float32)
     s += jnp.einsum("thr,bcr->thbc", q_rope_THR, kv_BCK[..., kv_lora_rank:], preferred_element_type=jnp.float32)
     mask_TC = jnp.arange(C)[None, :] <= pos_T[:, None]

@@ -41,6 +41,8 @@ def step_cost(executable: Any, hlo_text: str, shape: Any, gpu: Any, weight_bytes
 def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str, moe_backend: str,
                      pallas_attention: bool) -> dict[str, list[tuple[int, int, int]]]:
     """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules)."""
+    from jaxdp.model.indexer import query_block
+    from jaxdp.model.prefill import KEY_BLOCK
     from kernels_pallas.mla_decode import default_num_splits
     from kernels_pallas.nvfp4_moe import _fit_block
 
@@ -60,6 +62,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         expected["nvfp4_grouped_matmul"] = [
             (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
             for r in moe_rows(cfg, layout, shape) for n in widths]
+    expected.update(mla_kv_b_kernels(cfg, layout, shape, page_size, expert_dtype))
     if cfg.hidden_size % 128:  # the GEMMs tile K by 128: such a model multiplies as XLA does
         return expected
     # the layers' Linear weights, read in place by a Pallas GEMM (kernels_pallas.fp8_gemm): block FP8 or plain
@@ -69,7 +72,25 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
     widths = {n for n in widths if _fit_block(64, n) >= 16}  # (kernels_pallas.fp8_gemm.tiles)
     linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
+    heads = cfg.num_heads // layout.tp
+    kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    path = prompt_path(cfg, layout, shape, page_size)
+    if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
+        # the prompt's expansion of the latents by kv_b_proj [L, H * (N + V)]: the context's keys at once (B x C,
+        # `prefill.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
+        contexts = {"dense": {shape.num_seqs * shape.pages_per_seq * page_size}, "split": {shape.num_rows},
+                    "blocked": set()}[path]
+        if path != "dense":
+            contexts.add(max(1, min(KEY_BLOCK // page_size, shape.pages_per_seq)) * page_size)
+        linear += [(_cdiv(r, 64), kv_b // _fit_block(64, kv_b), 1) for r in contexts]
     expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
+    if cfg.index_topk:  # the DSA indexer's projections (plain weights): the rank's rows, or its blocks of queries
+        index_rows = {shape.num_rows, query_block(shape.num_rows, shape.pages_per_seq * page_size,
+                                                  cfg.index_head_dim, cfg.index_n_heads)}
+        expected.setdefault("stacked_matmul", []).extend(
+            (_cdiv(r, 64), n // _fit_block(64, n), 1) for r in index_rows
+            for n in (cfg.index_n_heads * cfg.index_head_dim, cfg.index_head_dim, cfg.index_n_heads)
+            if _fit_block(64, n) >= 16)
     if moe_backend == "pallas" and cfg.n_routed_experts and _fit_block(64, cfg.n_routed_experts) >= 16:
         e = cfg.n_routed_experts  # the router, float32, in place
         expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // _fit_block(64, e), 1) for r in rows)
@@ -79,6 +100,45 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
                 (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
                 for r in rows for n in (2 * inter, cfg.hidden_size)]
     return expected
+
+
+def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
+    """Which of MLA's attention forms the step runs (`jaxdp.model.mla.MLA.attend_expanded`): "decode" (absorbed),
+    "selected" (a DSA selection), "dense", "split" or "blocked" (`jaxdp.model.prefill`)."""
+    from jaxdp.model import prefill
+    from jaxdp.model.indexer import selection_size
+
+    capacity = shape.pages_per_seq * page_size
+    if shape.absorbed:
+        return "decode"
+    if selection_size(cfg, capacity):
+        return "selected"
+    t, heads, keys = shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity
+    if (t * heads * keys <= prefill.DENSE_MAX_SCORES
+            and keys * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) <= prefill.DENSE_MAX_KEYS):
+        return "dense"
+    return "split" if t * heads * t <= prefill.DENSE_MAX_SCORES else "blocked"
+
+
+def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
+                     expert_dtype: str) -> dict[str, list[tuple[int, int, int]]]:
+    """The per-head GEMM of MLA's absorbed products with kv_b_proj [L, H, N + V] (`fp8_head_matmul`): q_nope . W_UK
+    (contracting N, L wide out) and W_UV after attention (contracting L, V wide out), with the rows of the
+    decode step or of a prompt step's selected attention (DSA), or the prompt's absorbed windows of one or a few
+    rows (`prefill.attend_blocked`, also inside `attend_split`); none in `attend_dense`."""
+    from jaxdp.model.prefill import ABSORBED_BLOCK
+    from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
+    from kernels_pallas.nvfp4_moe import _fit_block
+
+    heads, lat = cfg.num_heads // layout.tp, cfg.kv_lora_rank
+    products = [n for n, w, c in ((lat, cfg.qk_nope_head_dim, "B"), (cfg.v_head_dim, cfg.v_head_dim, "A"))
+                if head_tiles(lat, w, c)]
+    path, t = prompt_path(cfg, layout, shape, page_size), shape.num_rows
+    if not products or path == "dense":
+        return {}
+    rows = {t} if path in ("decode", "selected") else {1, min(ABSORBED_BLOCK, t)}
+    grids = [(_cdiv(r, 64), heads, n // min(_fit_block(64, n), BLOCK_K)) for r in rows for n in products]
+    return {"fp8_head_matmul" if expert_dtype == "fp8" else "stacked_head_matmul": grids}
 
 
 def moe_shards(cfg: Any, layout: Any) -> tuple[int, int]:

@@ -179,8 +179,11 @@ def check_fp8_weights(mod: Module) -> dict[str, Any]:
 
 def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
     """Stacked arrays (the layers' weights, [layers, ...], and the pool) read in place: a materialized
-    instruction that is not a GEMM and writes one layer of a stacked entry parameter, same dtype and shape
-    (a dynamic-slice copy out of the layer scan's stack), costs a write and a second read of that layer."""
+    instruction that is not a GEMM, slices (a dynamic-slice, a copy, or a fusion holding a dynamic-slice: the
+    layer scan's index) and writes one layer of a stacked entry parameter, same dtype and shape (a copy out of
+    the layer scan's stack), costs a write and a second read of that layer. (An activation whose shape happens
+    to be a layer's, e.g. 512 decode rows x the hidden size against a shared expert's [512, hidden] slice, is
+    not a slice of anything.)"""
     from jaxdp.planner.compile import _itemsize
 
     def squeeze(dims):
@@ -190,8 +193,9 @@ def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
               for t, d in i.arrays if len(d) >= 3}
     copies = []
     for comp, ins in mod.materialized():
-        if ins.opcode not in ("fusion", "copy", "dynamic-slice") or (
-                ins.opcode == "fusion" and any(mod.reaches(c, _is_gemm) for c in ins.calls())):
+        if ins.opcode not in ("fusion", "copy", "dynamic-slice") or (ins.opcode == "fusion" and (
+                any(mod.reaches(c, _is_gemm) for c in ins.calls())
+                or not any(mod.reaches(c, lambda i: i.opcode == "dynamic-slice") for c in ins.calls()))):
             continue
         for dtype, dims in ins.arrays:
             nbytes = _elements(dims) * _itemsize(dtype)

@@ -33,7 +33,8 @@ def _dims(line: str, key: str) -> list[int]:
 
 # Pallas GEMMs on a layer stack: kernel name -> (operand index of x [M, K], indices of the [L, ...] operands)
 LAYER_GEMMS = {"fp8_matmul": (2, (3, 4)), "stacked_matmul": (2, (3,)), "fp8_grouped_matmul": (6, (7, 8)),
-               "nvfp4_grouped_matmul": (5, (6, 7, 8))}
+               "nvfp4_grouped_matmul": (5, (6, 7, 8)), "fp8_head_matmul": (2, (3, 4)),
+               "stacked_head_matmul": (2, (3,))}
 
 
 def _layer_gemm_cost(ins: Instr, shapes: dict[str, Instr]) -> tuple[float, float] | None:
