@@ -62,17 +62,19 @@ def _run(model, backend: str, chosen: np.ndarray | None = None):
     return np.concatenate(out["prompt"] + out["decode"])
 
 
-def test_unchosen_experts_are_never_read():
+@pytest.mark.parametrize("backend", ["auto", "blocked"])
+def test_unchosen_experts_are_never_read(backend):
     """A prompt and three decode steps through the compiled step: with every expert no step chose holding NaN,
-    the default path's logits stay finite and equal the clean model's (the product per expert of lax.ragged_dot,
-    "xla", would read them: the test above shows it turning NaN)."""
+    the logits stay finite and equal the clean model's, on the default path (few rows: gathered) and the blocked
+    one (many rows; each block reads its expert where it lies in the layer stack). The product per expert of
+    lax.ragged_dot, "xla", would read them: the test above shows it turning NaN."""
     model = DeepseekV3(CFG, nnx.Rngs(3))
     chosen = np.zeros(CFG.n_routed_experts, bool)
-    clean = _run(model, "auto", chosen)
+    clean = _run(model, backend, chosen)
     assert 0 < chosen.sum() <= CFG.n_routed_experts // 2, chosen
     for name in ("w_gate_up_ED2I", "w_down_EID"):
         p = getattr(model.moe_layers.ffn, name)
         p.set_value(p.get_value().at[:, ~chosen].set(jnp.nan))
-    poisoned = _run(model, "auto")
+    poisoned = _run(model, backend)
     assert np.isfinite(poisoned).all()
     np.testing.assert_array_equal(poisoned, clean)

@@ -29,12 +29,17 @@ def block_rows(rows: int, groups: int) -> int:
 
 
 def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, block: int | None = None,
-                   preferred_element_type=jnp.float32) -> jax.Array:
+                   preferred_element_type=jnp.float32, layer: jax.Array | None = None) -> jax.Array:
     """x's rows, sorted by group (group e: the next sizes_E[e] rows; rows after the last group belong to
     none and give zeros), each times its group's w[e]: [M, N] in `preferred_element_type`, as
-    `lax.ragged_dot(x, w, sizes, preferred_element_type=...)`."""
+    `lax.ragged_dot(x, w, sizes, preferred_element_type=...)`.
+
+    With `layer` (a traced int32 scalar), w_EKN is a whole layer stack [L, E, K, N] and the groups multiply
+    layer `layer`'s matrices, each block slicing its own matrix out of the stack: the layer's experts are
+    never copied out as a whole (XLA:CPU copies a dynamic slice before a product reads it, so slicing the
+    layer first would write and read again every expert of the layer at every step)."""
     M, K = x_MK.shape
-    E, _, N = w_EKN.shape
+    E, _, N = w_EKN.shape[-3:]
     block = block or block_rows(M, E)
     nblocks = -(-M // block) + E  # each group wastes less than one block
     padded = nblocks * block
@@ -53,13 +58,16 @@ def grouped_matmul(x_MK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, *, blo
 
     def one(b, out):
         xb = lax.dynamic_slice_in_dim(x_pad, b * block, block)
-        wb = lax.dynamic_index_in_dim(w_EKN, group_of_block[b], keepdims=False)
+        if layer is None:
+            wb = lax.dynamic_index_in_dim(w_EKN, group_of_block[b], keepdims=False)
+        else:
+            wb = lax.dynamic_slice(w_EKN, (layer, group_of_block[b], 0, 0), (1, 1, K, N))[0, 0]
         yb = jnp.dot(xb, wb, preferred_element_type=preferred_element_type)
         return lax.dynamic_update_slice_in_dim(out, yb, b * block, 0)
 
     # zeros that vary over the mesh axes the body's result varies over (inside shard_map a loop's carry keeps
     # one type): a select that never takes the operands' value, which XLA folds away
-    probe = (x_pad[0, 0].astype(preferred_element_type) + w_EKN[0, 0, 0].astype(preferred_element_type)
+    probe = (x_pad[0, 0].astype(preferred_element_type) + w_EKN.reshape(-1)[0].astype(preferred_element_type)
              + group_of_block[0].astype(preferred_element_type))
     out = jnp.where(False, probe, jnp.zeros((padded, N), preferred_element_type))
     out = lax.fori_loop(0, block_ends[-1], one, out)  # the blocks in use only

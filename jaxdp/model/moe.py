@@ -123,7 +123,7 @@ class MoE(nnx.Module):
             operands = gate_up.gemm_operands(1, lead=1), down.gemm_operands(1, lead=1)
             if None not in operands:
                 return routed_experts_fp8(x_TD, idx_TK, w_TK, *operands, gate_up.layer, expert_offset)
-        return routed_experts(x_TD, idx_TK, w_TK, _dense(gate_up), _dense(down), expert_offset, self.runner_backend)
+        return routed_experts(x_TD, idx_TK, w_TK, gate_up, down, expert_offset, self.runner_backend)
 
     def experts_dense(self, x_TD, idx_TK, w_TK):
         """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
@@ -216,19 +216,29 @@ def gathers(backend: str, pairs: int, num_local: int, expert_bytes: int = 0) -> 
 def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0, backend: str = "auto"):
     """Sum over a row's chosen experts (among those held here) of weight * expert(row).
 
+    The weights are arrays or, as the layer scan hands them, `StackedWeight`s (the whole stack and the layer):
+    the blocked form then reads each block's expert where it lies in the stack (`grouped_matmul(layer=...)`),
+    never copying the layer's experts out first; the gathered form's gather reads the stack in place anyway.
     Returns (y_TD in float32, rows received per local expert [E_local]).
     """
     E_local, D, _, I = w_gate_up_ED2I.shape
-    expert_bytes = 3 * D * I * w_gate_up_ED2I.dtype.itemsize
+    expert_bytes = 3 * D * I * jnp.dtype(w_gate_up_ED2I.dtype).itemsize
     if gathers(backend, idx_TK.size, E_local, expert_bytes):
-        return gathered_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset)
-    ragged = _ragged(backend)
+        return gathered_experts(x_TD, idx_TK, w_TK, _dense(w_gate_up_ED2I), _dense(w_down_EID), expert_offset)
+    stacked = (w_gate_up_ED2I, w_down_EID)
+    if backend != "xla" and all(isinstance(w, StackedWeight) and w.scales is None for w in stacked):
+        layer = w_gate_up_ED2I.layer
+        w1 = w_gate_up_ED2I.values.reshape(-1, E_local, D, 2 * I)
+        w2 = w_down_EID.values
+        ragged = functools.partial(grouped_matmul, layer=layer)
+    else:
+        w1, w2 = _dense(w_gate_up_ED2I).reshape(E_local, D, 2 * I), _dense(w_down_EID)
+        ragged = _ragged(backend)
 
     def ffn(x_sorted, sizes_E):
-        h = ragged(x_sorted, w_gate_up_ED2I.reshape(E_local, D, 2 * I), sizes_E,
-                   preferred_element_type=jnp.float32).reshape(-1, 2, I)
+        h = ragged(x_sorted, w1, sizes_E, preferred_element_type=jnp.float32).reshape(-1, 2, I)
         h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
-        return ragged(h, w_down_EID, sizes_E, preferred_element_type=jnp.float32)
+        return ragged(h, w2, sizes_E, preferred_element_type=jnp.float32)
 
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
 
