@@ -143,18 +143,22 @@ class Trainer:
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
         self.logits = jax.jit(self._logits)
 
-    def init_model_from(self, model: DeepseekV3) -> None:
-        """Start the model (not the MTP layer) from `model`'s weights (`--init-from`: a second stage)."""
-        given = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        mine = self.params["model"] if self.mtp_weight > 0 else self.params
-        shapes = jax.tree.map(lambda a: a.shape, mine)
-        if jax.tree.structure(given) != jax.tree.structure(mine) or jax.tree.map(lambda a: a.shape, given) != shapes:
-            raise ValueError("--init-from: the checkpoint's shape differs from --preset and --config-overrides")
-        given = jax.tree.map(lambda a, b: jnp.asarray(np.asarray(a), b.dtype), given, mine)  # as the init made them
+    def init_model_from(self, model: DeepseekV3, mtp: MTPLayer | None = None) -> None:
+        """Start the model (and, given one, the MTP layer) from these weights (`--init-from`: a later stage)."""
+
+        def take(module: nnx.Module, mine: dict) -> dict:
+            given = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+            shapes = jax.tree.map(lambda a: a.shape, mine)
+            same = jax.tree.structure(given) == jax.tree.structure(mine)
+            if not same or jax.tree.map(lambda a: a.shape, given) != shapes:
+                raise ValueError("--init-from: the checkpoint's shape differs from --preset and --config-overrides")
+            return jax.tree.map(lambda a, b: jnp.asarray(np.asarray(a), b.dtype), given, mine)  # as the init made them
+
         if self.mtp_weight > 0:
-            self.params = {**self.params, "model": given}
+            self.params = {"model": take(model, self.params["model"]),
+                           "mtp": self.params["mtp"] if mtp is None else take(mtp, self.params["mtp"])}
         else:
-            self.params = given
+            self.params = take(model, self.params)
         self.opt_state = self.optimizer.init(self.params)
 
     def model(self, params: dict) -> DeepseekV3:
@@ -294,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train an MTP layer (speculative decoding's draft) jointly, its loss weighted so "
                          "(DeepSeek-V3: 0.3); 0: none")
     ap.add_argument("--init-from", metavar="DIR",
-                    help="start the model from this checkpoint's weights (a second stage; the MTP layer starts fresh)")
+                    help="start the model from this checkpoint's weights (a later stage), and the MTP layer from its "
+                         "MTP layer if it has one")
     ap.add_argument("--mtp-steps", type=int, default=1,
                     help="draft steps the MTP chain is trained for, unrolled (1: DeepSeek-V3's single step)")
     return ap
@@ -336,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = Trainer(cfg, args.seed, shape, optimizer, args.mtp_weight, args.mtp_steps)
     if args.init_from:
-        from jaxdp.model.loader import load_model
+        from jaxdp.model.loader import load_model, load_mtp, model_config
 
         try:
-            trainer.init_model_from(load_model(args.init_from, "float32")[1])
+            mtp = None
+            if args.mtp_weight > 0 and model_config(args.init_from).num_nextn_predict_layers:
+                mtp = load_mtp(args.init_from, "float32")[1]  # its MTP layer goes on training too
+            trainer.init_model_from(load_model(args.init_from, "float32")[1], mtp)
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
