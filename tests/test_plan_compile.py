@@ -115,3 +115,19 @@ def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(tmp_path, c
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "whole 128-wide scale blocks over 8 devices" in err and "Traceback" not in err
+
+
+def test_speculating_with_a_model_without_an_mtp_layer_is_one_sentence(mid_model, capsys):
+    """--speculative-algorithm drafts with the model's MTP layer: a config.json or a preset without one is
+    refused before anything compiles, as is --speculative-num-steps alone."""
+    for model, extra in ((mid_model, ["--speculative-algorithm", "EAGLE"]),
+                         ("tiny", ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])):
+        argv = ["--model", model, "--gpus", "8", "--gpu", "H200", "--mesh", "dp=8", "--compile", "--compile-target",
+                "cpu", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        assert "drafts with the model's MTP (NextN) layer, and " in err and "has none (num_nextn_predict_layers" in err
+    assert main(["--model", mid_model, "--gpus", "8", "--mesh", "dp=8", "--speculative-num-steps", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("plan: error: --speculative-num-steps needs --speculative-algorithm "
+                                               "(EAGLE or NEXTN).")

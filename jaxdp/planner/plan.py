@@ -201,13 +201,16 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "placement": args.placement,
         "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
         "context": args.context, "latency_us": args.latency_us,
-        "row_bytes": cfg.hidden_size * 2, "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype)),
+        "row_bytes": cfg.hidden_size * 2,
+        "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype, include_mtp=spec)),
         "kv_bytes_per_token": per_token,
         "handoff": {"link_gbs": args.handoff_gbs,
                     "prompts": handoff(per_token, tuple(_parse_prompts(args.handoff_prompts)), args.handoff_gbs)},
         "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
                                                     "vocab": cfg.vocab_size, "model_type": cfg.model_type},
-        "plan": main_plan, "tp": compare, "assumptions": ASSUMPTIONS,
+        "plan": main_plan, "tp": compare,
+        "assumptions": [a.replace("the MTP (next-token) layer is not loaded", "the MTP (next-token) layer and its "
+                                  "draft KV are counted (speculative decoding)") if spec else a for a in ASSUMPTIONS],
         "speculative": {"algorithm": args.speculative_algorithm.upper(), "num_steps": draft_tokens,
                         "num_draft_tokens": draft_tokens + 1} if spec else None,
     }
