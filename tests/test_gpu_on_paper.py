@@ -117,22 +117,23 @@ def test_block_fp8_weights_are_multiplied_in_place_by_the_pallas_gemms(ep_plan):
 
 @needs_plugin
 def test_the_speculative_steps_compile_with_the_mtp_layer_and_pass_the_checks(tmp_path):
-    """--speculative-algorithm EAGLE (3 drafts): the server's two speculative steps (the decode bucket's 24
-    requests verifying 4 rows each in the absorbed form; a 200-row extend step), with the MTP layer's abstract
-    weights in their sharding and its draft KV in the pool, every check passing: the MLA decode kernel runs the
-    verify (96 rows) and the chained drafts (24, in both forms), the MTP layer's FP8 experts in the grouped GEMM
-    (given the layers' runner backend: the FP8 check fails without it), its layer in place."""
+    """--speculative-algorithm EAGLE --speculative-num-steps 2: the server's two speculative steps (the decode
+    bucket's 24 requests verifying 3 rows each in the absorbed form; a 200-row extend step), with the MTP layer's
+    abstract weights in their sharding and its draft KV in the pool, every check passing: the MLA decode kernel
+    runs the verify (72 rows) and the chained draft (24, in both forms), the MTP layer's FP8 experts in the grouped
+    GEMM (given the layers' runner backend: the FP8 check fails without it), its layer in place."""
     d = tmp_path / "mtp"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(dict(SMALL_FP8, num_nextn_predict_layers=1)))
-    code, plan = plan_gpu(str(d), d, "dp=8,moe=ep", "--expert-dtype", "fp8", "--speculative-algorithm", "eagle")
+    code, plan = plan_gpu(str(d), d, "dp=8,moe=ep", "--expert-dtype", "fp8", "--speculative-algorithm", "eagle",
+                          "--speculative-num-steps", "2")
     assert code == 0
-    assert plan["speculative"] == {"algorithm": "EAGLE", "num_steps": 3, "num_draft_tokens": 4}
+    assert plan["speculative"] == {"algorithm": "EAGLE", "num_steps": 2, "num_draft_tokens": 3}
     assert "MTP layer (NextN)" in {w["name"] for w in plan["plan"]["weights"]}
     assert plan["kv_bytes"]["layers"] == 4  # 3 layers and the draft KV's
     steps = {s["kind"]: s for s in plan["compiled"]}
-    assert list(steps) == ["spec-decode", "spec-extend"] and plan["compile"]["draft_tokens"] == 3
-    assert (steps["spec-decode"]["rows_per_rank"], steps["spec-extend"]["rows_per_rank"]) == (96, 200)
+    assert list(steps) == ["spec-decode", "spec-extend"] and plan["compile"]["draft_tokens"] == 2
+    assert (steps["spec-decode"]["rows_per_rank"], steps["spec-extend"]["rows_per_rank"]) == (72, 200)
     for s in steps.values():
         planned = s["planned_weight_bytes_per_device"] + s["planned_kv_bytes_per_device"]
         assert abs(s["argument_bytes_per_device"] / planned - 1) < 0.03, s
@@ -141,7 +142,7 @@ def test_the_speculative_steps_compile_with_the_mtp_layer_and_pass_the_checks(tm
         assert {"fp8_grouped_matmul", "fp8_matmul", "fp8_head_matmul", "mla_decode_split"} <= names, names
         assert "ragged-all-to-all" in {p["op"] for p in s["checks"]["collectives"]["pairs"]}
     grids = {k: s["checks"]["kernels"]["grids"]["mla_decode_split"] for k, s in steps.items()}
-    assert grids == {"spec-decode": [[1, 3, 96], [1, 8, 24]], "spec-extend": [[1, 8, 24]]}, grids
+    assert grids == {"spec-decode": [[1, 4, 72], [1, 8, 24]], "spec-extend": [[1, 8, 24]]}, grids
 
 
 @needs_plugin

@@ -58,6 +58,21 @@ def test_xla_argument_bytes_agree_with_the_plan(mid_model, tmp_path, capsys, mes
     assert "Compiled by XLA" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_the_speculative_steps_compile_on_host_devices(tmp_path):
+    """--speculative-algorithm under XLA:CPU (1-2 minutes): both speculative steps compile with the MTP layer's
+    weights and its draft KV, and XLA's arguments are the plan's (which counts both)."""
+    d = tmp_path / "mtp"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(MID, num_nextn_predict_layers=1)))
+    plan = compile_plan(str(d), tmp_path, "dp=4,tp=2", "fp8", "--speculative-algorithm", "EAGLE")
+    assert [(c["kind"], c["rows_per_rank"], c["draft_tokens"]) for c in plan["compiled"]] == [
+        ("spec-decode", 64, 3), ("spec-extend", 256, 3)]
+    assert plan["kv_bytes"]["layers"] == MID["num_hidden_layers"] + 1
+    for c in plan["compiled"]:
+        assert abs(c["argument_vs_plan"]) < 0.03 and c["temp_bytes_without_pool_copies_per_device"] > 0, c
+
+
 def test_a_weight_placed_differently_from_the_plan_shows(mid_model, tmp_path, monkeypatch):
     """The check can fail: routed experts replicated where the plan splits them."""
     import jaxdp.parallel.sharding as sharding
