@@ -290,7 +290,9 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
              else f"XLA:CPU, {result['host_devices']} host devices")
     out = [f"Compiled by {where}, abstract weights, a pool of {result['num_pages_per_rank']:,} pages x "
            f"{result['page_size']} per rank; attention {result.get('attention_backend', 'xla')}, experts "
-           f"{result.get('moe_runner_backend', 'xla')}; GiB per device",
+           f"{result.get('moe_runner_backend', 'xla')}" + (
+               f"; speculative, {result['draft_tokens']} drafts per verify by the MTP layer"
+               if result.get("draft_tokens") else "") + "; GiB per device",
            f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'temp*':>9}{'code':>7}{'plan w+kv':>11}"
            f"{'arg/plan':>10}{'compile s':>11}"]
     for c in result["compiled"]:

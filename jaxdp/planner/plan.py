@@ -128,7 +128,8 @@ def _fitting_layout(cfg: Any, gpus: int, budget: float, args: argparse.Namespace
                     lay.validate(num_devices=n, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
                 except (LayoutError, ValueError):
                     continue
-                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args)))
+                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args),
+                                                      include_mtp=args.speculative_algorithm is not None))
                 if need < budget:
                     mesh = f"dp={lay.dp},tp={lay.tp}" + (",moe=ep" if moe == "ep" else "")
                     return f"a layout that fits: --gpus {n} --mesh {mesh} ({need / GiB:.1f} GiB of weights per GPU)."
