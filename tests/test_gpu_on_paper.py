@@ -5,10 +5,11 @@ XLA:GPU's fusions), and checks the optimized program (jaxdp.planner.hlo_checks).
 Needs the CUDA plugin's two wheels at JAX's version (`pip install -e ".[xla-gpu]"`; docs/gpu-on-paper.md);
 skipped without them. A small model (hidden 1024, 48 experts, 3 layers) keeps each compile to seconds; its
 row counts (24 decode, 200 prompt rows per rank) and experts per device (6 under EP) are chosen not to
-coincide with its widths, so the checks' shapes are unambiguous. Four steps are compiled in all (tests/test_xla_gpu.py
+coincide with its widths, so the checks' shapes are unambiguous. Six steps are compiled in all (tests/test_xla_gpu.py
 runs them in the suite): the three of one DP-attention + EP layout in block FP8 (a module fixture: ragged
 all-to-all, the MLA decode kernel and every FP8 GEMM in one program), and a 512-row decode step with NVFP4
-experts that does not fit (the NVFP4 grouped GEMM in a step, and the refusal).
+experts that does not fit (the NVFP4 grouped GEMM in a step, and the refusal); and the two speculative steps
+with the MTP layer (--speculative-algorithm EAGLE).
 """
 
 import json
@@ -112,6 +113,36 @@ def test_block_fp8_weights_are_multiplied_in_place_by_the_pallas_gemms(ep_plan):
     assert grids["fp8_matmul"] and grids["stacked_matmul"] == [[1, 3, 1]], grids
     # kv_b_proj per head: (24 rows / 64, 16 heads, 128 values / 64 | 256 latent / 64)
     assert grids["fp8_head_matmul"] == [[1, 16, 2], [1, 16, 4]], grids
+
+
+@needs_plugin
+def test_the_speculative_steps_compile_with_the_mtp_layer_and_pass_the_checks(tmp_path):
+    """--speculative-algorithm EAGLE --speculative-num-steps 2: the server's two speculative steps (the decode
+    bucket's 24 requests verifying 3 rows each in the absorbed form; a 200-row extend step), with the MTP layer's
+    abstract weights in their sharding and its draft KV in the pool, every check passing: the MLA decode kernel
+    runs the verify (72 rows) and the chained draft (24, in both forms), the MTP layer's FP8 experts in the grouped
+    GEMM (given the layers' runner backend: the FP8 check fails without it), its layer in place."""
+    d = tmp_path / "mtp"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(SMALL_FP8, num_nextn_predict_layers=1)))
+    code, plan = plan_gpu(str(d), d, "dp=8,moe=ep", "--expert-dtype", "fp8", "--speculative-algorithm", "eagle",
+                          "--speculative-num-steps", "2")
+    assert code == 0
+    assert plan["speculative"] == {"algorithm": "EAGLE", "num_steps": 2, "num_draft_tokens": 3}
+    assert "MTP layer (NextN)" in {w["name"] for w in plan["plan"]["weights"]}
+    assert plan["kv_bytes"]["layers"] == 4  # 3 layers and the draft KV's
+    steps = {s["kind"]: s for s in plan["compiled"]}
+    assert list(steps) == ["spec-decode", "spec-extend"] and plan["compile"]["draft_tokens"] == 2
+    assert (steps["spec-decode"]["rows_per_rank"], steps["spec-extend"]["rows_per_rank"]) == (72, 200)
+    for s in steps.values():
+        planned = s["planned_weight_bytes_per_device"] + s["planned_kv_bytes_per_device"]
+        assert abs(s["argument_bytes_per_device"] / planned - 1) < 0.03, s
+        assert all(c["ok"] for c in s["checks"].values()), s["checks"]
+        names = {k["name"] for k in s["checks"]["kernels"]["found"]}
+        assert {"fp8_grouped_matmul", "fp8_matmul", "fp8_head_matmul", "mla_decode_split"} <= names, names
+        assert "ragged-all-to-all" in {p["op"] for p in s["checks"]["collectives"]["pairs"]}
+    grids = {k: s["checks"]["kernels"]["grids"]["mla_decode_split"] for k, s in steps.items()}
+    assert grids == {"spec-decode": [[1, 4, 72], [1, 8, 24]], "spec-extend": [[1, 8, 24]]}, grids
 
 
 @needs_plugin
@@ -224,15 +255,16 @@ def test_without_the_plugin_the_gpu_target_says_what_to_install(small_model, cap
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["dp=8", "tp=8", "dp=8,moe=ep"])
-def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
+@pytest.mark.parametrize("mesh, extra", [("dp=8", []), ("tp=8", []), ("dp=8,moe=ep", []),
+                                         ("dp=8", ["--speculative-algorithm", "EAGLE"])])
+def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, extra, tmp_path):
     """docs/gpu-on-paper.md: the full model on abstract weights, 1-2 minutes and < 1 GiB of host memory each.
     XLA:GPU's arguments are the plan's weights and pool; every check holds in every step: the kernels, the
     experts, the collectives, no layer copied out of its stack and every FP8 weight widened in the Pallas GEMMs'
     registers (MLA's kv_b_proj by the per-head one)."""
     out = tmp_path / "plan.json"
     argv = ["--model", "deepseek-v3", "--gpus", "8", "--gpu", "H200", "--mesh", mesh, "--expert-dtype", "fp8",
-            "--compile", "--compile-target", "gpu", "--json", str(out)]
+            "--compile", "--compile-target", "gpu", *extra, "--json", str(out)]
     assert main(argv) == 0
     plan = json.loads(out.read_text())
     assert plan["compile"]["fit"]["fits"]
@@ -243,4 +275,5 @@ def test_deepseek_v3_fp8_on_8_h200s_at_full_size(mesh, tmp_path):
         names = {k["name"] for k in c["checks"]["kernels"]["found"]}
         assert {"fp8_matmul", "fp8_grouped_matmul", "stacked_matmul", "fp8_head_matmul"} <= names, names
     decode = plan["compiled"][0]
-    assert decode["kind"] == "decode" and decode["checks"]["kernels"]["grids"]["mla_decode_split"]
+    assert decode["kind"] == ("spec-decode" if extra else "decode")
+    assert decode["checks"]["kernels"]["grids"]["mla_decode_split"]

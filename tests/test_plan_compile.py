@@ -58,6 +58,21 @@ def test_xla_argument_bytes_agree_with_the_plan(mid_model, tmp_path, capsys, mes
     assert "Compiled by XLA" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_the_speculative_steps_compile_on_host_devices(tmp_path):
+    """--speculative-algorithm under XLA:CPU (1-2 minutes): both speculative steps compile with the MTP layer's
+    weights and its draft KV, and XLA's arguments are the plan's (which counts both)."""
+    d = tmp_path / "mtp"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(MID, num_nextn_predict_layers=1)))
+    plan = compile_plan(str(d), tmp_path, "dp=4,tp=2", "fp8", "--speculative-algorithm", "EAGLE")
+    assert [(c["kind"], c["rows_per_rank"], c["draft_tokens"]) for c in plan["compiled"]] == [
+        ("spec-decode", 64, 3), ("spec-extend", 256, 3)]
+    assert plan["kv_bytes"]["layers"] == MID["num_hidden_layers"] + 1
+    for c in plan["compiled"]:
+        assert abs(c["argument_vs_plan"]) < 0.03 and c["temp_bytes_without_pool_copies_per_device"] > 0, c
+
+
 def test_a_weight_placed_differently_from_the_plan_shows(mid_model, tmp_path, monkeypatch):
     """The check can fail: routed experts replicated where the plan splits them."""
     import jaxdp.parallel.sharding as sharding
@@ -115,3 +130,19 @@ def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(tmp_path, c
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "whole 128-wide scale blocks over 8 devices" in err and "Traceback" not in err
+
+
+def test_speculating_with_a_model_without_an_mtp_layer_is_one_sentence(mid_model, capsys):
+    """--speculative-algorithm drafts with the model's MTP layer: a config.json or a preset without one is
+    refused before anything compiles, as is --speculative-num-steps alone."""
+    for model, extra in ((mid_model, ["--speculative-algorithm", "EAGLE"]),
+                         ("tiny", ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])):
+        argv = ["--model", model, "--gpus", "8", "--gpu", "H200", "--mesh", "dp=8", "--compile", "--compile-target",
+                "cpu", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        assert "drafts with the model's MTP (NextN) layer, and " in err and "has none (num_nextn_predict_layers" in err
+    assert main(["--model", mid_model, "--gpus", "8", "--mesh", "dp=8", "--speculative-num-steps", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("plan: error: --speculative-num-steps needs --speculative-algorithm "
+                                               "(EAGLE or NEXTN).")

@@ -121,6 +121,8 @@ class StepRunner:
         if draft is not None:
             sharded_draft = draft if isinstance(draft, ShardedModel) else None
             draft = sharded_draft.merge() if sharded_draft else draft
+            if o.moe_backend is not None:  # the MTP layer's experts multiply as the layers' do
+                draft = with_moe_runner_backend(draft, o.moe_backend)
             self.draft_graphdef, draft_state = nnx.split(draft)
             self.draft_specs = state_specs(draft_state, layout)
             if o.abstract:

@@ -37,6 +37,7 @@ class CompileCase:
     moe_backend: str | None = None  # the routed experts' grouped matmul (--moe-runner-backend; None: the target's)
     target: str = "cpu"  # "gpu": XLA:GPU for the plan's GPU (jaxdp.planner.xla_target); "cpu": XLA:CPU
     attention_backend: str | None = None  # --attention-backend (None: the target's: pallas on a GPU)
+    draft_tokens: int = 0  # speculative decoding (--speculative-num-steps): the steps verify and draft this many
 
 
 # --expert-dtype -> the loader's quantization: fp8 is a DeepSeek block-FP8 checkpoint (every Linear of the
@@ -60,11 +61,50 @@ def abstract_sharded(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
     return ShardedModel(rcfg, *abstract_state(cfg, layout, mesh, jnp.bfloat16, quantization))
 
 
+def abstract_draft(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
+    """The model's MTP layer (speculative decoding's draft model) as the loader would hold it under `layout`
+    (`jaxdp.model.sharded.load_mtp_sharded`), without weights: ShapeDtypeStructs in their final sharding on
+    `mesh`. Block FP8 as the main layers; NVFP4 exports leave the MTP layer unquantized (bf16 experts, as
+    `jaxdp.planner.weights.mtp_component` counts it)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from jaxdp.model.sharded import ShardedModel, _dotted, abstract_mtp, check_fp8_split, resolve_quantization, table_of
+
+    quantization = None if expert_dtype == "nvfp4" else QUANTIZATION[expert_dtype]
+    rcfg, _ = resolve_quantization(cfg, quantization)
+    abstract = abstract_mtp(cfg, jnp.bfloat16, quantization)
+    table = table_of(abstract, layout)
+    if rcfg.fp8_block:
+        check_fp8_split(table, mesh, layout, rcfg.fp8_block[0])
+    graphdef, state = nnx.split(abstract)
+    return ShardedModel(rcfg, graphdef, jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, table[_dotted(p)].spec)),
+        state))
+
+
 def step_shapes(layout: Any, case: CompileCase) -> list:
-    """The largest decode bucket, and the largest extend bucket in MAX_LEN and (with dp > 1) SUM_LEN."""
+    """The largest decode bucket, and the largest extend bucket in MAX_LEN and (with dp > 1) SUM_LEN. Speculating
+    (`case.draft_tokens` D), every step the server runs is a speculative one (`jaxdp.parallel.spec_step`), shaped
+    as `jaxdp.engine.buckets.Buckets.shapes` shapes them: the decode bucket's requests verifying only (D + 1 rows
+    each, the absorbed form) and the largest extend bucket (the extend form: a prompt chunk beside the other
+    requests' verifies, as many requests as the decode bucket holds), in the gather mode the engine gives it."""
+    from jaxdp.engine.buckets import Buckets
     from jaxdp.parallel.step import StepShape
 
     pages = -(-max(case.context, case.extend_rows) // case.page_size)
+    if case.draft_tokens:
+        d = case.draft_tokens
+        rows = case.decode_rows * (d + 1)
+        modes = Buckets.make(case.decode_rows, case.extend_rows, layout.dp, decode=[case.decode_rows],
+                             extend=[max(case.extend_rows, rows)], draft_tokens=d).extend_modes(case.extend_rows)
+        mode, sum_rows = modes[-1]  # the largest exact buffer (SUM_LEN) where the engine gathers exactly
+        shapes = [StepShape(True, rows, rows, -(-case.context // case.page_size), draft_tokens=d),
+                  StepShape(False, case.extend_rows, min(case.extend_rows, case.decode_rows), pages, mode, sum_rows,
+                            draft_tokens=d)]
+        return [s for s, k in zip(shapes, ("decode", "extend"), strict=True) if k in case.kinds]
     shapes = [StepShape(True, case.decode_rows, case.decode_rows, -(-case.context // case.page_size)),
               StepShape(False, case.extend_rows, 1, pages)]
     if layout.dp > 1:
@@ -96,15 +136,17 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         devices = jax.devices()[: layout.total_devices]
     tokens = plan["plan"]["kv_tokens_per_rank"]
     num_pages = max(1, tokens // case.page_size)
-    kv = kv_bytes(cfg, kv_dtype)
+    spec = case.draft_tokens > 0  # the MTP layer's weights and its draft KV (one more layer of entries) too
+    kv = kv_bytes(cfg, kv_dtype, include_mtp=spec)
     planned_kv = num_pages * case.page_size * kv.per_token  # latents and (DSA) index keys, bf16
-    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp"))
+    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=spec))
 
     mesh = layout.make_mesh(devices)
     platform = devices[0].platform
     model = abstract_sharded(cfg, layout, mesh, expert_dtype)
+    draft = abstract_draft(cfg, layout, mesh, expert_dtype) if spec else None
     kernels, moe = decode_kernel(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
-    runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size,
+    runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size, draft=draft,
                                    cache_dtype=jnp.bfloat16, abstract=True, moe_backend=moe, decode_kernel=kernels)
                         for n in (num_pages, 1))
     compiled = []
@@ -122,7 +164,8 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
             temp_without_pool = int(small.memory_analysis().temp_size_in_bytes)
         text = small.as_text()
         entry = {
-            "kind": shape.kind, "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
+            "kind": step_kind(shape), "rows_per_rank": shape.num_rows, "seqs_per_rank": shape.num_seqs,
+            "draft_tokens": shape.draft_tokens,
             "gather_mode": shape.gather_mode, "sum_rows": shape.sum_rows,
             "argument_bytes_per_device": arg, "output_bytes_per_device": int(mem.output_size_in_bytes),
             "alias_bytes_per_device": int(mem.alias_size_in_bytes),
@@ -143,11 +186,17 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         compiled.append(entry)
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu.memory_bytes),
             "host_devices": layout.total_devices, "backend": platform, "page_size": case.page_size,
-            "num_pages_per_rank": num_pages, "target": case.target,
+            "num_pages_per_rank": num_pages, "target": case.target, "draft_tokens": case.draft_tokens,
             "device_kind": devices[0].device_kind, "moe_runner_backend": moe,
             "attention_backend": "pallas" if kernels is not None else "xla",
             "target_description": xla_target.target_fields(xla_target.target_description(gpu.name)) if on_gpu
             else None}
+
+
+def step_kind(shape: Any) -> str:
+    """decode, extend, or a speculative step in either form: spec-decode (verifies only), spec-extend."""
+    form = "decode" if shape.absorbed else "extend"
+    return f"spec-{form}" if shape.draft_tokens else form
 
 
 _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
@@ -241,7 +290,9 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
              else f"XLA:CPU, {result['host_devices']} host devices")
     out = [f"Compiled by {where}, abstract weights, a pool of {result['num_pages_per_rank']:,} pages x "
            f"{result['page_size']} per rank; attention {result.get('attention_backend', 'xla')}, experts "
-           f"{result.get('moe_runner_backend', 'xla')}; GiB per device",
+           f"{result.get('moe_runner_backend', 'xla')}" + (
+               f"; speculative, {result['draft_tokens']} drafts per verify by the MTP layer"
+               if result.get("draft_tokens") else "") + "; GiB per device",
            f"  {'step':<24}{'argument':>10}{'output':>9}{'temp':>9}{'temp*':>9}{'code':>7}{'plan w+kv':>11}"
            f"{'arg/plan':>10}{'compile s':>11}"]
     for c in result["compiled"]:

@@ -4,6 +4,7 @@ report's lines for them."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxdp.planner import hlo_checks
@@ -29,7 +30,8 @@ def step_cost(executable: Any, hlo_text: str, shape: Any, gpu: Any, weight_bytes
 
         cost, source = hlo_cost(hlo_checks.parse(hlo_text)), "HLO"
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    context = shape.num_seqs * shape.pages_per_seq * page_size  # tokens of cache the step's rows can read
+    # tokens of cache the step's rows can read (a verify's rows read their request's: once a request)
+    context = shape.num_requests * shape.pages_per_seq * page_size
     floor_bytes = weight_bytes + context * kv_per_token
     est_s = max(flops / gpu.flops_per_s, accessed / gpu.hbm_bytes_per_s)
     floor_s = floor_bytes / gpu.hbm_bytes_per_s
@@ -38,9 +40,29 @@ def step_cost(executable: Any, hlo_text: str, shape: Any, gpu: Any, weight_bytes
             "bound": "compute" if flops / gpu.flops_per_s > accessed / gpu.hbm_bytes_per_s else "memory"}
 
 
+def step_forms(shape: Any) -> list[Any]:
+    """The forms of MLA and the MoE one step runs: itself; a speculative step (`jaxdp.parallel.spec_step`) runs the
+    target and the MTP pass over its rows in its own form, then the chained drafts as a decode step of one row per
+    request (absorbed, MAX_LEN, the requests' page tables)."""
+    if not shape.draft_tokens:
+        return [shape]
+    r = shape.num_requests
+    return [dataclasses.replace(shape, draft_tokens=0),
+            dataclasses.replace(shape, absorbed=True, num_rows=r, num_seqs=r, gather_mode="max_len", sum_rows=0,
+                                draft_tokens=0)]
+
+
 def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str, moe_backend: str,
                      pallas_attention: bool) -> dict[str, list[tuple[int, int, int]]]:
-    """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules)."""
+    """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules); a speculative
+    step, those of each of its forms (`step_forms`)."""
+    if shape.draft_tokens:
+        merged: dict[str, list[tuple[int, int, int]]] = {}
+        for form in step_forms(shape):
+            for name, grids in expected_kernels(cfg, layout, form, page_size, expert_dtype, moe_backend,
+                                                pallas_attention).items():
+                merged.setdefault(name, []).extend(grids)
+        return merged
     from jaxdp.model.indexer import query_block
     from jaxdp.model.prefill import KEY_BLOCK
     from kernels_pallas.mla_decode import default_num_splits
@@ -165,7 +187,8 @@ def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int,
         "fp8_weights": hlo_checks.check_fp8_weights(mod),
         "layer_copies": hlo_checks.check_layer_copies(mod),
         "kernels": hlo_checks.check_kernels(mod, expected),
-        "experts": hlo_checks.check_experts(mod, experts, moe_rows(cfg, layout, shape),
+        "experts": hlo_checks.check_experts(mod, experts, set().union(*(moe_rows(cfg, layout, f)
+                                                                         for f in step_forms(shape))),
                                             {2 * inter, inter, cfg.hidden_size}),
         "collectives": hlo_checks.check_collectives(mod),
     }

@@ -91,9 +91,10 @@ def _merge(s: Situation, dp: int) -> Situation:
 
 def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, budget: float,
                 situations: dict[str, Situation], batch: tuple[int, ...]) -> dict[str, Any]:
-    comps = weights_per_device(cfg, layout, args.expert_dtype, **_placement(args))
+    spec = args.speculative_algorithm is not None  # the MTP layer and its draft KV on every device too
+    comps = weights_per_device(cfg, layout, args.expert_dtype, include_mtp=spec, **_placement(args))
     wbytes = total_bytes(comps)
-    per_token = kv_bytes(cfg, args.kv_dtype).per_token
+    per_token = kv_bytes(cfg, args.kv_dtype, include_mtp=spec).per_token
     tokens = kv_tokens(budget, wbytes, per_token)
     accts = {name: account_step(layout, cfg, s.rows, is_extend=s.kind == EXTEND, lm_rows=s.lm_rows)
              for name, s in situations.items()}
@@ -127,7 +128,8 @@ def _fitting_layout(cfg: Any, gpus: int, budget: float, args: argparse.Namespace
                     lay.validate(num_devices=n, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
                 except (LayoutError, ValueError):
                     continue
-                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args)))
+                need = total_bytes(weights_per_device(cfg, lay, args.expert_dtype, **_placement(args),
+                                                      include_mtp=args.speculative_algorithm is not None))
                 if need < budget:
                     mesh = f"dp={lay.dp},tp={lay.tp}" + (",moe=ep" if moe == "ep" else "")
                     return f"a layout that fits: --gpus {n} --mesh {mesh} ({need / GiB:.1f} GiB of weights per GPU)."
@@ -155,9 +157,12 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"the layout uses {layout.total_devices} GPUs but --gpus is {args.gpus}; make them "
                         "equal.")
     layout.validate(num_devices=args.gpus, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+    draft_tokens = _draft_tokens(cfg, args)
+    spec = draft_tokens > 0
     tp_layout = Layout(dp=1, tp=layout.total_devices)
-    per_token = kv_bytes(cfg, args.kv_dtype).per_token
-    tp_weights = total_bytes(weights_per_device(cfg, tp_layout, args.expert_dtype, **_placement(args)))
+    per_token = kv_bytes(cfg, args.kv_dtype, include_mtp=spec).per_token
+    tp_weights = total_bytes(weights_per_device(cfg, tp_layout, args.expert_dtype, include_mtp=spec,
+                                                **_placement(args)))
     if args.match_tp_tokens:
         budget = tp_weights + _parse_count(args.match_tp_tokens) * per_token
         fraction = budget / gpu.memory_bytes
@@ -197,20 +202,26 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "placement": args.placement,
         "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
         "context": args.context, "latency_us": args.latency_us,
-        "row_bytes": cfg.hidden_size * 2, "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype)),
+        "row_bytes": cfg.hidden_size * 2,
+        "kv_bytes": dataclasses.asdict(kv_bytes(cfg, args.kv_dtype, include_mtp=spec)),
         "kv_bytes_per_token": per_token,
         "handoff": {"link_gbs": args.handoff_gbs,
                     "prompts": handoff(per_token, tuple(_parse_prompts(args.handoff_prompts)), args.handoff_gbs)},
         "config": {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
                                                     "vocab": cfg.vocab_size, "model_type": cfg.model_type},
-        "plan": main_plan, "tp": compare, "assumptions": ASSUMPTIONS,
+        "plan": main_plan, "tp": compare,
+        "assumptions": [a.replace("the MTP (next-token) layer is not loaded", "the MTP (next-token) layer and its "
+                                  "draft KV are counted (speculative decoding)") if spec else a for a in ASSUMPTIONS],
+        "speculative": {"algorithm": args.speculative_algorithm.upper(), "num_steps": draft_tokens,
+                        "num_draft_tokens": draft_tokens + 1} if spec else None,
     }
     if args.compile:
         kinds = tuple(args.compile_steps.split(","))
         if not kinds or set(kinds) - {"decode", "extend"}:
             raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
         case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds,
-                           args.moe_runner_backend, args.compile_target or default_target(), args.attention_backend)
+                           args.moe_runner_backend, args.compile_target or default_target(), args.attention_backend,
+                           draft_tokens)
         result = compile_plan(cfg, layout, plan, case, gpu)
         plan["compiled"] = result.pop("compiled")
         plan["compile"] = result
@@ -225,7 +236,7 @@ def _check_temp_fits(cfg: Any, layout: Layout, gpu: Any, plan: dict[str, Any], a
     weights, temp = fit["xla_weight_bytes_per_device"], fit["largest_temp_bytes_per_device"]
     if plan["compile"]["target"] != "gpu" or weights + temp < gpu.memory_bytes:
         return
-    rows = "--decode-rows" if fit["largest_temp_step"].startswith("decode") else "--extend-rows"
+    rows = "--decode-rows" if fit["largest_temp_step"].startswith(("decode", "spec-decode")) else "--extend-rows"
     other = _fitting_layout(cfg, layout.total_devices, gpu.memory_bytes - temp, args)
     error = PlanError(f"under {layout.describe()} the weights ({weights / GiB:.2f} GiB) and XLA:GPU's temp of the "
                       f"{fit['largest_temp_step']} step ({temp / GiB:.2f} GiB) need {(weights + temp) / GiB:.2f} "
@@ -234,6 +245,23 @@ def _check_temp_fits(cfg: Any, layout: Layout, gpu: Any, plan: dict[str, Any], a
                       + (f", or {other}" if other.startswith("a layout") else ", or larger GPUs."))
     error.plan = plan
     raise error
+
+
+def _draft_tokens(cfg: Any, args: argparse.Namespace) -> int:
+    """Drafts per verify under speculative decoding (SGLang's --speculative-num-steps; 0: not speculating). The
+    draft model is the checkpoint's MTP layer: a model without one is refused."""
+    if args.speculative_algorithm is None:
+        if args.speculative_num_steps is not None:
+            raise PlanError("--speculative-num-steps needs --speculative-algorithm (EAGLE or NEXTN).")
+        return 0
+    steps = 3 if args.speculative_num_steps is None else args.speculative_num_steps  # SGLang's DeepSeek default
+    if steps < 1:
+        raise PlanError(f"--speculative-num-steps {steps} must be at least 1.")
+    if not cfg.num_nextn_predict_layers:
+        raise PlanError(f"--speculative-algorithm {args.speculative_algorithm.upper()} drafts with the model's MTP "
+                        f"(NextN) layer, and {args.model} has none (num_nextn_predict_layers is 0); plan without "
+                        "speculative decoding, or use a checkpoint that ships its MTP layer.")
+    return steps
 
 
 def _parse_prompts(text: str) -> list[int]:
@@ -292,6 +320,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
                    help="--compile: the routed experts' grouped matmul, as the server's flag (default: the "
                         "target's: auto on a CPU, which is the blocked form at full size; pallas on a GPU)")
+    p.add_argument("--speculative-algorithm", type=str.upper, choices=("EAGLE", "NEXTN"),
+                   help="speculative decoding with the model's MTP layer (SGLang's flag): the plan counts the MTP "
+                        "layer's weights and draft KV, --compile compiles the speculative steps (verify and draft)")
+    p.add_argument("--speculative-num-steps", type=int,
+                   help="drafts per verify (SGLang's flag; default 3, its DeepSeek default)")
     p.add_argument("--handoff-gbs", type=float, default=50.0,
                    help="prefill/decode disaggregation: GB/s between a prefill and a decode rank for the KV "
                         "hand-off (default 50: one 400 Gb/s NIC per GPU)")

@@ -112,7 +112,8 @@ def format_report(plan: dict[str, Any]) -> str:
     out.append(f"  collectives in '{first}': " + "; ".join(
         f"{x['name']} {x['op']} over {x['group']}: {fmt_bytes(x['buffer_bytes'])} x {x['calls']}"
         for x in main["situations"][first]["collectives"]))
-    out += ["", *_roofline_lines(plan, article), "", "Assumptions:", *[f"  - {x}" for x in ASSUMPTIONS]]
+    assumptions = plan.get("assumptions", ASSUMPTIONS)
+    out += ["", *_roofline_lines(plan, article), "", "Assumptions:", *[f"  - {x}" for x in assumptions]]
     return "\n".join(out)
 
 
