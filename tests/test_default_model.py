@@ -14,6 +14,9 @@ from jaxdp.model.loader import default_model_path
 from jaxdp.tokenizer import Tokenizer
 from jaxdp.training.data import (
     ARITHMETIC,
+    LONG,
+    LONG_MAX,
+    LONG_MIN,
     SKILLS,
     PackShape,
     example_ids,
@@ -89,19 +92,21 @@ def test_answers_are_correct():
         if p.skill in (*ARITHMETIC, "mul3"):
             a, op, b = next(expr.partition(o) for o in "+-*" if o in expr)
             assert int(p.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
-        elif p.skill == "sort":
-            assert p.answer == "".join(sorted(expr.split()[1]))
-        elif p.skill == "reverse":
-            assert p.answer == expr.split()[1][::-1]
+        elif p.skill in ("sort", "long_sort"):
+            assert p.answer == "".join(sorted(expr.split()[1])) and expr.startswith("sort ")
+        elif p.skill in ("reverse", "long_reverse"):
+            assert p.answer == expr.split()[1][::-1] and expr.startswith("reverse ")
         else:
             _, c, word = expr.split()
             assert p.answer == str(word.count(c))
+        if p.skill in LONG:
+            assert LONG_MIN <= len(p.answer) <= LONG_MAX and p.answer.isalpha() and p.answer.islower()
 
 
 def test_pack_group_targets(tok):
     p, _ = training_example(0, 0)
     ids, weights = example_ids(tok, p, chat=True)
-    g = pack_group([(ids, weights), (ids, weights)], PackShape(rows=64, max_seqs=4), tok.pad_token_id)
+    g = pack_group([(ids, weights), (ids, weights)], PackShape(rows=320, max_seqs=4), tok.pad_token_id)
     n = len(ids)
     assert list(g["seq"][: 2 * n]) == [0] * n + [1] * n and (g["seq"][2 * n:] == 4).all()
     assert list(g["positions"][n: 2 * n]) == list(range(n))
@@ -112,11 +117,12 @@ def test_pack_group_targets(tok):
 
 
 def test_mix_is_parsed_and_refused_in_one_sentence():
-    mix = parse_mix("add=2,sub=2,mul=4,mul3=0,count=1,sort=0.5,reverse=0.5")
+    mix = parse_mix("add=2,sub=2,mul=4,mul3=0,count=1,sort=0.5,reverse=0.5,long_reverse=0,long_sort=0")
     assert list(mix) == list(SKILLS) and abs(sum(mix.values()) - 1) < 1e-12 and mix["mul"] == 0.4
-    full = "add=1,sub=1,mul=1,mul3=1,count=1,sort=1,reverse=1"
-    for bad in ("add=1", full.replace("reverse=1", "reverse=x"), full.replace("reverse", "rev"),
-                full.replace("1", "0"), "add=1," + full, full.replace("sort=1", "sort=-1")):
+    full = "add=1,sub=1,mul=1,mul3=1,count=1,sort=1,reverse=1,long_reverse=1,long_sort=1"
+    for bad in ("add=1", full.replace("reverse=1", "reverse=x"), full.replace("reverse=", "rev="),
+                full.replace("1", "0"), "add=1," + full, full.replace("sort=1", "sort=-1"),
+                full.replace(",long_sort=1", "")):
         with pytest.raises(ValueError, match="--mix"):
             parse_mix(bad)
     problems = [training_example(0, i, {**{s: 0.0 for s in SKILLS}, "mul": 1.0})[0] for i in range(20)]
@@ -138,7 +144,7 @@ def test_training_forward_is_the_serving_forward(tok):
 
     cfg = parse_overrides(DEFAULT_OVERRIDES, PRESETS["tiny"])
     model = DeepseekV3(cfg, nnx.Rngs(3))
-    shape = PackShape(rows=96, max_seqs=8)
+    shape = PackShape(rows=192, max_seqs=12)
     g = {k: jnp.asarray(v[0]) for k, v in next(train_batches(tok, 0, 1, shape)).items()}
     got = np.asarray(flat_logits(model, g))
     S = shape.max_len
@@ -176,6 +182,9 @@ def test_train_cli_end_to_end(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "bad"), "--mix", "add=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --mix") and err.count("\n") == 1
+    long_only = {s: 0.5 if s in LONG else 0.0 for s in SKILLS}
+    with pytest.raises(ValueError, match="cannot hold an example"):
+        next(train_batches(Tokenizer(default_model_path()), 0, 1, PackShape(rows=48, max_seqs=4), long_only))
 
 
 def test_default_model_held_out_arithmetic():
@@ -204,21 +213,35 @@ def test_default_model_answers_the_same_under_every_layout():
         assert answers_local("default", problems, spec) == one, spec
 
 
+def test_default_model_drafts_long_answers():
+    """The shipped MTP layer drafting 3 steps for the shipped model (greedy speculative decoding simulated,
+    `jaxdp.training.eval.evaluate_speculative`) on held-out long answers: the issue's goal is an accept length of
+    2.5 (the card records the figures with 100 problems per skill)."""
+    from jaxdp.training.eval import evaluate_speculative
+
+    assert json.loads((default_model_path() / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    accept, _ = evaluate_speculative("default", n=6, k=3, skills=LONG)
+    assert accept["long"] >= 2.5, accept
+
+
 @pytest.mark.slow
 def test_retrain_reproduces_accuracy(tmp_path):
-    """Retraining with the recorded command and seed gives the shipped accuracy within 1 point, and the
-    whole command (start-up, training, the final check, the export) takes under 15 minutes."""
+    """Retraining with the recorded commands and seeds (`training.json`: the earlier stages, each starting from the
+    one before, then the last) gives the shipped accuracy within 1 point, all stages in under 35 minutes."""
     import time
 
     from jaxdp.training.eval import evaluate_local
 
     record = json.loads((default_model_path() / "training.json").read_text())
-    out = tmp_path / "run"
+    commands = [stage["args"] for stage in record.get("stages", [])] + [record["args"]]
+    env = {**os.environ, "XLA_FLAGS": ""}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxdp.training.train", *record["args"], "--out", str(out)], check=True,
-                   env={**os.environ, "XLA_FLAGS": ""})
-    assert time.perf_counter() - t0 < 15 * 60
+    for i, argv in enumerate(commands):
+        argv = [str(tmp_path / a) if a.startswith("STAGE") else a for a in argv]  # STAGE1/hf: stage 1's export
+        subprocess.run([sys.executable, "-m", "jaxdp.training.train", *argv, "--eval-n", "2",
+                        "--out", str(tmp_path / f"STAGE{i + 1}")], check=True, env=env)
+    assert time.perf_counter() - t0 < 35 * 60
     n = 100
     shipped = evaluate_local("default", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
-    again = evaluate_local(out / "hf", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
+    again = evaluate_local(tmp_path / f"STAGE{len(commands)}" / "hf", "dp=1", n=n, skills=ARITHMETIC)["arithmetic"]
     assert abs(shipped - again) <= 0.01, (shipped, again)

@@ -3,7 +3,9 @@
 Skills (prompt -> answer): `add` "37+48=" -> "85", `sub` "91-17=" -> "74" (never negative), `mul`
 "23*4=" -> "92" (a number below 100 times a digit, either order), `mul3` "123*4=" -> "492" (the same
 with 100..999), `count` "count a abcab=" -> "2", `sort` "sort 3142=" -> "1234", `reverse` "reverse
-cat=" -> "tac". A prompt is shown plain ("37+48=") or wrapped in the chat template
+cat=" -> "tac", and two with long answers (what a speculative decoder's draft earns its keep on):
+`long_reverse` "reverse S=" and `long_sort` "sort S=" with S of 16 to 64 lowercase letters ("LONG",
+reported together as "long"). A prompt is shown plain ("37+48=") or wrapped in the chat template
 (`<bos><|user|>37+48=<|assistant|>`); the answer follows, then `<eos>`. "Arithmetic", the figure the
 default model is held to, is add, sub and mul; `mul3` is there to teach `mul`: `mul` has 2,000 prompts,
 few enough that a small model memorises the training ones and misses the held-out ones (82% held-out
@@ -29,13 +31,16 @@ import numpy as np
 
 from jaxdp.tokenizer import Tokenizer
 
-SKILLS = ("add", "sub", "mul", "mul3", "count", "sort", "reverse")
+SKILLS = ("add", "sub", "mul", "mul3", "count", "sort", "reverse", "long_reverse", "long_sort")
 ARITHMETIC = ("add", "sub", "mul")
-SKILL_WEIGHTS = {"add": 0.18, "sub": 0.14, "mul": 0.26, "mul3": 0.24, "count": 0.06, "sort": 0.06, "reverse": 0.06}
+LONG = ("long_reverse", "long_sort")
+SKILL_WEIGHTS = {"add": 0.16, "sub": 0.12, "mul": 0.23, "mul3": 0.21, "count": 0.05, "sort": 0.05, "reverse": 0.05,
+                 "long_reverse": 0.065, "long_sort": 0.065}
 HELD_OUT_PERMILLE = 100  # 10% of each skill's prompts are held out
 HELD_OUT_SEED = 1234  # the held-out sample an evaluation uses (the split itself does not depend on it)
-SEQ_LEN = 24  # token rows per training sequence (the longest example, chat-wrapped, is 23 tokens)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+LONG_MIN, LONG_MAX = 16, 64  # letters in a long skill's word
+SEQ_LEN = 144  # token rows per training sequence (the longest example, chat-wrapped, is 2 * 64 + 13 = 141)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +90,23 @@ def _reverse(rng: np.random.Generator) -> tuple[str, str]:
     return f"reverse {word}=", word[::-1]
 
 
+def _long_word(rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list(LETTERS), int(rng.integers(LONG_MIN, LONG_MAX + 1))))
+
+
+def _long_reverse(rng: np.random.Generator) -> tuple[str, str]:
+    word = _long_word(rng)
+    return f"reverse {word}=", word[::-1]
+
+
+def _long_sort(rng: np.random.Generator) -> tuple[str, str]:
+    word = _long_word(rng)
+    return f"sort {word}=", "".join(sorted(word))
+
+
 GENERATORS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
     "add": _add, "sub": _sub, "mul": _mul, "mul3": _mul3, "count": _count, "sort": _sort, "reverse": _reverse,
+    "long_reverse": _long_reverse, "long_sort": _long_sort,
 }
 
 
@@ -173,8 +193,8 @@ class PackShape:
     """A packed group: `rows` token rows holding whole sequences back to back (each its own sequence,
     positions from 0), at most `max_seqs` of them, none longer than `max_len` (the page size)."""
 
-    rows: int = 96
-    max_seqs: int = 8
+    rows: int = 192
+    max_seqs: int = 12
     max_len: int = SEQ_LEN
 
 
@@ -222,5 +242,8 @@ def train_batches(tok: Tokenizer, seed: int, groups_per_batch: int, shape: PackS
                 seqs.append(pending)
                 used += len(pending[0])
                 pending = next(examples)
+            if not seqs:
+                raise ValueError(f"a packed group of {shape.rows} rows cannot hold an example of "
+                                 f"{len(pending[0])} tokens; give --rows {SEQ_LEN} or more")
             groups.append(pack_group(seqs, shape, tok.pad_token_id))
         yield {k: np.stack([g[k] for g in groups]) for k in groups[0]}
