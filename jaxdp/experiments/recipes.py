@@ -54,7 +54,7 @@ def run(ctx: Context) -> dict:
             with ctx.server(mesh, *flags, label=mode, tokenizer=True) as url:
                 curves[name][mode] = []
                 for c in conc:
-                    p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=0, output_len=OUTPUT_LEN,
+                    p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=16, output_len=OUTPUT_LEN,
                                   concurrency=c, dataset=dataset)
                     curves[name][mode].append({"concurrency": c, "output_throughput": p["output_throughput"],
                                                "tpot_ms": p["tpot_ms"], "ttft_ms": p["ttft_ms"]})
