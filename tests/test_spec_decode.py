@@ -170,3 +170,27 @@ def test_speculative_flags_take_sglangs_defaults_and_a_checkpoint_without_mtp_is
     args = build_parser().parse_args(["--speculative-algorithm", "EAGLE", "--enable-mixed-chunk"])
     with pytest.raises(UserError, match="--enable-mixed-chunk cannot serve with --speculative-algorithm"):
         serve_config(args, parse("dp=1"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", ["dp=8", "tp=8", "dp=2,tp=4", "dp=8,moe=ep"])
+def test_the_default_model_speculating_gives_its_greedy_tokens(mesh_spec):
+    """200 held-out problems of every skill (the long ones among them) on the embedded default model, whose MTP
+    layer drafts for real: the tokens without and with speculation are the same, and drafts are accepted."""
+    from jaxdp.model.loader import default_model_path
+    from jaxdp.tokenizer import Tokenizer
+    from jaxdp.training.data import SKILLS, sample_problem
+
+    tok = Tokenizer.from_dir(default_model_path())
+    rng = np.random.default_rng(0)
+    batch = [tok.encode(sample_problem(rng, SKILLS[i % len(SKILLS)], held_out=True).prompt) for i in range(200)]
+    params = SamplingParams(max_new_tokens=72, temperature=0.0)
+    outs, accept = [], []
+    for spec in (None, SpeculativeConfig()):
+        config = EngineConfig(max_running_requests=64, chunked_prefill_size=256, speculative=spec,
+                              disable_cuda_graph=True)
+        e = Engine("default", mesh_spec, config, dtype="float32")
+        outs.append([r.output_ids for r in e.generate(batch, params)])
+        accept = [s.state().get("spec_accept_length", 0.0) for s in e.schedulers]
+    assert outs[0] == outs[1]
+    assert max(accept) > 1.5, accept

@@ -13,6 +13,7 @@ import json
 import numpy as np
 
 from jaxdp.experiments.runner import Context, context_for, figure
+from jaxdp.model.loader import default_model_path
 
 LAYOUTS = {"tp=4": "dp=1,tp=4", "dp=4": "dp=4"}
 RECIPES = {"tp=4": "low-latency recipe", "dp=4": "high-throughput recipe"}
@@ -46,14 +47,14 @@ def run(ctx: Context) -> dict:
     for name, mesh in LAYOUTS.items():
         curves[name] = {}
         for mode in ("plain", "mtp"):
-            flags = ["--model-path", "default", "--max-running-requests", str(top), "--max-total-tokens",
+            flags = ["--model-path", str(default_model_path()), "--max-running-requests", str(top), "--max-total-tokens",
                      str(2 * top * 256), "--chunked-prefill-size", "1024", "--context-length", str(context_for(192))]
             if mode == "mtp":
                 flags += ["--speculative-algorithm", "EAGLE"]
             with ctx.server(mesh, *flags, label=mode, tokenizer=True) as url:
                 curves[name][mode] = []
                 for c in conc:
-                    p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=0, output_len=OUTPUT_LEN,
+                    p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=16, output_len=OUTPUT_LEN,
                                   concurrency=c, dataset=dataset)
                     curves[name][mode].append({"concurrency": c, "output_throughput": p["output_throughput"],
                                                "tpot_ms": p["tpot_ms"], "ttft_ms": p["ttft_ms"]})
