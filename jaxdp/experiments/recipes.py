@@ -47,8 +47,9 @@ def run(ctx: Context) -> dict:
     for name, mesh in LAYOUTS.items():
         curves[name] = {}
         for mode in ("plain", "mtp"):
-            flags = ["--model-path", str(default_model_path()), "--max-running-requests", str(top), "--max-total-tokens",
-                     str(2 * top * 256), "--chunked-prefill-size", "1024", "--context-length", str(context_for(192))]
+            flags = ["--model-path", str(default_model_path()), "--max-running-requests", str(top),
+                     "--max-total-tokens", str(2 * top * 256), "--chunked-prefill-size", "1024",
+                     "--context-length", str(context_for(192))]
             if mode == "mtp":
                 flags += ["--speculative-algorithm", "EAGLE"]
             with ctx.server(mesh, *flags, label=mode, tokenizer=True) as url:
