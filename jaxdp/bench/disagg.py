@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.bench.launch import free_port, wait_healthy
+from jaxdp.bench.launch import free_port, stop, wait_healthy
 from jaxdp.disagg.bootstrap import BootstrapClient, BootstrapServer, PrefillInfo, RoomBoard
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
 from jaxdp.disagg.transfer import JaxTransport
@@ -200,13 +199,7 @@ def serve_rounds(args) -> list[dict]:
         return rows
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc)
 
 
 def _print_servers(rows: list[dict], tokens: list[int]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -36,3 +38,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, 
                 return
         time.sleep(poll_s)
     raise NotReady(f"{name} was not ready within {timeout_s:.0f} s; see {log}")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM a server started in a session of its own; SIGKILL its whole group if it has not ended in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -41,15 +41,20 @@ PARTS = (*SCOPES, "layer weight slices", "other")
 TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
 
 
-def timed(fn, *args, reps: int = 5) -> float:
-    """Median seconds of `fn(*args)` (run once before)."""
+def timings(fn, *args, reps: int = 5) -> list[float]:
+    """Seconds of `reps` calls of `fn(*args)` (run once before), each waited for."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return times
+
+
+def timed(fn, *args, reps: int = 5) -> float:
+    """Median seconds of `fn(*args)` (run once before)."""
+    return float(np.median(timings(fn, *args, reps=reps)))
 
 
 def step_pieces(cfg, shape: StepShape, context: int) -> list[Piece]:

@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.bench.profile import timings
+
 L, D, F, E, I, TOPK = 7, 1024, 2048, 32, 256, 4
 
 
 def _timed(fn, *args, reps: int) -> tuple[float, float]:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+    """The fastest and the median of `reps` calls, in ms."""
+    times = timings(fn, *args, reps=reps)
     return float(np.min(times)) * 1e3, float(np.median(times)) * 1e3
 
 

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.bench import serving as bench
-from jaxdp.bench.launch import NotReady, free_port, wait_healthy
+from jaxdp.bench.launch import NotReady, free_port, stop, wait_healthy
 
 # what the experiments choose themselves; a user flag for one of these would silently fight them
 OWNED_FLAGS = ("--mesh", "--host", "--port", "--tp-size", "--tp", "--attn-dp-size", "--dp-size", "--dp",
@@ -91,7 +90,7 @@ class Context:
                 raise ExperimentError(str(e)) from None
             yield url
         finally:
-            _stop(proc)
+            stop(proc)
 
     def bench(self, url: str, *, num_prompts: int, input_len: int, output_len: int, concurrency: int | None = None,
               ranks: str = "none", rate: float | None = None, warmup: int = 1, seed: int = 1,
@@ -202,13 +201,3 @@ def gap_ms(point: dict) -> float:
 
 def ms(value: float) -> str:
     return f"{value:.1f} ms"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
