@@ -113,3 +113,37 @@ def test_prefill_benchmark_runs_both_forms_side_by_side(tmp_path):
         assert c["dense_ms"] > 0 and c["blocked_ms"] > 0 and c["max_abs_difference"] < 0.05
         assert c["blocked_temp_bytes"] < c["dense_temp_bytes"]
     assert result["full_size"]["blocked_temp_bytes"] < 4 * 2**30 < result["full_size"]["dense_temp_bytes"]
+
+
+@pytest.mark.parametrize("cached", [0, 32])
+def test_prompt_step_work_does_not_grow_with_the_sequences_it_is_padded_to(cached):
+    """A server's extend step is padded to every request slot of its rank (up to --max-running-requests / dp)
+    with the page table of the longest context: the attention of the step's own prompt rows must not cost
+    in proportion to those slots. XLA's FLOP count for the default model's MLA layer, one 64-row prompt (fresh,
+    or after 32 cached positions), in steps of 4 and 64 sequence slots of 256 positions each: within 1.5x.
+    (The one-piece form scored every row against every slot's whole context: 16x at 64 slots, 8x slower
+    serving at 16 concurrent requests with --max-running-requests 256.)"""
+    from flax import nnx
+
+    from jaxdp.model.loader import default_model_path
+    from jaxdp.model.mla import MLA, AttnBatch
+    from jaxdp.model.modelopt import load_config
+
+    cfg = load_config(default_model_path())
+    layer = MLA(cfg, nnx.Rngs(0))
+    T, S, C = 64, 16, 256
+
+    def flops(B):
+        pages = B * C // S + 1
+        kv = jnp.zeros((pages, S, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.float32)
+        table = jnp.arange(1, pages, dtype=jnp.int32).reshape(B, C // S)
+        pos = jnp.arange(cached, cached + T, dtype=jnp.int32)
+        batch = AttnBatch(pos, jnp.zeros(T, jnp.int32), table[0, pos // S] * S + pos % S, table,
+                          jnp.zeros(B, jnp.int32).at[0].set(cached + T))
+        x = jnp.ones((T, cfg.hidden_size), jnp.float32)
+        graph, state = nnx.split(layer)
+        fn = jax.jit(lambda st, x, kv, b: nnx.merge(graph, st)(x, kv, b, absorbed=False)[0])
+        return fn.lower(state, x, kv, batch).compile().cost_analysis()["flops"]
+
+    few, many = flops(4), flops(64)
+    assert many < 1.5 * few, (few, many)

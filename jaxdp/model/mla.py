@@ -23,7 +23,6 @@ V value dim, L kv_lora_rank, K = L + R, P pages, S page size, C context position
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -214,13 +213,13 @@ class MLA(nnx.Module):
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
         if sel_TK is None:
-            T, H = q_nope_THN.shape[:2]
-            keys = batch.page_table_BN.size * kv_PSK.shape[1]  # B x C
+            (T, H, N), R = q_nope_THN.shape, q_rope_THR.shape[-1]
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
-            per_key = math.prod(w_kv_b_LHX.shape[1:])  # H x (N + V) expanded values
-            if T * H * keys <= prefill.DENSE_MAX_SCORES and keys * per_key <= prefill.DENSE_MAX_KEYS:
+            form = prefill.prompt_form(T, H, batch.page_table_BN.size * kv_PSK.shape[1], cfg.kv_lora_rank, N, R,
+                                       w_kv_b_LHX.shape[-1] - N, own_rows=kv_TK is not None)
+            if form == "dense":
                 return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
-            if kv_TK is not None and T * H * T <= prefill.DENSE_MAX_SCORES:
+            if form == "split":
                 return prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, **kw)
             return attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
         q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])

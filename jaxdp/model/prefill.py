@@ -31,8 +31,8 @@ NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their ou
 ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
 ABSORBED_BLOCK = 16  # rows of a sequence with few rows, attended in the absorbed form at once
-DENSE_MAX_SCORES = 1 << 24  # a step whose dense scores [T, H, B, C] are this small runs `attend_dense`
-DENSE_MAX_KEYS = 1 << 22  # ... and whose expanded keys and values [B, C, H, N + V] are this small too
+DENSE_MAX_SCORES = 1 << 24  # a step whose dense scores [T, H, B, C] are this small runs `attend_dense` ...
+DENSE_MAX_MACS = 1 << 25  # ... if its work is this small too: it grows with every sequence slot's whole context
 SELECTED_FLOATS = 1 << 25  # sparse rows: gathered latents [rows, index_topk, K] per block of rows
 
 
@@ -214,6 +214,19 @@ def attend_split(q_nope_THN, q_rope_THR, kv_TK, kv_PSK, page_table_BN, seq_T, po
     # when no row has cached context, a fresh prompt's step)
     state = jax.lax.cond(jnp.any(see_T >= 0), cached, lambda own: own, own)
     return finish(state).astype(w_kv_b_LHX.dtype)
+
+
+def prompt_form(rows: int, heads: int, keys: int, latent: int, nope: int, rope: int, value: int,
+                own_rows: bool = True) -> str:
+    """Which form a prompt step of `rows` rows runs over `keys` (its sequences x their page table's capacity),
+    `MLA.attend_expanded`: "dense" while its scores and its work (every key expanded by W_UK/W_UV, every row
+    scored against every key) are small: it compiles faster than loops, but its work grows with the sequences
+    the step is padded to and the width of their page table, not with the step's own rows; "split" while the
+    rows' own [T, H, T] piece fits (own_rows: the step's fresh entries are at hand); "blocked" otherwise."""
+    macs = keys * latent * heads * (nope + value) + rows * heads * keys * (nope + rope + value)
+    if rows * heads * keys <= DENSE_MAX_SCORES and macs <= DENSE_MAX_MACS:
+        return "dense"
+    return "split" if own_rows and rows * heads * rows <= DENSE_MAX_SCORES else "blocked"
 
 
 def merge(a, b):

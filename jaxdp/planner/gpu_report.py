@@ -135,11 +135,8 @@ def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
         return "decode"
     if selection_size(cfg, capacity):
         return "selected"
-    t, heads, keys = shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity
-    if (t * heads * keys <= prefill.DENSE_MAX_SCORES
-            and keys * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) <= prefill.DENSE_MAX_KEYS):
-        return "dense"
-    return "split" if t * heads * t <= prefill.DENSE_MAX_SCORES else "blocked"
+    return prefill.prompt_form(shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity,
+                               cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
 
 
 def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
