@@ -87,7 +87,7 @@ def speculative_config(args):
     not given; None without --speculative-algorithm."""
     from jaxdp.engine.options import SpeculativeConfig
 
-    flags = ("num_steps", "eagle_topk", "num_draft_tokens")
+    flags = ("num_steps", "eagle_topk", "num_draft_tokens", "disable_by_batch_size")
     given = [f for f in flags if getattr(args, f"speculative_{f}") is not None]
     if args.speculative_algorithm is None:
         if given:
@@ -98,7 +98,8 @@ def speculative_config(args):
     topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 1
     drafts = args.speculative_num_draft_tokens if args.speculative_num_draft_tokens is not None else steps + 1
     try:
-        return SpeculativeConfig(args.speculative_algorithm.upper(), steps, topk, drafts)
+        return SpeculativeConfig(args.speculative_algorithm.upper(), steps, topk, drafts,
+                                 args.speculative_disable_by_batch_size)
     except ValueError as e:
         raise UserError(str(e)) from None
 

@@ -58,9 +58,10 @@ def prompts(n: int, seed: int = 0, prefix: list[int] | None = None) -> list[list
 
 
 def engine(runner, spec: bool, **cfg) -> Engine:
+    off_above = cfg.pop("spec_off_above", None)
     config = EngineConfig(max_running_requests=cfg.pop("max_running_requests", 16), chunked_prefill_size=64,
                           extend_buckets=cfg.pop("extend_buckets", [16, 32, 64, 128]),
-                          speculative=SpeculativeConfig() if spec else None, **cfg)
+                          speculative=SpeculativeConfig(disable_by_batch_size=off_above) if spec else None, **cfg)
     return Engine(runner, config=config)
 
 
@@ -116,6 +117,19 @@ def test_greedy_tokens_are_the_plain_engines_under_tp_and_ep(models, mesh_spec):
     check_same_greedy(runner_for(models, mesh_spec), [prompts(12, 3)])
 
 
+def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(models):
+    """--speculative-disable-by-batch-size 5 under dp=2 with 12 requests (up to 8 a rank): the steps of more than
+    5 requests verify nothing (shallow, compiled at start-up), and as requests finish the rest speculate again
+    from the drafts the MTP layer kept making; the tokens are the plain engine's all along."""
+    e, reqs = check_same_greedy(runner_for(models, "dp=2"), [prompts(12, 6)], warm=True, spec_off_above=5)
+    kinds = [r.kind for r in e.pipeline.stats.records]
+    assert kinds.count("spec-off") >= 3 and kinds.count("spec") >= 3, kinds
+    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind == "spec-off")  # (a request a row)
+    assert any(r.spec_verify_ct > 0 for r in reqs)
+    for s in e.schedulers:
+        assert s.pool.free + s.cache.evictable() == s.pool.num_pages
+
+
 def test_retraction_and_a_small_pool_keep_the_greedy_tokens(models):
     """A pool of 10 pages of 8 tokens a rank for 8 requests a rank growing to 60 tokens: requests are retracted
     and read again, and still get the plain engine's tokens."""
@@ -148,6 +162,9 @@ def test_sampling_is_reproducible_by_seed_and_refusals_are_sentences(models):
     (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4"], "only a chain (topk 1)"),
     (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "5"],
      "use --speculative-num-draft-tokens 3"),
+    (["--speculative-disable-by-batch-size", "8"], "--speculative-disable-by-batch-size needs --speculative-algorithm"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-disable-by-batch-size", "0"],
+     "--speculative-disable-by-batch-size must be at least 1, got 0"),
 ])
 def test_speculative_flags_refused_in_one_sentence(argv, words):
     from jaxdp.serve import UserError, build_parser, engine_config
@@ -163,6 +180,9 @@ def test_speculative_flags_take_sglangs_defaults_and_a_checkpoint_without_mtp_is
 
     spec = engine_config(build_parser().parse_args(["--speculative-algorithm", "nextn"]), 64).speculative
     assert (spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) == ("NEXTN", 3, 1, 4)
+    assert spec.disable_by_batch_size is None
+    argv = ["--speculative-algorithm", "EAGLE", "--speculative-disable-by-batch-size", "48"]
+    assert engine_config(build_parser().parse_args(argv), 64).speculative.disable_by_batch_size == 48
     save_hf_checkpoint(DeepseekV3(get_config("tiny"), nnx.Rngs(0)), tmp_path)
     args = build_parser().parse_args(["--model-path", str(tmp_path), "--speculative-algorithm", "EAGLE"])
     with pytest.raises(UserError, match="no MTP layer 0; use a checkpoint that ships its MTP"):

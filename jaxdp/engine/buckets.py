@@ -48,6 +48,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
+    spec_off_above: int | None = None  # ... shallow (not speculating) when a verify has more requests (all ranks)
 
     @property
     def largest_decode_rows(self) -> int:
@@ -62,9 +63,10 @@ class Buckets:
 
     @classmethod
     def make(cls, max_running: int, chunk: int, dp: int, decode: list[int] | None = None,
-             extend: list[int] | None = None, max_len_rows: int = 256, draft_tokens: int = 0) -> Buckets:
+             extend: list[int] | None = None, max_len_rows: int = 256, draft_tokens: int = 0,
+             spec_off_above: int | None = None) -> Buckets:
         """draft_tokens: speculative decoding's; a verify of every running request, draft_tokens + 1 rows each,
-        must fit the largest extend bucket."""
+        must fit the largest extend bucket. spec_off_above: --speculative-disable-by-batch-size."""
         dec = sorted(decode) if decode else decode_buckets(max_running)
         rows = max(chunk, max_running * (draft_tokens + 1))
         top = _pow2(rows)
@@ -73,7 +75,7 @@ class Buckets:
             raise ValueError(f"the largest extend bucket {ext[-1]} is below the per-rank chunk {chunk} / batch "
                              f"{max_running} (x{draft_tokens + 1} rows a request when speculating); add a larger "
                              "bucket")
-        return cls(dec, ext, max_running, dp, max_len_rows, draft_tokens=draft_tokens)
+        return cls(dec, ext, max_running, dp, max_len_rows, draft_tokens=draft_tokens, spec_off_above=spec_off_above)
 
     def extend_seqs(self, rows: int) -> int:
         return min(rows, self.max_seqs)
@@ -95,6 +97,8 @@ class Buckets:
             rows = self.draft_tokens + 1
             return [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
                     for n in self.pages for b in self.decode] + [
+                StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
+                for n in self.pages for b in self.shallow_decode()] + [
                 StepShape(False, t, self.extend_seqs(t), n, m, s, draft_tokens=self.draft_tokens)
                 for n in self.pages for t in self.extend for m, s in self.extend_modes(t)]
         for n in self.pages:
@@ -102,6 +106,13 @@ class Buckets:
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
         return out + [self.prompt_logprob_shape()]
+
+    def shallow_decode(self) -> list[int]:
+        """The decode buckets a shallow step may take: a verify of more than spec_off_above requests over dp
+        ranks has more than spec_off_above / dp on its busiest rank."""
+        if not self.draft_tokens or self.spec_off_above is None:
+            return []
+        return [b for b in self.decode if b * self.dp > self.spec_off_above]
 
     def prompt_logprob_shape(self) -> StepShape:
         """The extend step that returns the logits of every row (a step where some request asks for prompt
@@ -114,9 +125,11 @@ class Buckets:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
         if self.draft_tokens:  # (a verify is draft_tokens + 1 rows a request)
             if agreement.use_decode_bucket:
-                per = self.draft_tokens + 1
-                b = self.decode[bisect.bisect_left(self.decode, -(-busiest // per))] * per
-                return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens)
+                per = self.draft_tokens + 1  # (a verify plans every request with its D drafts)
+                b = self.decode[bisect.bisect_left(self.decode, -(-busiest // per))]
+                if self.spec_off_above is not None and sum(rows) // per > self.spec_off_above:
+                    return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens, shallow=True)
+                return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
             return dataclasses.replace(self._extend_shape(rows, busiest, pages_per_seq), draft_tokens=self.draft_tokens)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]

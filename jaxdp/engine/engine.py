@@ -102,7 +102,8 @@ class Engine(ClientBase):
             self.schedulers.append(SpecScheduler(*args, draft_tokens=draft_tokens) if spec else Scheduler(*args))
         runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
-                               c.max_len_extend_rows, draft_tokens).with_pages(pages_per_seq, page_size)
+                               c.max_len_extend_rows, draft_tokens,
+                               spec.disable_by_batch_size if spec else None).with_pages(pages_per_seq, page_size)
         if c.disaggregation is not None and hosts is not None:
             raise ValueError("--disaggregation-mode runs on one node for now; start each prefill and decode server "
                              "on one node (--dp-size for more)")

@@ -50,6 +50,7 @@ class SpeculativeConfig:
     num_steps: int = 3  # draft steps a verify checks (SGLang's DeepSeek default)
     eagle_topk: int = 1  # one chain (trees are not built)
     num_draft_tokens: int = 4  # rows a verify reads per request: num_steps + 1 with a chain
+    disable_by_batch_size: int | None = None  # vLLM's: no speculation in a step of more running requests
 
     def __post_init__(self):
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
@@ -64,6 +65,9 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens} does not match "
                              f"--speculative-num-steps {self.num_steps} with topk 1; use "
                              f"--speculative-num-draft-tokens {self.num_steps + 1}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"--speculative-disable-by-batch-size must be at least 1, got "
+                             f"{self.disable_by_batch_size}; leave it out to speculate at every batch size")
 
 
 @dataclasses.dataclass

@@ -9,6 +9,10 @@ any step (a verify counts D + 1 rows a request), so a rank with nothing to do ru
 others. The overlap is off: the next verify needs this one's accepted tokens. Booking appends 1 to D + 1 tokens
 a request, checking stops at each; the request's length, not its pages, says which latents count, so the
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
+
+With --speculative-disable-by-batch-size N (vLLM's), a verify-only step of more than N requests over all ranks
+(the agreement's rows, the same on every node) runs shallow: each verify keeps only its last token (the pipeline
+cuts the plans after the agreement), the MTP layer still reads it, and no draft is verified or counted.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ def check_speculative(cfg):
     if cfg.disaggregation is not None:
         raise ValueError("--disaggregation-mode cannot serve with --speculative-algorithm yet (the draft KV is not "
                          "handed over); leave one of them out")
+    if spec.disable_by_batch_size is not None:
+        log.info("speculative decoding: off in steps of more than %d running requests "
+                 "(--speculative-disable-by-batch-size)", spec.disable_by_batch_size)
     if cfg.overlap:
         log.info("speculative decoding: the overlap scheduler is off (each verify needs the last one's tokens)")
         cfg.overlap = False
@@ -108,11 +115,12 @@ class SpecScheduler(Scheduler):
             piece, n = plan.pieces[i], int(counts_B[i])
             if verify:
                 req.computed = piece.start + n  # the last token and the accepted drafts
-                req.spec_verify_ct += 1
-                req.spec_accepted += n - 1
-                self.verify_steps += 1
-                self.drafted += self.draft_tokens
-                self.accepted += n - 1
+                if len(piece.tokens) > 1:  # (a shallow step verifies nothing)
+                    req.spec_verify_ct += 1
+                    req.spec_accepted += n - 1
+                    self.verify_steps += 1
+                    self.drafted += len(piece.tokens) - 1
+                    self.accepted += n - 1
             else:
                 req.computed = max(req.computed, piece.start + len(piece.tokens))
                 if plan.out_pos[i] < 0:  # a prompt chunk that samples nothing
@@ -167,11 +175,11 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
         verify, row = plan.kind == "verify", 0
         for b, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
             m, end = len(piece.tokens), piece.start + len(piece.tokens)
-            n_draft = D if verify else 0
+            n_draft = m - 1 if verify else 0  # (D, or 0 in a shallow step)
             out["first_row_R"][r, b], out["last_row_R"][r, b], out["n_draft_R"][r, b] = row, row + m - 1, n_draft
             out["req_T"][r, row: row + m] = b
             if verify:
-                out["drafts_RD"][r, b] = piece.tokens[1:]
+                out["drafts_RD"][r, b, :n_draft] = piece.tokens[1:]
             samples = verify or end == req.num_tokens
             out["live_R"][r, b] = samples
             out["next_token_R"][r, b] = -1 if samples else req.all_ids[end]
@@ -194,6 +202,12 @@ class SpecPipeline(StepPipeline):
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:
         runner = self.runner
+        if shape.shallow:  # speculation off for this step: each verify keeps its request's last token
+            per = shape.draft_tokens + 1
+            for plan in plans:
+                if plan is not None:
+                    plan.pieces = [Piece(p.tokens[:1], p.start, p.pages) for p in plan.pieces]
+            rows = [n // per for n in rows]
         out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)

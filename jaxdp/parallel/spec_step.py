@@ -15,6 +15,11 @@ last token and its D draft tokens at the next D positions). Per rank, the step:
    draft KV of the accepted positions, then D - 1 one-row steps chained on the draft's own normed hidden state
    (SGLang's choice), each writing the draft KV of its position (`ahead_slots_BA`, pages the scheduler holds).
 
+A shallow step (speculation switched off for a batch above --speculative-disable-by-batch-size) has one row a
+request, its last token: nothing to verify, the token is sampled as without speculation; the MTP pass still reads
+it (the draft KV stays whole) and drafts one token, which becomes every one of the request's D drafts (a guess
+the next verify checks like any other), and the chained steps do not run.
+
 Rows a verify rejected leave latents past the request's accepted length, in its own pages: the next verify
 starts at the first of them and writes them again before anything reads them (attention reads only positions
 up to its own row), so they are given back simply by the request's length not covering them. Ranks with no
@@ -69,6 +74,7 @@ def build_spec_step(runner, shape):
     the absorbed decode form; otherwise the rows are pieces as in an extend step (a prompt chunk somewhere)."""
     lay, cfg = runner.layout, runner.cfg
     D, T, R, absorbed = shape.draft_tokens, shape.num_rows, shape.num_requests, shape.absorbed
+    J = 1 if shape.shallow else D + 1  # logits rows a request
     gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
     chain_gather = GatherSpec("max_len", lay.dp, lay.tp)
     lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
@@ -86,15 +92,16 @@ def build_spec_step(runner, shape):
         model = nnx.merge(graphdef, state)
         attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
         first, last, n_draft = s["first_row_R"], s["last_row_R"], s["n_draft_R"]
-        # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times
+        # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times (a shallow step's one row)
         lead_R = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
-        j = jnp.arange(D + 1)
+        j = jnp.arange(J)
         rows_RJ = first[:, None] + jnp.minimum(lead_R[:, None] + j[None], (last - first)[:, None])
         logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
                                                    absorbed=absorbed, decode_kernel=decode_kernel, return_hidden=True)
-        logits_RJV = logits_LV.reshape(R, D + 1, -1)
-        tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"], n_draft, smp["temperature"],
-                                                     smp["top_p"], smp["top_k"], smp["min_p"], smp["keys"])
+        logits_RJV = logits_LV.reshape(R, J, -1)
+        tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"][:, : J - 1], n_draft,
+                                                     smp["temperature"], smp["top_p"], smp["top_k"], smp["min_p"],
+                                                     smp["keys"])
         following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
         next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
         accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
@@ -118,7 +125,7 @@ def build_spec_step(runner, shape):
         pos_R = b["positions_T"][first] + accrow_R
         table_RN = b["page_table_BN"][first] if absorbed else b["page_table_BN"]  # (absorbed: a row's is its request's)
         reqs = jnp.arange(R, dtype=jnp.int32)
-        for step in range(1, D):
+        for step in range(1, 1 if shape.shallow else D):
             p_R = pos_R + step
             slot_R = jnp.take_along_axis(s["ahead_slots_RA"], (accepted_R + step - 1)[:, None], axis=1)[:, 0]
             one = AttnBatch(p_R, reqs, slot_R, table_RN, p_R + 1)
@@ -127,7 +134,7 @@ def build_spec_step(runner, shape):
             drafts.append(jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32))
             h_RD = drafter.shared_norm(h_RD)
         cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-        out = (tokens_RJ, accepted_R + 1, logprobs_RJ, jnp.stack(drafts, axis=1))
+        out = (tokens_RJ, accepted_R + 1, logprobs_RJ, jnp.stack(drafts * (D if shape.shallow else 1), axis=1))
         return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
 
     dp_spec = P("dp")

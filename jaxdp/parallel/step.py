@@ -45,6 +45,8 @@ class StepShape:
     sum_rows: int = 0  # SUM_LEN buffer rows
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
     draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
+    shallow: bool = False  # ... switched off for this step (a batch above --speculative-disable-by-batch-size):
+    # one row a request, no draft verified, the MTP layer reads the step's tokens and drafts only one
 
     @property
     def num_logits(self) -> int:
@@ -53,12 +55,16 @@ class StepShape:
     @property
     def num_requests(self) -> int:
         """A speculative step's requests per rank: its sequences, or in the absorbed form (a verify of every
-        row as a sequence of its own) its rows over draft_tokens + 1."""
-        return self.num_rows // (self.draft_tokens + 1) if self.draft_tokens and self.absorbed else self.num_seqs
+        row as a sequence of its own) its rows over draft_tokens + 1 (one row each in a shallow step)."""
+        if self.draft_tokens and self.absorbed:
+            return self.num_rows if self.shallow else self.num_rows // (self.draft_tokens + 1)
+        return self.num_seqs
 
     @property
     def kind(self) -> str:
-        return "spec" if self.draft_tokens else "decode" if self.absorbed else "extend"
+        if self.draft_tokens:
+            return "spec-off" if self.shallow else "spec"
+        return "decode" if self.absorbed else "extend"
 
 
 @dataclasses.dataclass(frozen=True)
