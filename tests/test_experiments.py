@@ -103,7 +103,7 @@ def check_recipes(r: dict) -> None:
     concurrency = [p["concurrency"] for p in r["curves"]["tp=4"]["plain"]]
     assert concurrency == sorted(concurrency) and len(concurrency) >= 3
     for name, modes in r["curves"].items():
-        assert set(modes) == {"plain", "mtp"}, name
+        assert set(modes) == ({"plain", "mtp", "mtp-off"} if name == "dp=4" else {"plain", "mtp"}), name
         for mode, pts in modes.items():
             assert [p["concurrency"] for p in pts] == concurrency, (name, mode)
             assert positive(p["output_throughput"] for p in pts), (name, mode)
@@ -111,6 +111,11 @@ def check_recipes(r: dict) -> None:
         assert r["mtp_speedup"][name] == {str(c): pytest.approx(tok["mtp"][c] / tok["plain"][c]) for c in concurrency}
         # the drafts were accepted: more than one token a verify on the default model's long skill
         assert 1.0 < r["avg_spec_accept_length"][name] <= 4.0, name
+    # speculation off above the batch size measured in the run (MTP at least as fast up to it, or 1)
+    tok = {m: {p["concurrency"]: p["output_throughput"] for p in v} for m, v in r["curves"]["dp=4"].items()}
+    gained = [c for c in concurrency if tok["mtp"][c] >= tok["plain"][c]]
+    assert r["disable_by_batch_size"] == max(gained, default=1)
+    assert r["mtp_off_speedup"] == {str(c): pytest.approx(tok["mtp-off"][c] / tok["plain"][c]) for c in concurrency}
 
 
 CHECKS = {"skew": check_skew, "single-request": check_single_request,

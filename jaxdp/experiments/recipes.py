@@ -4,7 +4,12 @@ attention. Output tokens per second at 1, 16, 64 and 256 concurrent requests for
 without `--speculative-algorithm EAGLE` (SGLang's DeepSeek defaults: 3 steps, topk 1, 4 draft tokens), on the
 embedded default model (its MTP layer was trained with it) answering its long skill (`reverse S=` and `sort S=`
 for S of 16 to 64 letters: answers the draft can predict, as a chat answer's continuation is for a real model);
-the article's numbers beside."""
+the article's numbers beside.
+
+The high-throughput recipe runs a third server, "mtp-off": MTP switched off above a batch size
+(`--speculative-disable-by-batch-size N`, vLLM's), N measured in the same run: the largest concurrency at which MTP
+was at least as fast as without it (1 if at none), so that many requests run as without speculation and few as
+with it."""
 
 from __future__ import annotations
 
@@ -38,33 +43,48 @@ def prompts_file(ctx: Context, n: int) -> tuple[object, float]:
     return path, float(np.mean([len(p.answer) for p in problems]))
 
 
+def threshold(plain: dict[int, float], mtp: dict[int, float]) -> int:
+    """--speculative-disable-by-batch-size from a run: the largest concurrency where MTP was at least as fast."""
+    return max([c for c in plain if mtp[c] >= plain[c]], default=1)
+
+
 def run(ctx: Context) -> dict:
     conc = [1, 4, 16] if ctx.quick else [1, 16, 64, 256]
     top = conc[-1]
     dataset, answer_len = prompts_file(ctx, 4 * top)
     curves: dict[str, dict[str, list[dict]]] = {}
     accept: dict[str, float] = {}
-    for name, mesh in LAYOUTS.items():
-        curves[name] = {}
-        for mode in ("plain", "mtp"):
-            flags = ["--model-path", str(default_model_path()), "--max-running-requests", str(top),
-                     "--max-total-tokens", str(2 * top * 256), "--chunked-prefill-size", "1024",
-                     "--context-length", str(context_for(192))]
+    off_above = 0
+
+    def serve(name: str, mode: str, *extra: str) -> list[dict]:
+        flags = ["--model-path", str(default_model_path()), "--max-running-requests", str(top),
+                 "--max-total-tokens", str(2 * top * 256), "--chunked-prefill-size", "1024",
+                 "--context-length", str(context_for(192)), *extra]
+        points = []
+        with ctx.server(LAYOUTS[name], *flags, label=mode, tokenizer=True) as url:
+            for c in conc:
+                p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=16, output_len=OUTPUT_LEN, concurrency=c,
+                              dataset=dataset)
+                points.append({"concurrency": c, "output_throughput": p["output_throughput"], "tpot_ms": p["tpot_ms"],
+                               "ttft_ms": p["ttft_ms"]})
             if mode == "mtp":
-                flags += ["--speculative-algorithm", "EAGLE"]
-            with ctx.server(mesh, *flags, label=mode, tokenizer=True) as url:
-                curves[name][mode] = []
-                for c in conc:
-                    p = ctx.bench(url, num_prompts=max(4, 2 * c), input_len=16, output_len=OUTPUT_LEN,
-                                  concurrency=c, dataset=dataset)
-                    curves[name][mode].append({"concurrency": c, "output_throughput": p["output_throughput"],
-                                               "tpot_ms": p["tpot_ms"], "ttft_ms": p["ttft_ms"]})
-                if mode == "mtp":
-                    accept[name] = server_accept_length(url)
-    tok = {k: {m: {pt["concurrency"]: pt["output_throughput"] for pt in v} for m, v in modes.items()}
-           for k, modes in curves.items()}
+                accept[name] = server_accept_length(url)
+        return points
+
+    def tok_of(points: list[dict]) -> dict[int, float]:
+        return {p["concurrency"]: p["output_throughput"] for p in points}
+
+    for name in LAYOUTS:
+        curves[name] = {"plain": serve(name, "plain"), "mtp": serve(name, "mtp", "--speculative-algorithm", "EAGLE")}
+        if name == "dp=4":  # the high-throughput recipe: speculation off above the batch size measured just now
+            off_above = threshold(tok_of(curves[name]["plain"]), tok_of(curves[name]["mtp"]))
+            curves[name]["mtp-off"] = serve(name, "mtp-off", "--speculative-algorithm", "EAGLE",
+                                            "--speculative-disable-by-batch-size", str(off_above))
+    tok = {k: {m: tok_of(v) for m, v in modes.items()} for k, modes in curves.items()}
     speedup = {k: {c: tok[k]["mtp"][c] / tok[k]["plain"][c] for c in conc} for k in LAYOUTS}
+    off = {c: tok["dp=4"]["mtp-off"][c] / tok["dp=4"]["plain"][c] for c in conc}
     result = {"curves": curves, "mtp_speedup": speedup, "avg_spec_accept_length": accept,
+              "disable_by_batch_size": off_above, "mtp_off_speedup": off,
               "article_tok_s": ARTICLE_TOK_S, "mean_answer_tokens": answer_len, "output_len": OUTPUT_LEN}
     table = []
     for c in conc:
@@ -73,13 +93,17 @@ def run(ctx: Context) -> dict:
             a = f"{art['mtp'].get(c, '-')} / {art['plain'].get(c, '-')}"
             table.append((f"{k} ({RECIPES[k]}) at {c}: tok/s with MTP / without", a,
                           f"{tok[k]['mtp'][c]:.0f} / {tok[k]['plain'][c]:.0f} (x{speedup[k][c]:.2f})"))
+    table.append((f"dp=4 at {top}, MTP off above {off_above} requests (measured here): tok/s / without", "-",
+                  f"{tok['dp=4']['mtp-off'][top]:.0f} / {tok['dp=4']['plain'][top]:.0f} (x{off[top]:.2f})"))
     table.append(("one request: MTP speedup, tp=4 / dp=4", f"{318 / 157:.2f} / {152 / 81:.2f}",
                   f"{speedup['tp=4'][1]:.2f} / {speedup['dp=4'][1]:.2f}"))
     table.append(("avg_spec_accept_length, tp=4 / dp=4 (3 steps)", "-",
                   f"{accept['tp=4']:.2f} / {accept['dp=4']:.2f}"))
     ctx.write(result, plot(curves), table,
               notes=f"The load: held-out long-skill problems (mean answer {answer_len:.0f} tokens), each request "
-                    "stopping at its end of sequence.")
+                    "stopping at its end of sequence. \"mtp-off\" (dp=4): --speculative-disable-by-batch-size "
+                    f"{off_above}, the largest concurrency at which MTP was at least as fast as without it in this "
+                    "run.")
     return result
 
 
@@ -95,7 +119,7 @@ def plot(curves):
     for name, modes in curves.items():
         for mode, pts in modes.items():
             jx.plot([p["concurrency"] for p in pts], [p["output_throughput"] for p in pts],
-                    "o-" if mode == "mtp" else "s--", color=COLORS[name], label=f"{name}, {mode}")
+                    {"mtp": "o-", "plain": "s--"}.get(mode, "^:"), color=COLORS[name], label=f"{name}, {mode}")
     for name, modes in ARTICLE_TOK_S.items():
         for mode, pts in modes.items():
             art.plot(list(pts), list(pts.values()), "o-" if mode == "mtp" else "s--", color=COLORS[name],
