@@ -58,11 +58,13 @@ def one_of_each() -> list:
     record = StepRecord("decode", [1, 2], 2, "max_len", 0, 1.0, 1.5, 0.001, 0.002, 0.003, 3, 0.0005)
     flush = m.NodeFlush(1, range(4, 8), True, 16, None, {4: {"num_reqs": 0}})
     node = m.NodeMessage(new=[sent], abort=["r2"], flush=[3], stop=True, updates=[update], flushed=[(3, flush)],
-                         states={4: {"num_reqs": 1, "token_usage": 0.5}}, prefill_delayer=[(True, False)])
+                         states={4: {"num_reqs": 1, "token_usage": 0.5}}, prefill_delayer=[(True, False)],
+                         rooms=[m.RoomOutcome(9, "ready", 5, 21, 42, -0.5, "127.0.0.1:4000", {"addr": 1, "md": "x"}),
+                                m.RoomOutcome(10, "failed", error="refused")])
     return [m.Submit(0, sent), m.Abort(1, "r1"), m.Ask(4, 0, "rank_states"), m.Ask(5, 1, "flush_cache"), m.Shutdown(),
             m.Ready([facts()]), m.StepDone(0, [update], [record], 9, 1, None, m.Counters(12, 3, {"delay": 2})),
             m.States(4, {0: {"num_reqs": 2}}), m.Flushed(5, [flush]), m.Flushed(6, None), m.CallFailed(7, "boom"),
-            node, ([Proposal(3, True, False, 2, True, True)], node)]
+            node, ([Proposal(3, True, False, 2, True, True)], node), node.rooms[0]]
 
 
 def test_every_message_type_survives_the_codec_whole():

@@ -61,13 +61,22 @@ class Arrived:
 
 
 class PrefillSide:
+    """`publish`: where a room's outcome goes (`publish(room, outcome)`). None (one node, or node 0 of several):
+    this process's bootstrap endpoint, started here on `bootstrap_port`; on the other nodes of a prefill server,
+    the engine carries it to node 0's endpoint in the node exchange (`jaxdp.engine.disagg`). Either way the
+    outcome names this process's transfer server, which offers the KV of the ranks whose pages are here."""
+
     def __init__(self, fmt: KVFormat, dp: int, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",
-                 bootstrap_port: int, offer_timeout_s: float = 300.0):
+                 bootstrap_port: int, offer_timeout_s: float = 300.0, publish=None):
         self.fmt, self.offer_timeout_s = fmt, offer_timeout_s
         self.transport = make_transport(backend, host=host)
         self.board = RoomBoard(keep_s=offer_timeout_s)
-        info = PrefillInfo(fingerprint, fmt.to_json(), dp, self.transport.name, self.transport.address())
-        self.server = BootstrapServer(info, self.board, host, bootstrap_port)
+        self.server = None
+        if publish is None:
+            info = PrefillInfo(fingerprint, fmt.to_json(), dp, self.transport.name, self.transport.address())
+            self.server = BootstrapServer(info, self.board, host, bootstrap_port)
+            publish = self.board.publish
+        self.publish = publish
         self.offered_bytes = 0
 
     def hand_off(self, cache: dict, room: int, rank: int, pages: list[int], n_tokens: int, first_token: int,
@@ -77,14 +86,16 @@ class PrefillSide:
         chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt)
         ticket = self.transport.offer(room, chunks, self.offer_timeout_s)
         self.offered_bytes += self.fmt.nbytes(n_tokens)
-        self.board.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens, "ticket": ticket,
-                                  "first_token": int(first_token), "first_logprob": float(first_logprob)})
+        self.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens, "ticket": ticket,
+                            "address": self.transport.address(), "first_token": int(first_token),
+                            "first_logprob": float(first_logprob)})
 
     def refuse(self, room: int, sentence: str) -> None:
-        self.board.publish(room, {"status": "failed", "error": sentence})
+        self.publish(room, {"status": "failed", "error": sentence})
 
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
 
 
 class DecodeSide:
@@ -125,7 +136,8 @@ class DecodeSide:
         left = max(self.timeout_s - (t1 - t0), 1.0)
         try:
             specs = fmt.specs(n_tokens, jax.sharding.SingleDeviceSharding(device))
-            chunks = self.transport.fetch(info.address, room, specs, left, outcome.get("ticket"))
+            address = outcome.get("address") or info.address  # (the node whose rank read the prompt)
+            chunks = self.transport.fetch(address, room, specs, left, outcome.get("ticket"))
         except TransferError as e:
             raise HandoffError(str(e), "transfer") from None
         except Exception as e:  # noqa: BLE001 (the transfer library's own errors: connecting to a server gone)

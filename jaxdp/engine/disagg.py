@@ -20,10 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import msgspec
 
 from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide, model_fingerprint
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
 from jaxdp.disagg.stats import RankKV
+from jaxdp.engine.messages import RoomOutcome
 from jaxdp.engine.options import DisaggConfig
 from jaxdp.engine.request import Request
 from jaxdp.engine.scheduler import Scheduler
@@ -34,16 +36,23 @@ CHUNK_TOKENS = 256  # tokens per transferred chunk (jaxdp.disagg.kv): one compil
 
 
 class PrefillMode:
-    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler]):
+    """On several nodes every node reads its own ranks' prompts and offers their KV on its own transfer server;
+    node 0 alone runs the bootstrap endpoint, so another node's rooms go out in its next message of the node
+    exchange (`rooms_out`, as `RoomOutcome`s naming that node's transfer server) and node 0 publishes them
+    (`rooms_in`). Node 0's board then counts every rank's offers in flight (`remote_state`)."""
+
+    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], local_ranks: range, node_rank: int):
         self.runner = runner
         fmt = KVFormat.of(runner.cache, CHUNK_TOKENS)
+        self._outbox: list[RoomOutcome] = []  # the other nodes: rooms for node 0's bootstrap endpoint
         self.side = PrefillSide(fmt, len(schedulers), cfg.model, backend=cfg.backend, host=cfg.host,
-                                bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s)
+                                bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s,
+                                publish=None if node_rank == 0 else self._to_node_0)
         self.stats = [RankKV() for _ in schedulers]
         for s in schedulers:
             s.handoff = self.handoff
             s.disagg_state = self._state_of(s.rank)
-        for rank in range(len(schedulers)):  # compiled at start-up (for each rank's devices), never while serving
+        for rank in local_ranks:  # compiled at start-up (for each rank's devices), never while serving
             jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt))
 
     def _state_of(self, rank: int):
@@ -51,6 +60,27 @@ class PrefillMode:
             inflight, dropped = self.side.board.inflight(rank)
             return self.stats[rank].state("prefill", inflight=inflight, dropped=dropped)
         return state
+
+    def _to_node_0(self, room: int, outcome: dict) -> None:
+        self._outbox.append(RoomOutcome(room=int(room), **outcome))  # (the engine loop's thread, as rooms_out)
+
+    def rooms_out(self) -> list[RoomOutcome]:
+        """Another node: the rooms settled since its last message, for node 0's bootstrap endpoint."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def rooms_in(self, rooms: list[RoomOutcome]) -> None:
+        """Node 0: another node's rooms, published on the bootstrap endpoint."""
+        for r in rooms:
+            self.side.board.publish(r.room, {k: v for k, v in msgspec.structs.asdict(r).items() if k != "room"})
+
+    def remote_state(self, rank: int, state: dict) -> dict:
+        """Node 0: another node's rank's figures, with its offers in flight as node 0's board counts them (the
+        decode servers tell node 0's bootstrap endpoint when they take a room's KV)."""
+        if "disagg" not in state:
+            return state
+        inflight, dropped = self.side.board.inflight(rank)
+        return {**state, "disagg": {**state["disagg"], "inflight": inflight, "dropped": dropped}}
 
     def handoff(self, rank: int, req: Request, reason: str) -> None:
         room = req.bootstrap.room
@@ -68,7 +98,10 @@ class PrefillMode:
 
 
 class DecodeMode:
-    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], post):
+    """On several nodes every node allocates, pulls and writes the KV of its own ranks' requests (their pages
+    are in its devices' pool shards); nothing of it crosses the node exchange but the requests and their tokens."""
+
+    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], post, local_ranks: range):
         """post(("kv", (req, future))): puts an arrival into the engine's inbox (thread-safe)."""
         self.runner, self.schedulers, self.post = runner, schedulers, post
         self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
@@ -81,7 +114,7 @@ class DecodeMode:
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
         fmt = self.side.fmt  # the write compiled at start-up for each rank's devices, never while serving: zeros
-        for rank in range(len(schedulers)):  # into page 0 (free at start)
+        for rank in local_ranks:  # into page 0 (free at start)
             zeros = [{k: jnp.zeros(s.shape, s.dtype, device=s.sharding) for k, s in chunk.items()}
                      for chunk in fmt.specs(1, jax.sharding.SingleDeviceSharding(self._device(rank)))]
             runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros)
@@ -132,13 +165,16 @@ class DecodeMode:
         self.side.close()
 
 
-def make_disagg(cfg: DisaggConfig | None, runner, schedulers: list[Scheduler], post):
+def make_disagg(cfg: DisaggConfig | None, runner, schedulers: list[Scheduler], post, local_ranks: range | None = None,
+                node_rank: int = 0):
+    """`local_ranks`: the ranks this node schedules (default: all); `node_rank`: this node's (0: one node)."""
     if cfg is None:
         return None
     if not cfg.model:  # both servers must serve one model: its architecture, as config.json would say it
         cfg = dataclasses.replace(cfg, model=model_fingerprint(dataclasses.asdict(runner.cfg)))
+    local_ranks = range(len(schedulers)) if local_ranks is None else local_ranks
     if cfg.mode == "prefill":
-        return PrefillMode(cfg, runner, schedulers)
+        return PrefillMode(cfg, runner, schedulers, local_ranks, node_rank)
     if cfg.mode == "decode":
-        return DecodeMode(cfg, runner, schedulers, post)
+        return DecodeMode(cfg, runner, schedulers, post, local_ranks)
     raise ValueError(f"--disaggregation-mode {cfg.mode!r} is not prefill or decode")

@@ -104,9 +104,6 @@ class Engine(ClientBase):
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
                                c.max_len_extend_rows, draft_tokens,
                                spec.disable_by_batch_size if spec else None).with_pages(pages_per_seq, page_size)
-        if c.disaggregation is not None and hosts is not None:
-            raise ValueError("--disaggregation-mode runs on one node for now; start each prefill and decode server "
-                             "on one node (--dp-size for more)")
         self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
         self.hosts = hosts
         self.pipeline = (SpecPipeline if spec else StepPipeline)(runner, c, self.schedulers, rows, buckets, self.nodes)
@@ -117,7 +114,8 @@ class Engine(ClientBase):
         self.wakeups = Wakeups()  # the streams' event loops, woken once per step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self.disagg = make_disagg(c.disaggregation, runner, self.schedulers, self._post)
+        self.disagg = make_disagg(c.disaggregation, runner, self.schedulers, self._post, self.nodes.local_ranks,
+                                  hosts.node_rank if hosts is not None else 0)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.requests: dict[str, Request] = {}
@@ -298,7 +296,9 @@ class Engine(ClientBase):
     def rank_state(self, rank: int) -> dict:
         """The scheduler's figures of a rank of this engine (another node's: as of the last exchange)."""
         state = self.nodes.rank_state(rank)
-        return self.schedulers[rank].state() if state is None else state
+        if state is None:
+            return self.schedulers[rank].state()
+        return self.disagg.remote_state(rank, state) if hasattr(self.disagg, "remote_state") else state
 
     def stream(self, req: Request) -> AsyncIterator[Request]:
         """Yield the request after every new token and once when it finishes (the loop must be running); the

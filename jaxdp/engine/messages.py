@@ -105,6 +105,21 @@ def _span(ranks: range) -> str:
     return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
+class RoomOutcome(msgspec.Struct, omit_defaults=True, frozen=True):
+    """Prefill/decode disaggregation on several nodes: a bootstrap room's outcome on the node whose rank read its
+    prompt, for node 0's bootstrap endpoint (`jaxdp.disagg.bootstrap`; the same fields as its JSON answer)."""
+
+    room: int
+    status: Literal["ready", "failed"]
+    rank: int = 0
+    n_tokens: int = 0
+    first_token: int = 0
+    first_logprob: float = 0.0
+    address: str = ""  # the transfer server that offers its KV: the node whose rank read the prompt
+    ticket: dict[str, int | str] | None = None  # what the transport's reader needs besides the address (NIXL's)
+    error: str | None = None  # failed: the sentence the decode side ends the request with
+
+
 class NodeMessage(msgspec.Struct, omit_defaults=True):
     """What one node tells the others in an iteration, besides its ranks' proposals."""
 
@@ -117,6 +132,7 @@ class NodeMessage(msgspec.Struct, omit_defaults=True):
     updates: list[Update] = []
     flushed: list[tuple[int, NodeFlush]] = []
     states: dict[int, RankState] | None = None
+    rooms: list[RoomOutcome] = []  # prefill/decode disaggregation: its ranks' rooms, for node 0's bootstrap endpoint
     # every node: the prefill delayer's numbers of its ranks (`jaxdp.engine.delayer`), when it is on
     prefill_delayer: list[tuple[bool, bool]] | None = None  # (prompt ready, under the watermark) per rank
 

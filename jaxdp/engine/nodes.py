@@ -41,6 +41,7 @@ class EngineSide(Protocol):
     tokenizer: Any
     failed: str | None
     blocked: tuple[float, str] | None
+    disagg: Any  # prefill/decode disaggregation's side (`jaxdp.engine.disagg`), or None
 
     @property
     def is_running(self) -> bool: ...
@@ -239,6 +240,8 @@ class NodeLink:
             if req.finished:  # (the engine forgets it once it is not in `keep`)
                 del self.origin[rid]
         msg = NodeMessage(updates=updates, flushed=flushed)
+        if hasattr(self.engine.disagg, "rooms_out"):  # a prefill server's rooms, for node 0's bootstrap endpoint
+            msg.rooms = self.engine.disagg.rooms_out()
         now = time.perf_counter()
         if now - self._states_sent >= STATES_EVERY_S:
             msg.states = {r: self.engine.schedulers[r].state() for r in self.local_ranks}
@@ -255,6 +258,8 @@ class NodeLink:
             self.remote_state.update(msg.states or {})
             for flush_id, answer in msg.flushed:
                 self._flush_answered(flush_id, answer)
+            if msg.rooms:
+                self.engine.disagg.rooms_in(msg.rooms)
             updates_mod.apply(self.standins, msg.updates, now)
             for u in msg.updates:
                 if u.finish:

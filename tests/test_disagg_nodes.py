@@ -1,0 +1,135 @@
+"""Prefill/decode disaggregation with several nodes on either side (issue 30): a prefill server of two nodes
+(`--mesh dp=4`, two processes of 2 host devices each: ranks 0-1 on node 0, 2-3 on node 1) and a decode server of
+two nodes (the same), each request sent to both node 0s with one bootstrap room, as SGLang's router sends it.
+
+The prefill rank (the room modulo 4) and the decode rank (pinned) cover every pair of nodes: node 1 of the prefill
+server offers its ranks' KV on its own transfer server and its rooms reach the bootstrap endpoint on node 0 through
+the node exchange; node 1 of the decode server pulls its ranks' KV and writes it into its own pool shards. The
+greedy outputs equal one colocated engine's, every KV is pulled once, no offer stays in flight, and every page is
+back on every rank of both servers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+
+import httpx
+import pytest
+from servers import Server
+
+from jaxdp.bench.launch import free_port
+from jaxdp.model.loader import default_model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (default_model_path() / "tokenizer.json").exists(),
+                                                   reason="needs the default model")]
+
+COMMON = ["--mesh", "dp=4", "--nnodes", "2", "--dist-timeout", "30", "--chunked-prefill-size", "128", "--page-size",
+          "16", "--max-total-tokens", "2048", "--max-running-requests", "16", "--cuda-graph-bs", "4",
+          "--decode-log-interval", "50"]
+NODE_ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+PROMPTS = ["37+48=", "12+34=" * 12 + "91-17=", "sort 3142=", "reverse abcde=" * 6, "count a abcab=",
+           "6*7=" + "123*4=" * 9, "reverse xyz=", "sort 4213=" * 15]  # 4 to about 150 tokens
+MAX_NEW = 8
+
+
+class TwoNodes:
+    """Node 0 (HTTP) and node 1 of one server of two nodes."""
+
+    def __init__(self, logs, name: str, *flags: str):
+        common = [*COMMON, "--dist-init-addr", f"127.0.0.1:{free_port()}", *flags]
+        self.node0 = Server([*common, "--node-rank", "0"], logs / f"{name}-node0.log", env=NODE_ENV)
+        self.node1 = Server([*common, "--node-rank", "1"], logs / f"{name}-node1.log", env=NODE_ENV)
+
+    def wait(self) -> None:
+        self.node0.wait(600), self.node1.wait(600)
+
+    def stop(self) -> None:
+        self.node0.stop()
+        self.node1.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-nodes")
+    bootstrap = free_port()
+    prefill = TwoNodes(logs, "prefill", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                       str(bootstrap), "--disaggregation-timeout", "60")
+    decode = TwoNodes(logs, "decode", "--disaggregation-mode", "decode", "--disaggregation-timeout", "120")
+    try:
+        prefill.wait()
+        decode.wait()
+        yield prefill.node0, decode.node0, bootstrap
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """One colocated engine's greedy answers."""
+    from jaxdp.engine import Engine, SamplingParams
+
+    engine = Engine("default", "dp=1")
+    try:
+        reqs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS],
+                               SamplingParams(max_new_tokens=MAX_NEW, temperature=0))
+        return [r.output_ids for r in reqs]
+    finally:
+        engine.shutdown()
+
+
+def _both(prefill: Server, decode: Server, bootstrap: int, i: int, prompt: str) -> dict:
+    """What SGLang's router does: the same body to both servers at once, with one bootstrap room; the decode
+    server's answer. Room i: prefill rank i % 4; decode rank (i + 1) % 4 (pinned)."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": 4 * (1000 + i) + i % 4}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=300)
+        d = pool.submit(httpx.post, decode.url + "/generate", json={**body, "routed_dp_rank": (i + 1) % 4},
+                        timeout=300)
+        rp, rd = p.result(), d.result()
+    assert rp.status_code == 200, rp.text
+    assert rd.status_code == 200, rd.text
+    assert rp.json()["meta_info"]["dp_rank"] == i % 4
+    assert rd.json()["meta_info"]["dp_rank"] == (i + 1) % 4
+    return rd.json()
+
+
+def _states(server: Server) -> list[dict]:
+    return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"]
+
+
+def _settled(server: Server, timeout: float = 30) -> list[dict]:
+    """Every rank's figures once every page is free or cached and no request is left (node 1's as of its last
+    report: waits for it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _states(server)
+        ok = all(s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0 for s in states)
+        if ok or time.monotonic() > deadline:
+            return states
+        time.sleep(0.3)
+
+
+def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expected):
+    prefill, decode, bootstrap = servers
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda a: _both(prefill, decode, bootstrap, *a), enumerate(PROMPTS)))
+    print(f"{len(PROMPTS)} requests in {time.monotonic() - t0:.1f} s")
+    assert [g["output_ids"] for g in got] == expected
+    for server, mode in ((prefill, "prefill"), (decode, "decode")):
+        states = _settled(server)
+        assert [s["dp_rank"] for s in states] == [0, 1, 2, 3]
+        for s in states:
+            assert s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0, (mode, s)
+            d = s["disagg"]
+            assert d["mode"] == mode and d["transfers"] == 2, (mode, s)  # every rank's two requests, node 1's too
+            if mode == "decode":
+                assert d["prealloc"] == d["transfer"] == d["bootstrap_failed"] == d["transfer_failed"] == 0, s
+    deadline = time.monotonic() + 10  # the last "taken" reaches node 0's bootstrap endpoint after the answers
+    while any(s["disagg"]["inflight"] for s in _states(prefill)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(s["disagg"]["inflight"] == 0 and s["disagg"]["dropped"] == 0 for s in _states(prefill))
