@@ -17,7 +17,7 @@ from jaxdp.bench.launch import free_port
 from jaxdp.disagg.bootstrap import BootstrapClient
 from jaxdp.disagg.handoff import DecodeSide, HandoffError
 from jaxdp.disagg.kv import KVFormat
-from jaxdp.disagg.transfer import TRANSPORTS, JaxTransport, TransferError, make_transport
+from jaxdp.disagg.transfer import TRANSPORTS, JaxTransport, TransferError, advertised, make_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -148,3 +148,15 @@ def test_a_decode_server_of_another_transfer_backend_is_one_sentence(mesh):
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_a_transfer_server_on_a_wildcard_host_gives_an_address_others_can_reach():
+    """`--host 0.0.0.0` (every node of a server of several, usually): the published address is this machine's,
+    never the wildcard a decode node cannot connect to; a concrete host is kept as it is."""
+    import socket
+
+    me = socket.gethostbyname(socket.gethostname())
+    assert advertised("0.0.0.0:5000") == advertised("[::]:5000") == f"{me}:5000"
+    assert advertised("10.0.0.2:7") == "10.0.0.2:7" and advertised("[fd00::1]:7") == "[fd00::1]:7"
+    transport = JaxTransport(host="0.0.0.0")
+    assert transport.address().startswith(f"{me}:") and not transport.address().startswith("0.0.0.0")

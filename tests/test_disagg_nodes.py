@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -60,7 +62,7 @@ def servers(tmp_path_factory):
     try:
         prefill.wait()
         decode.wait()
-        yield prefill.node0, decode.node0, bootstrap
+        yield prefill, decode, bootstrap
     finally:
         prefill.stop()
         decode.stop()
@@ -114,7 +116,7 @@ def _settled(server: Server, timeout: float = 30) -> list[dict]:
 
 
 def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expected):
-    prefill, decode, bootstrap = servers
+    prefill, decode, bootstrap = servers[0].node0, servers[1].node0, servers[2]
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda a: _both(prefill, decode, bootstrap, *a), enumerate(PROMPTS)))
@@ -133,3 +135,37 @@ def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expec
     while any(s["disagg"]["inflight"] for s in _states(prefill)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(s["disagg"]["inflight"] == 0 and s["disagg"]["dropped"] == 0 for s in _states(prefill))
+
+
+def test_a_stalled_prefill_node_ends_the_decode_sides_requests_in_one_sentence(servers):
+    """Last (it breaks the prefill server): node 1 of the prefill server stops (SIGSTOP) while requests for its
+    ranks and node 0's come in. Node 0 fails within --dist-timeout and refuses every room it had, so the decode
+    server ends each request with one sentence naming node 1, long before its own --disaggregation-timeout
+    (120 s), and every page of the decode server is back."""
+    prefill, decode, bootstrap = servers
+    parent = prefill.node1.proc.pid  # node 1 runs as the child of a small supervisor
+    node1 = int(Path(f"/proc/{parent}/task/{parent}/children").read_text().split()[0])
+    os.kill(node1, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rooms = [4 * 2000 + 2, 4 * 2001 + 3, 4 * 2002 + 0]  # prefill ranks 2 and 3 (node 1), 0 (node 0)
+        with concurrent.futures.ThreadPoolExecutor(2 * len(rooms)) as pool:
+            futures = []
+            for i, room in enumerate(rooms):
+                body = {"text": PROMPTS[i], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+                        "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+                pool.submit(httpx.post, prefill.node0.url + "/generate", json=body, timeout=300)
+                futures.append(pool.submit(httpx.post, decode.node0.url + "/generate",
+                                           json={**body, "routed_dp_rank": (i + 2) % 4}, timeout=300))
+            answers = [f.result() for f in futures]
+        took = time.monotonic() - t0
+        for a in answers:
+            assert a.status_code == 503, a.text
+            message = a.json()["error"]["message"]
+            assert "the prefill server stopped serving" in message and "node 1" in message, message
+        assert took < 90, took  # the prefill server's --dist-timeout (30 s), not the decode side's 120 s
+        for s in _settled(decode.node0):
+            assert s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0, s
+            assert s["disagg"]["bootstrap_failed"] == (1 if s["dp_rank"] in (2, 3, 0) else 0), s
+    finally:
+        os.kill(node1, signal.SIGKILL)

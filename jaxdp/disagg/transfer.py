@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import datetime
 import importlib.util
+import socket
 import threading
 import time
 import uuid
@@ -65,7 +66,7 @@ class JaxTransport:
         self._lock = threading.Lock()
 
     def address(self) -> str:
-        return self._server.address()
+        return advertised(self._server.address())
 
     def offer(self, room: int, arrays, timeout_s: float) -> None:
         """Make `arrays` (a pytree of device arrays) pullable once under `room`, for `timeout_s` seconds."""
@@ -93,6 +94,19 @@ class JaxTransport:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TransferError(f"the KV of bootstrap room {room} from {address} failed in transfer: {first}") from None
         return arrays
+
+
+def advertised(address: str) -> str:
+    """The address a server bound to HOST:PORT gives to others: a wildcard host (`--host 0.0.0.0` or `::`, which
+    nobody can connect to) becomes this machine's address as its hostname resolves (each node of a server of
+    several publishes its own)."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return address
+    try:
+        return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    except OSError:
+        return f"127.0.0.1:{port}"
 
 
 def _uuid(room: int) -> int:

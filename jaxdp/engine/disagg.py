@@ -93,6 +93,12 @@ class PrefillMode:
             self.side.refuse(room, req.error or f"the prefill server ended the request ({reason}) before its KV "
                                                 f"was ready")
 
+    def engine_failed(self, req: Request, message: str) -> None:
+        """The engine stopped serving (another node died or stalled): the decode side need not wait for the room
+        (node 0's board; another node's outbox goes nowhere, harmlessly)."""
+        if req.bootstrap is not None:
+            self.side.refuse(req.bootstrap.room, f"the prefill server stopped serving: {message}")
+
     def close(self) -> None:
         self.side.close()
 
@@ -159,6 +165,9 @@ class DecodeMode:
         self.transfer_seconds += arrived.seconds
         self.stats[req.rank].pulled(arrived.nbytes, arrived.pull_s, arrived.bootstrap_s)
         sched.join_prefilled(req, arrived.first_token, arrived.first_logprob, time.perf_counter())
+
+    def engine_failed(self, req: Request, message: str) -> None:
+        pass  # (the engine ended the request; its pages go with the engine)
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)

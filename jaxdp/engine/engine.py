@@ -285,13 +285,27 @@ class Engine(ClientBase):
             self.failed = message
         log.log(level, "%s", message if level != logging.ERROR else f"{message}; this engine stops serving")
         now = time.perf_counter()
-        for req in [*self.requests.values(), *self.nodes.requests_elsewhere()]:
+        for req in [*self.requests.values(), *self.nodes.requests_elsewhere(), *self._never_taken_in()]:
             if not req.finished:
                 req.error_status = 503
                 end_request(req, "abort", message, now)
+                if self.disagg is not None:  # (a prefill server: its room is refused, the decode side stops waiting)
+                    self.disagg.engine_failed(req, message)
         self.wakeups.deliver()
         self._stop = True
         self._wake.set()
+
+    def _never_taken_in(self) -> list[Request]:
+        """Failing: the requests still in the inbox (submitted while the loop waited on a node that stalled), which
+        the loop, ending, will never take in."""
+        out = []
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+            if cmd == "add":
+                out.append(arg)
 
     def rank_state(self, rank: int) -> dict:
         """The scheduler's figures of a rank of this engine (another node's: as of the last exchange)."""
