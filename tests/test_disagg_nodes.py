@@ -131,6 +131,9 @@ def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expec
             assert d["mode"] == mode and d["transfers"] == 2, (mode, s)  # every rank's two requests, node 1's too
             if mode == "decode":
                 assert d["prealloc"] == d["transfer"] == d["bootstrap_failed"] == d["transfer_failed"] == 0, s
+                print(f"decode rank {s['dp_rank']} (node {s['dp_rank'] // 2}): {d['transfers']} pulls, "
+                      f"{d['bytes'] / 2**20:.2f} MiB in {d['seconds'] * 1e3:.1f} ms, "
+                      f"{d['bytes'] / max(d['seconds'], 1e-9) / 1e6:.1f} MB/s")
     deadline = time.monotonic() + 10  # the last "taken" reaches node 0's bootstrap endpoint after the answers
     while any(s["disagg"]["inflight"] for s in _states(prefill)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -163,6 +166,7 @@ def test_a_stalled_prefill_node_ends_the_decode_sides_requests_in_one_sentence(s
             assert a.status_code == 503, a.text
             message = a.json()["error"]["message"]
             assert "the prefill server stopped serving" in message and "node 1" in message, message
+        print(f"the decode side's requests ended {took:.1f} s after they came")
         assert took < 90, took  # the prefill server's --dist-timeout (30 s), not the decode side's 120 s
         for s in _settled(decode.node0):
             assert s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0, s

@@ -9,7 +9,9 @@ endpoint, over HTTP with JSON:
   transfer backend and address, so a decode server of another model or cache layout is refused in one
   sentence before anything moves;
 - `GET /disagg/rooms/{room}?wait=S`: waits up to S seconds for the room's prompt to be read; answers
-  `{"status": "ready", "rank", "n_tokens", "first_token", "first_logprob"}` once its KV is offered,
+  `{"status": "ready", "rank", "n_tokens", "first_token", "first_logprob", "address"}` once its KV is offered
+  (`address`: the transfer server offering it; on a prefill server of several nodes, the node whose rank read
+  the prompt, whose room reached node 0's endpoint through the node exchange),
   `{"status": "failed", "error": sentence}` if the prefill side refused or lost it, or `{"status": "pending"}`;
 - `POST /disagg/rooms/{room}/taken`: the decode server pulled the room's KV (so the prefill side counts its
   offers in flight: SGLang's `num_prefill_inflight_queue_reqs`).

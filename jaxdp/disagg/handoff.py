@@ -123,7 +123,9 @@ class DecodeSide:
         why = fmt.mismatch(KVFormat(self.fmt.entries, fmt.chunk_tokens))
         if why:
             raise HandoffError(why)
-        outcome = self.client.room(host, port, room, wait_s=self.timeout_s)
+        outcome = {"status": "pending"}
+        while outcome["status"] == "pending" and (left := self.timeout_s - (time.monotonic() - t0)) > 0:
+            outcome = self.client.room(host, port, room, wait_s=left)  # (the endpoint answers within its own cap)
         if outcome["status"] == "pending":
             raise HandoffError(f"the prefill server at bootstrap {host}:{port} did not finish bootstrap room {room} "
                                f"within {self.timeout_s:g} s")
