@@ -9,6 +9,8 @@
   reservation, as a prompt would be admitted), then a worker thread fetches its KV (`DecodeSide.fetch`);
   the loop writes the KV into the pool between steps and the request decodes from the prefill server's first
   token, without a prompt step. A failed hand-off ends the request with its one sentence, its pages freed.
+- **several nodes** (either side): each node hands over its own ranks' KV through its own transfer server; a
+  prefill server's bootstrap endpoint runs on node 0, which learns the other nodes' rooms from the node exchange.
 """
 
 from __future__ import annotations
