@@ -6,12 +6,16 @@ The prefill rank (the room modulo 4) and the decode rank (pinned) cover every pa
 server offers its ranks' KV on its own transfer server and its rooms reach the bootstrap endpoint on node 0 through
 the node exchange; node 1 of the decode server pulls its ranks' KV and writes it into its own pool shards. The
 greedy outputs equal one colocated engine's, every KV is pulled once, no offer stays in flight, and every page is
-back on every rank of both servers.
+back on every rank of both servers. The same behind SGLang's router (sglang-router 0.3.2, installed as
+tests/test_disagg_router.py installs it), through /v1/completions streamed and not. Last, a stalled prefill node:
+the decode server ends the requests waiting for its rooms in one sentence within the prefill server's
+--dist-timeout.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -138,6 +142,45 @@ def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expec
     while any(s["disagg"]["inflight"] for s in _states(prefill)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(s["disagg"]["inflight"] == 0 and s["disagg"]["dropped"] == 0 for s in _states(prefill))
+
+
+def _completion(url: str, prompt: str, stream: bool) -> str:
+    body = {"model": "default", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_behind_sglangs_router(servers, expected, tmp_path):
+    """The same two servers behind SGLang's router (its own bootstrap rooms, so its own choice of prefill ranks;
+    the decode server's controller picks the decode ranks), through /v1/completions, streamed and not."""
+    from test_disagg_router import Router
+
+    from jaxdp.tokenizer import Tokenizer
+
+    prefill, decode, bootstrap = servers
+    tok = Tokenizer(default_model_path())
+    want = [tok.decode(ids, skip_special_tokens=True) for ids in expected]
+    router = Router(prefill.node0, bootstrap, decode.node0.url, tmp_path / "router.log")
+    try:
+        router.wait()
+        with concurrent.futures.ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
+            got = list(pool.map(lambda a: _completion(router.url, a[1], stream=a[0] % 2 == 1),
+                                enumerate(PROMPTS * 2)))
+    finally:
+        router.stop()
+    assert got == want * 2
+    for server in (prefill.node0, decode.node0):
+        for s in _settled(server):
+            assert s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0, s
 
 
 def test_a_stalled_prefill_node_ends_the_decode_sides_requests_in_one_sentence(servers):
