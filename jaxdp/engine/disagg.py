@@ -168,6 +168,15 @@ class DecodeMode:
         self.stats[req.rank].pulled(arrived.nbytes, arrived.pull_s, arrived.bootstrap_s)
         sched.join_prefilled(req, arrived.first_token, arrived.first_logprob, time.perf_counter())
 
+    def rooms_out(self) -> list[RoomOutcome]:
+        return []  # (rooms are the prefill side's)
+
+    def rooms_in(self, rooms: list[RoomOutcome]) -> None:
+        pass
+
+    def remote_state(self, rank: int, state: dict) -> dict:
+        return state  # (another node's decode ranks report their own queues and pulls)
+
     def engine_failed(self, req: Request, message: str) -> None:
         pass  # (the engine ended the request; its pages go with the engine)
 

@@ -312,7 +312,7 @@ class Engine(ClientBase):
         state = self.nodes.rank_state(rank)
         if state is None:
             return self.schedulers[rank].state()
-        return self.disagg.remote_state(rank, state) if hasattr(self.disagg, "remote_state") else state
+        return state if self.disagg is None else self.disagg.remote_state(rank, state)
 
     def stream(self, req: Request) -> AsyncIterator[Request]:
         """Yield the request after every new token and once when it finishes (the loop must be running); the

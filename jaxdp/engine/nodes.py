@@ -240,7 +240,7 @@ class NodeLink:
             if req.finished:  # (the engine forgets it once it is not in `keep`)
                 del self.origin[rid]
         msg = NodeMessage(updates=updates, flushed=flushed)
-        if hasattr(self.engine.disagg, "rooms_out"):  # a prefill server's rooms, for node 0's bootstrap endpoint
+        if self.engine.disagg is not None:  # a prefill server's rooms, for node 0's bootstrap endpoint
             msg.rooms = self.engine.disagg.rooms_out()
         now = time.perf_counter()
         if now - self._states_sent >= STATES_EVERY_S:
