@@ -6,7 +6,8 @@ The prefill rank (the room modulo 4) and the decode rank (pinned) cover every pa
 server offers its ranks' KV on its own transfer server and its rooms reach the bootstrap endpoint on node 0 through
 the node exchange; node 1 of the decode server pulls its ranks' KV and writes it into its own pool shards. The
 greedy outputs equal one colocated engine's, every KV is pulled once, no offer stays in flight, and every page is
-back on every rank of both servers. The same behind SGLang's router (sglang-router 0.3.2, installed as
+back on every rank of both servers; the same into a one-node decode server `--mesh tp=4` of another page size.
+The same behind SGLang's router (sglang-router 0.3.2, installed as
 tests/test_disagg_router.py installs it), through /v1/completions streamed and not. Last, a stalled prefill node:
 the decode server ends the requests waiting for its rooms in one sentence within the prefill server's
 --dist-timeout.
@@ -18,6 +19,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -25,26 +27,38 @@ import httpx
 import pytest
 from servers import Server
 
-from jaxdp.bench.launch import free_port
 from jaxdp.model.loader import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (default_model_path() / "tokenizer.json").exists(),
                                                    reason="needs the default model")]
 
-COMMON = ["--mesh", "dp=4", "--nnodes", "2", "--dist-timeout", "30", "--chunked-prefill-size", "128", "--page-size",
-          "16", "--max-total-tokens", "2048", "--max-running-requests", "16", "--cuda-graph-bs", "4",
-          "--decode-log-interval", "50"]
+SERVER = ["--chunked-prefill-size", "128", "--page-size", "16", "--max-total-tokens", "2048", "--max-running-requests",
+          "16", "--cuda-graph-bs", "4", "--decode-log-interval", "50"]
+COMMON = [*SERVER, "--mesh", "dp=4", "--nnodes", "2", "--dist-timeout", "30"]
+DECODE = ["--disaggregation-mode", "decode", "--disaggregation-timeout", "120"]
 NODE_ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 PROMPTS = ["37+48=", "12+34=" * 12 + "91-17=", "sort 3142=", "reverse abcde=" * 6, "count a abcab=",
            "6*7=" + "123*4=" * 9, "reverse xyz=", "sort 4213=" * 15]  # 4 to about 150 tokens
 MAX_NEW = 8
 
 
-class TwoNodes:
-    """Node 0 (HTTP) and node 1 of one server of two nodes."""
+def distinct_ports(n: int) -> list[int]:
+    """n free ports, all different (free_port() twice in a row may give the same one: nothing holds it between)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
-    def __init__(self, logs, name: str, *flags: str):
-        common = [*COMMON, "--dist-init-addr", f"127.0.0.1:{free_port()}", *flags]
+
+class TwoNodes:
+    """Node 0 (HTTP) and node 1 of one server of two nodes; `dist_port`: node 0's --dist-init-addr port."""
+
+    def __init__(self, logs, name: str, dist_port: int, *flags: str):
+        common = [*COMMON, "--dist-init-addr", f"127.0.0.1:{dist_port}", *flags]
         self.node0 = Server([*common, "--node-rank", "0"], logs / f"{name}-node0.log", env=NODE_ENV)
         self.node1 = Server([*common, "--node-rank", "1"], logs / f"{name}-node1.log", env=NODE_ENV)
 
@@ -59,17 +73,20 @@ class TwoNodes:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-nodes")
-    bootstrap = free_port()
-    prefill = TwoNodes(logs, "prefill", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                       str(bootstrap), "--disaggregation-timeout", "60")
-    decode = TwoNodes(logs, "decode", "--disaggregation-mode", "decode", "--disaggregation-timeout", "120")
+    bootstrap, prefill_dist, decode_dist = distinct_ports(3)
+    prefill = TwoNodes(logs, "prefill", prefill_dist, "--disaggregation-mode", "prefill",
+                       "--disaggregation-bootstrap-port", str(bootstrap), "--disaggregation-timeout", "60")
+    decode = TwoNodes(logs, "decode", decode_dist, *DECODE)
+    decode_tp = Server([*SERVER, "--mesh", "tp=4", "--page-size", "8", *DECODE], logs / "decode-tp4.log")
     try:
         prefill.wait()
         decode.wait()
-        yield prefill, decode, bootstrap
+        decode_tp.wait(600)
+        yield prefill, decode, bootstrap, decode_tp
     finally:
         prefill.stop()
         decode.stop()
+        decode_tp.stop()
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +161,31 @@ def test_two_node_prefill_and_decode_servers_answer_as_one_engine(servers, expec
     assert all(s["disagg"]["inflight"] == 0 and s["disagg"]["dropped"] == 0 for s in _states(prefill))
 
 
+def test_a_two_node_prefill_server_hands_over_to_a_one_node_tp_decode_server(servers, expected):
+    """Layouts differ and so do node counts: prefill dp=4 over two nodes (page size 16), decode tp=4 on one node
+    (page size 8): every prefill rank's KV, node 1's too, lands in the one tp group's pool."""
+    prefill, _, bootstrap, decode_tp = servers
+
+    def one(a):
+        i, prompt = a
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": 4 * (3000 + i) + i % 4}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            p = pool.submit(httpx.post, prefill.node0.url + "/generate", json=body, timeout=300)
+            d = pool.submit(httpx.post, decode_tp.url + "/generate", json=body, timeout=300)
+            assert p.result().status_code == 200, p.result().text
+            assert d.result().status_code == 200, d.result().text
+            return d.result().json()["output_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(one, enumerate(PROMPTS))) == expected
+    (state,) = _settled(decode_tp)
+    assert state["free_pages"] + state["cached_pages"] == state["num_pages"] and state["num_reqs"] == 0, state
+    assert state["disagg"]["transfers"] == len(PROMPTS) and state["disagg"]["transfer_failed"] == 0, state
+    for s in _settled(prefill.node0):
+        assert s["free_pages"] + s["cached_pages"] == s["num_pages"] and s["num_reqs"] == 0, s
+
+
 def _completion(url: str, prompt: str, stream: bool) -> str:
     body = {"model": "default", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": stream}
     if not stream:
@@ -166,7 +208,7 @@ def test_behind_sglangs_router(servers, expected, tmp_path):
 
     from jaxdp.tokenizer import Tokenizer
 
-    prefill, decode, bootstrap = servers
+    prefill, decode, bootstrap, _ = servers
     tok = Tokenizer(default_model_path())
     want = [tok.decode(ids, skip_special_tokens=True) for ids in expected]
     router = Router(prefill.node0, bootstrap, decode.node0.url, tmp_path / "router.log")
@@ -188,7 +230,7 @@ def test_a_stalled_prefill_node_ends_the_decode_sides_requests_in_one_sentence(s
     ranks and node 0's come in. Node 0 fails within --dist-timeout and refuses every room it had, so the decode
     server ends each request with one sentence naming node 1, long before its own --disaggregation-timeout
     (120 s), and every page of the decode server is back."""
-    prefill, decode, bootstrap = servers
+    prefill, decode, bootstrap, _ = servers
     parent = prefill.node1.proc.pid  # node 1 runs as the child of a small supervisor
     node1 = int(Path(f"/proc/{parent}/task/{parent}/children").read_text().split()[0])
     os.kill(node1, signal.SIGSTOP)
