@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -44,3 +45,19 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def completion_text(url: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 300) -> str:
+    """A greedy `/v1/completions` answer's text, streamed (the chunks joined) or not."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text

@@ -16,7 +16,6 @@ the decode server ends the requests waiting for its rooms in one sentence within
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Server
+from servers import Server, completion_text
 
 from jaxdp.model.loader import default_model_path
 
@@ -187,18 +186,7 @@ def test_a_two_node_prefill_server_hands_over_to_a_one_node_tp_decode_server(ser
 
 
 def _completion(url: str, prompt: str, stream: bool) -> str:
-    body = {"model": "default", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": stream}
-    if not stream:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return completion_text(url, prompt, MAX_NEW, stream, timeout=300)
 
 
 def test_behind_sglangs_router(servers, expected, tmp_path):

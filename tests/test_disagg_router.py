@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Server
+from servers import Server, completion_text
 
 from jaxdp.bench.launch import free_port
 from jaxdp.model.loader import default_model_path
@@ -201,18 +201,7 @@ def _generate(url: str, prompt: str) -> str:
 
 
 def _completion(url: str, prompt: str, stream: bool) -> str:
-    body = {"model": "default", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": stream}
-    if not stream:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=180)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return completion_text(url, prompt, MAX_NEW, stream, timeout=180)
 
 
 def _call(url: str, i: int, prompt: str) -> str:
