@@ -130,3 +130,37 @@ def test_client_cost_against_a_null_server(tmp_path):
         assert x["output_tokens"] == 32 * 8
         assert 0 < x["first_arrival_ms"] <= x["median_arrival_ms"] <= x["last_arrival_ms"]
         assert x["duration_ms"] > 0 and x["client_cpu_us_per_token"] > 0
+
+
+def test_disagg_granularities_side_by_side(tmp_path):
+    """`python -m jaxdp.bench.disagg --granularity all layer chunk` on a tiny KV format: every value arrives
+    (`--check`), each granularity moves the same bytes in its own number of transfers (one; one per layer; one
+    per prompt step), and the table prints each beside the all-at-once figure; a prompt step that is not whole
+    transfer chunks is one sentence."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "d.json"
+    run = subprocess.run([sys.executable, "-m", "jaxdp.bench.disagg", "--tokens", "40", "100", "--layers", "3",
+                          "--width", "8", "--dtype", "float32", "--chunk-tokens", "16", "--prefill-chunk", "32",
+                          "--step-ms", "20", "--rounds", "1", "--granularity", "all", "layer", "chunk", "--check",
+                          "--json", str(out)], timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rounds"]
+    got = {(r["tokens"], r["granularity"]): r for r in rows}
+    assert len(rows) == len(got) == 6
+    for n, steps in ((40, 2), (100, 4)):
+        assert {g: got[n, g]["transfers"] for g in ("all", "layer", "chunk")} == {"all": 1, "layer": 3, "chunk": steps}
+        assert len({got[n, g]["bytes"] for g in ("all", "layer", "chunk")}) == 1
+        for g in ("all", "layer", "chunk"):
+            r = got[n, g]
+            assert r["prompt_steps"] == steps and r["wait_ms"] > 0 and r["fetch_gb_s"] > 0 and r["wait_gb_s"] > 0
+            assert r["total_ms"] >= r["wait_ms"] + 0.9 * steps * 20  # the prompt's steps, then the wait
+    lines = [line.split() for line in run.stdout.splitlines()]
+    for n in ("40", "100"):
+        assert [x[1] for x in lines if x and x[0] == n] == ["all", "layer", "chunk"]
+        assert [x[-1] for x in lines if x and x[0] == n][0] == "1.00"  # the all-at-once wait, the ratios' base
+    bad = subprocess.run([sys.executable, "-m", "jaxdp.bench.disagg", "--prefill-chunk", "100"], timeout=120,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "--prefill-chunk 100 must be a positive multiple of --chunk-tokens 256")

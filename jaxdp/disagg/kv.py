@@ -115,10 +115,12 @@ def _scatter(shard, values, starts_R, live, run: int):
     return jax.lax.fori_loop(0, live, body, shard.reshape(L, P * S, W)).reshape(shard.shape)
 
 
-def read_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt: KVFormat) -> list[dict]:
-    """A request's KV at `rank`'s pages, as `fmt.chunks(n_tokens)` chunks on one device of the rank."""
+def read_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt: KVFormat,
+                    chunks: range | None = None) -> list[dict]:
+    """A request's KV at `rank`'s pages, as `fmt.chunks(n_tokens)` chunks on one device of the rank (or only the
+    chunks numbered in `chunks`: the KV of a part of the prompt, as it is read)."""
     out = []
-    for c in range(fmt.chunks(n_tokens)):
+    for c in range(fmt.chunks(n_tokens)) if chunks is None else chunks:
         chunk = {}
         for name, x in cache.items():
             shard = _rank_shards(x, rank)[0]
@@ -129,9 +131,10 @@ def read_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt
 
 
 def write_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fmt: KVFormat,
-                     chunks: list[dict]) -> dict:
-    """The pool with a request's KV (`read_request_kv`'s chunks, on any device) written at `rank`'s pages;
-    the rank's shards are updated in place and every other shard is kept as is."""
+                     chunks: list[dict], first: int = 0) -> dict:
+    """The pool with a request's KV (`read_request_kv`'s chunks, on any device; the first of them the request's
+    chunk number `first`) written at `rank`'s pages; the rank's shards are updated in place and every other
+    shard is kept as is."""
     new = {}
     for name, x in cache.items():
         run = _run(x.shape[3], fmt)
@@ -140,7 +143,7 @@ def write_request_kv(cache: dict, rank: int, pages: list[int], n_tokens: int, fm
         for s in x.addressable_shards:
             data = s.data
             if s.device in mine:
-                for c, chunk in enumerate(chunks):
+                for c, chunk in enumerate(chunks, start=first):
                     starts = jax.device_put(run_starts(pages, x.shape[3], n_tokens, c, fmt), s.device)
                     data = _scatter(data, jax.device_put(chunk[name], s.device), starts,
                                     _live_runs(n_tokens, c, run, fmt), run)
