@@ -310,12 +310,44 @@ def gather_context(kv_PSK: jax.Array, page_table_BN: jax.Array) -> jax.Array:
     return kv_PSK[page_table_BN].reshape(B, N * kv_PSK.shape[1], kv_PSK.shape[2])
 
 
+DECODE_WIDTH_TOKENS = 64  # the narrowest context the XLA decode reads; then x2 up to the page table's width
+
+
+def decode_widths(pages: int, page_size: int) -> list[int]:
+    """The page counts the XLA decode may read of a `pages`-wide table: DECODE_WIDTH_TOKENS worth, x2, ...,
+    and the whole table."""
+    out, n = [], -(-DECODE_WIDTH_TOKENS // page_size)
+    while n < pages:
+        out.append(n)
+        n *= 2
+    return out + [pages]
+
+
 def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, softmax_scale,
                    kv_lora_rank):
-    """The portable absorbed decode (and the reference for the Pallas kernel's use in the model)."""
-    kv_BCK = gather_context(kv_PSK, page_table_BN)
-    valid_BC = jnp.arange(kv_BCK.shape[1])[None, :] < seq_lens_B[:, None]
-    return attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
+    """The portable absorbed decode (and the reference for the Pallas kernel's use in the model).
+
+    It gathers and attends only the leading pages the step's longest sequence fills, rounded up to a width of
+    `decode_widths` (one branch of a switch each), not the whole page table: a table is as wide as its page
+    bucket (4,096 tokens at least, the server's whole context below that), and gathering it whole made a
+    decode step's attention grow with the maximum context instead of the step's own lengths."""
+    B, N = page_table_BN.shape
+    S = kv_PSK.shape[1]
+
+    def attend(n):
+        def run(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B):
+            kv_BCK = gather_context(kv_PSK, page_table_BN[:, :n])
+            valid_BC = jnp.arange(n * S)[None, :] < seq_lens_B[:, None]
+            return attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
+        return run
+
+    widths = decode_widths(N, S)
+    args = (q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B)
+    if len(widths) == 1:
+        return attend(N)(*args)
+    pages_needed = (jnp.max(seq_lens_B) + S - 1) // S
+    branch = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < pages_needed)
+    return jax.lax.switch(branch, [attend(n) for n in widths], *args)
 
 
 def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
