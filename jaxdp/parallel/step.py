@@ -102,8 +102,7 @@ class StepRunner:
         same way; its draft KV lives in the same pages as entries "mtp_*" of the pool."""
         o = dataclasses.replace(options or StepOptions(), **option_fields)
         self.index_key_dtype = o.index_key_dtype
-        sharded = model if isinstance(model, ShardedModel) else None
-        model = sharded.merge() if sharded else model
+        given, model = model, model.merge() if isinstance(model, ShardedModel) else model
         self.cfg = model.cfg
         self.token_carry = o.token_carry
         self.layout = layout
@@ -114,27 +113,11 @@ class StepRunner:
         self.decode_kernel = o.decode_kernel
         self.expert_quantization = expert_quantization(model)
         check_divisible(self.cfg, layout, self.expert_quantization)
-        if o.moe_backend is not None:
-            model = with_moe_runner_backend(model, o.moe_backend)
-        self.graphdef, state = nnx.split(model)
-        self.state_specs = state_specs(state, layout)
         self.abstract = o.abstract
-        if o.abstract:
-            self.state = _abstract_on(state, self.state_specs, mesh)
-        else:
-            self.state = state if sharded else shard_state(state, layout, mesh)
+        self.graphdef, self.state, self.state_specs = _place(given, layout, mesh, o)
         self.draft_graphdef = self.draft_state = self.draft_specs = None
-        if draft is not None:
-            sharded_draft = draft if isinstance(draft, ShardedModel) else None
-            draft = sharded_draft.merge() if sharded_draft else draft
-            if o.moe_backend is not None:  # the MTP layer's experts multiply as the layers' do
-                draft = with_moe_runner_backend(draft, o.moe_backend)
-            self.draft_graphdef, draft_state = nnx.split(draft)
-            self.draft_specs = state_specs(draft_state, layout)
-            if o.abstract:
-                self.draft_state = _abstract_on(draft_state, self.draft_specs, mesh)
-            else:
-                self.draft_state = draft_state if sharded_draft else shard_state(draft_state, layout, mesh)
+        if draft is not None:  # (the MTP layer's experts multiply as the layers' do)
+            self.draft_graphdef, self.draft_state, self.draft_specs = _place(draft, layout, mesh, o)
         self.cache_dtype = o.cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
@@ -310,6 +293,20 @@ class StepRunner:
     def hlo_text(self, shape: StepShape) -> str:
         """The optimized HLO of a step (to check which collectives it runs)."""
         return self.lower(shape).compile().as_text()
+
+
+def _place(model, layout: Layout, mesh, o: StepOptions):
+    """A model (or the MTP layer) as the runner holds it: its graph, its state on `mesh` (as given when already
+    placed, a ShardedModel; moved there otherwise; ShapeDtypeStructs when `o.abstract`) and its specs."""
+    sharded = isinstance(model, ShardedModel)
+    model = model.merge() if sharded else model
+    if o.moe_backend is not None:
+        model = with_moe_runner_backend(model, o.moe_backend)
+    graphdef, state = nnx.split(model)
+    specs = state_specs(state, layout)
+    if o.abstract:
+        return graphdef, _abstract_on(state, specs, mesh), specs
+    return graphdef, state if sharded else shard_state(state, layout, mesh), specs
 
 
 def _abstract_on(state, specs, mesh):
