@@ -75,13 +75,17 @@ def test_a_speculative_prompt_step_does_not_grow_with_max_running_requests(runne
 
 def test_speculative_buckets_follow_the_requests_of_the_agreement():
     """Decode buckets by requests (a verify after shallow steps is one row, its drafts none), shallow above the
-    threshold summed over ranks, and the extend steps' slot ladder compiled at start-up."""
+    threshold summed over ranks (a step reading a prompt too), and the extend steps' slot ladder compiled at
+    start-up."""
     b = Buckets.make(16, 64, 2, draft_tokens=D, spec_off_above=6).with_pages(PAGES, 8)
     # 5 requests on rank 0, 3 of them without drafts (1 + 2 x 4 + 3 x 1 = 12 rows), 1 on rank 1: bucket 8, not 4
     shape = b.shape_for([12, 4], agree_on_step(proposals([12, 4], [5, 1], extend=False)))
     assert (shape.absorbed, shape.shallow, shape.num_requests, shape.num_rows) == (True, False, 8, 32)
     shape = b.shape_for([12, 8], agree_on_step(proposals([12, 8], [5, 2], extend=False)))  # 7 requests > 6
     assert shape.shallow and shape.num_requests == 8
+    shape = b.shape_for([40, 8], agree_on_step(proposals([40, 8], [5, 2], extend=True)))  # a prompt read: no drafts
+    assert (shape.absorbed, shape.shallow, shape.num_rows, shape.num_seqs) == (False, True, 64, 16)
+    assert shape in b.shapes()
     assert b.slot_buckets(64) == [4, 16] and b.slot_buckets(16) == [4, 16] and b.slot_buckets(8) == [4, 8]
     assert Buckets.make(256, 64, 2, draft_tokens=D).slot_buckets(1024) == [4, 16, 64, 256]
     spec_extend = [s for s in b.shapes() if not s.absorbed]

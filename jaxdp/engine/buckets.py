@@ -54,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... shallow (not speculating) when a verify has more requests (all ranks)
+    spec_off_above: int | None = None  # ... shallow (not drafting) in a step of more requests (all ranks)
 
     @property
     def largest_decode_rows(self) -> int:
@@ -118,13 +118,17 @@ class Buckets:
                     for n in self.pages for b in self.decode] + [
                 StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
                 for n in self.pages for b in self.shallow_decode()] + [
-                StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens)
-                for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)]
+                StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens, shallow=shallow)
+                for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)
+                for shallow in ((False, True) if self.spec_off_above is not None else (False,))]
         for n in self.pages:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
         return out + [self.prompt_logprob_shape()]
+
+    def _spec_off(self, requests) -> bool:
+        return self.spec_off_above is not None and sum(requests) > self.spec_off_above
 
     def shallow_decode(self) -> list[int]:
         """The decode buckets a shallow step may take: a verify of more than spec_off_above requests over dp
@@ -147,12 +151,12 @@ class Buckets:
             if agreement.use_decode_bucket:
                 per = self.draft_tokens + 1
                 b = self.decode[bisect.bisect_left(self.decode, max(requests))]
-                if self.spec_off_above is not None and sum(requests) > self.spec_off_above:
+                if self._spec_off(requests):
                     return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens, shallow=True)
                 return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
             shape = self._extend_shape(rows, busiest, pages_per_seq)
             return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, max(requests)),
-                                       draft_tokens=self.draft_tokens)
+                                       draft_tokens=self.draft_tokens, shallow=self._spec_off(requests))
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
             return StepShape(True, b, b, pages_per_seq)

@@ -14,7 +14,8 @@ With --speculative-disable-by-batch-size N (vLLM's), a verify-only step of more 
 (the agreement's requests per rank, the same on every node) runs shallow: each verify keeps only its last token
 (the pipeline cuts the plans after the agreement) and the step is the plain decode step (no MTP layer): no draft
 is verified, counted or made, so a request's next verify after shallow steps offers none (one row, n_draft 0) and
-its MTP pass drafts again.
+its MTP pass drafts again. A step of more than N requests that reads a prompt is shallow too: its rows as
+planned, the MTP pass writes their draft KV (the prompt's, which later drafts copy from), no chained drafts.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class SpecPipeline(StepPipeline):
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:
         runner = self.runner
-        if shape.shallow:  # speculation off for this step: each verify keeps its request's last token
+        if shape.shallow and shape.absorbed:  # speculation off for this step: each verify keeps its last token
             for plan in plans:
                 if plan is not None:
                     plan.pieces = [Piece(p.tokens[:1], p.start, p.pages) for p in plan.pieces]
