@@ -72,6 +72,14 @@ def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, 
     return tokens_BJ, accepted_B, logprobs_BJ
 
 
+def _outputs(tokens_RJ, accepted_R, logprobs_RJ, drafts_RD, main, draft_kv, rows_E):
+    """A rank's step outputs (with the leading rank axis): tokens, tokens per request, their log-probabilities, the
+    next drafts (-1: none), the pool (the main latents and the draft KV) and rows per expert."""
+    cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
+    out = (tokens_RJ, accepted_R + 1, logprobs_RJ, drafts_RD)
+    return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+
+
 def build_spec_step(runner, shape):
     """The jitted speculative step of `shape` (a StepShape with draft_tokens D) for `runner` (a StepRunner with
     a draft model). `shape.absorbed`: every rank only verifies, and each verify row is a sequence of its own
@@ -111,9 +119,7 @@ def build_spec_step(runner, shape):
                                                      smp["keys"])
         no_drafts = jnp.full((R, D), -1, jnp.int32)
         if skip_mtp:
-            cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-            out = (tokens_RJ, accepted_R + 1, logprobs_RJ, no_drafts)
-            return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
         next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
         accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
@@ -132,9 +138,7 @@ def build_spec_step(runner, shape):
                                                  embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
         if shape.shallow:  # (the extend form: the draft KV written, no chain, no drafts)
-            cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-            out = (tokens_RJ, accepted_R + 1, logprobs_RJ, no_drafts)
-            return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one
         chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged)
@@ -149,9 +153,7 @@ def build_spec_step(runner, shape):
                                                      head, absorbed=True, decode_kernel=decode_kernel)
             drafts.append(jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32))
             h_RD = drafter.shared_norm(h_RD)
-        cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-        out = (tokens_RJ, accepted_R + 1, logprobs_RJ, jnp.stack(drafts, axis=1))
-        return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+        return _outputs(tokens_RJ, accepted_R, logprobs_RJ, jnp.stack(drafts, axis=1), main, draft_kv, rows_E)
 
     dp_spec = P("dp")
     fn = jax.shard_map(
