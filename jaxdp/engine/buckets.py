@@ -5,6 +5,10 @@ of up to `max_len_rows` rows per rank pads every rank to the bucket (MAX_LEN); a
 SUM_LEN exact buffer, whose size is itself bucketed (powers of two) so that every shape is known at
 start-up and compiled ahead of time.
 
+Under speculative decoding an extend step's request slots are bucketed apart from its rows (`slot_buckets`, from
+the agreement's requests per rank, MAX over ranks): its accept, its D + 1 logits rows a request and its chained
+drafts run over every slot, so a step of one prompt chunk of 64 rows takes 4 slots, not min(64, requests a rank).
+
 The page table's width is bucketed too: a step's table holds as many pages per sequence as its longest
 sequence needs, rounded up to a page bucket (PAGE_BUCKET_TOKENS, then x4 up to the whole context), not the
 whole context's. At DeepSeek-V3's 163,840 tokens (2,560 pages of 64) a decode step of requests under 4k tokens
@@ -24,6 +28,8 @@ from jaxdp.parallel.step import StepShape
 
 PAGE_BUCKET_TOKENS = 4096  # the smallest page bucket covers this many tokens
 PAGE_BUCKET_GROWTH = 4  # each next page bucket is this many times larger (fewer shapes to compile than x2)
+SLOT_BUCKET_FIRST = 4  # a speculative extend step's request slots: 4, 16, 64, ... and the most its rows hold
+SLOT_BUCKET_GROWTH = 4
 
 
 def page_buckets(pages_per_seq: int, page_size: int) -> list[int]:
@@ -48,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... shallow (not speculating) when a verify has more requests (all ranks)
+    spec_off_above: int | None = None  # ... shallow (not drafting) in a step of more requests (all ranks)
 
     @property
     def largest_decode_rows(self) -> int:
@@ -80,6 +86,19 @@ class Buckets:
     def extend_seqs(self, rows: int) -> int:
         return min(rows, self.max_seqs)
 
+    def slot_buckets(self, rows: int) -> list[int]:
+        """A speculative extend step's request-slot counts compiled for an extend bucket of `rows`: 4, 16, 64, ...
+        below the most it can hold (extend_seqs), then that."""
+        top, out, n = self.extend_seqs(rows), [], SLOT_BUCKET_FIRST
+        while n < top:
+            out.append(n)
+            n *= SLOT_BUCKET_GROWTH
+        return out + [top]
+
+    def slot_bucket(self, rows: int, requests: int) -> int:
+        ladder = self.slot_buckets(rows)
+        return ladder[min(bisect.bisect_left(ladder, requests), len(ladder) - 1)]
+
     def extend_modes(self, rows: int) -> list[tuple[str, int]]:
         if rows <= self.max_len_rows or self.dp == 1:
             return [("max_len", 0)]
@@ -99,13 +118,17 @@ class Buckets:
                     for n in self.pages for b in self.decode] + [
                 StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
                 for n in self.pages for b in self.shallow_decode()] + [
-                StepShape(False, t, self.extend_seqs(t), n, m, s, draft_tokens=self.draft_tokens)
-                for n in self.pages for t in self.extend for m, s in self.extend_modes(t)]
+                StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens, shallow=shallow)
+                for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)
+                for shallow in ((False, True) if self.spec_off_above is not None else (False,))]
         for n in self.pages:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
         return out + [self.prompt_logprob_shape()]
+
+    def _spec_off(self, requests) -> bool:
+        return self.spec_off_above is not None and sum(requests) > self.spec_off_above
 
     def shallow_decode(self) -> list[int]:
         """The decode buckets a shallow step may take: a verify of more than spec_off_above requests over dp
@@ -123,14 +146,17 @@ class Buckets:
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
-        if self.draft_tokens:  # (a verify is draft_tokens + 1 rows a request)
+        if self.draft_tokens:  # (a verify is up to draft_tokens + 1 rows a request: its last token, its drafts)
+            requests = agreement.requests_per_rank
             if agreement.use_decode_bucket:
-                per = self.draft_tokens + 1  # (a verify plans every request with its D drafts)
-                b = self.decode[bisect.bisect_left(self.decode, -(-busiest // per))]
-                if self.spec_off_above is not None and sum(rows) // per > self.spec_off_above:
+                per = self.draft_tokens + 1
+                b = self.decode[bisect.bisect_left(self.decode, max(requests))]
+                if self._spec_off(requests):
                     return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens, shallow=True)
                 return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
-            return dataclasses.replace(self._extend_shape(rows, busiest, pages_per_seq), draft_tokens=self.draft_tokens)
+            shape = self._extend_shape(rows, busiest, pages_per_seq)
+            return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, max(requests)),
+                                       draft_tokens=self.draft_tokens, shallow=self._spec_off(requests))
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
             return StepShape(True, b, b, pages_per_seq)

@@ -11,8 +11,11 @@ a request, checking stops at each; the request's length, not its pages, says whi
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
 
 With --speculative-disable-by-batch-size N (vLLM's), a verify-only step of more than N requests over all ranks
-(the agreement's rows, the same on every node) runs shallow: each verify keeps only its last token (the pipeline
-cuts the plans after the agreement), the MTP layer still reads it, and no draft is verified or counted.
+(the agreement's requests per rank, the same on every node) runs shallow: each verify keeps only its last token
+(the pipeline cuts the plans after the agreement) and the step is the plain decode step (no MTP layer): no draft
+is verified, counted or made, so a request's next verify after shallow steps offers none (one row, n_draft 0) and
+its MTP pass drafts again. A step of more than N requests that reads a prompt is shallow too: its rows as
+planned, the MTP pass writes their draft KV (the prompt's, which later drafts copy from), no chained drafts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
 from jaxdp.engine.pipeline import StepPipeline
-from jaxdp.engine.plan import RankPlan
+from jaxdp.engine.plan import RankPlan, rank_proposals
 from jaxdp.engine.rows import fill_sampling
 from jaxdp.engine.sampling import sampling_row
 from jaxdp.engine.scheduler import Scheduler
@@ -126,7 +129,7 @@ class SpecScheduler(Scheduler):
                 if plan.out_pos[i] < 0:  # a prompt chunk that samples nothing
                     continue
                 del req.output_ids[plan.out_pos[i]:]  # its marker
-            req.drafts = drafts_BD[i].tolist()
+            req.drafts = [t for t in drafts_BD[i].tolist() if t >= 0]  # (none after a shallow step)
             reason = self._append(req, tokens_BJ[i, :n].tolist(), logprobs_BJ[i, :n].tolist(), now)
             booked += n
             a = self.rows.a
@@ -199,15 +202,18 @@ class SpecPipeline(StepPipeline):
     def _shape_for(self, rows: list[int], agreement):
         return self.buckets.shape_for(rows, agreement)  # (every step a speculative one)
 
+    def _proposals(self, plans: list[RankPlan | None]):  # (a verify after shallow steps is one row a request)
+        return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
+                              largest_decode_requests=self.buckets.decode[-1])
+
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:
         runner = self.runner
-        if shape.shallow:  # speculation off for this step: each verify keeps its request's last token
-            per = shape.draft_tokens + 1
+        if shape.shallow and shape.absorbed:  # speculation off for this step: each verify keeps its last token
             for plan in plans:
                 if plan is not None:
                     plan.pieces = [Piece(p.tokens[:1], p.start, p.pages) for p in plan.pieces]
-            rows = [n // per for n in rows]
+            rows = list(agreement.requests_per_rank)  # (a row a request)
         out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)

@@ -3,8 +3,8 @@
 1. `gather_for_moe`   — before the MoE (and gathered dense layers): MAX_LEN all-gather of padded
                         rows, or the SUM_LEN exact buffer (each rank writes at its offset, then a sum);
 2. `return_from_moe`  — after it: reduce-scatter (MAX_LEN), or sum and copy out (SUM_LEN);
-3. `agree_on_step`    — before each step, on the host: rows per rank, the decode-bucket vote (AND),
-                        "any rank reads a prompt" (OR), who runs an idle batch;
+3. `agree_on_step`    — before each step, on the host: rows and requests per rank, the decode-bucket
+                        vote (AND), "any rank reads a prompt" (OR), who runs an idle batch;
 4. `lm_head_logits`   — the LM head: rows to a vocab-split head (gather, then all-gather of logits),
                         the all-to-all form, or the whole head on every rank.
 Plus the EP MoE (`dispatch_combine_moe` with a fixed capacity per destination on XLA:CPU,
@@ -87,6 +87,7 @@ class Proposal:
     pages: int = 0  # the most pages one of its sequences holds in this step (the page table's width)
     top: bool = False  # a request of its asks for top logprobs (computed over every node's logits, so together)
     prompt_logprobs: bool = False  # a prompt it reads asks for its logprobs (the step returns every row's logits)
+    requests: int = 0  # the requests (sequences) of its batch: a speculative step's request slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,11 @@ class Agreement:
     max_pages: int = 0  # MAX over ranks of their pages per sequence
     any_top: bool = False  # OR over ranks: the step computes the top logprobs
     any_prompt_logprobs: bool = False  # OR over ranks: the extend step returns the logits of every row
+    requests_per_rank: tuple[int, ...] = ()  # each rank's requests (a speculative step's slots: MAX over ranks)
+
+    @property
+    def max_requests(self) -> int:
+        return max(self.requests_per_rank, default=0)
 
 
 class LocalExchange:
@@ -120,7 +126,8 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     use_decode = run and not any_extend and all(p.decode_bucket_ok for p in busy)
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
     return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
-                     any(p.top for p in busy), any(p.prompt_logprobs for p in busy))
+                     any(p.top for p in busy), any(p.prompt_logprobs for p in busy),
+                     tuple(p.requests for p in proposals))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------

@@ -15,10 +15,15 @@ last token and its D draft tokens at the next D positions). Per rank, the step:
    draft KV of the accepted positions, then D - 1 one-row steps chained on the draft's own normed hidden state
    (SGLang's choice), each writing the draft KV of its position (`ahead_slots_BA`, pages the scheduler holds).
 
-A shallow step (speculation switched off for a batch above --speculative-disable-by-batch-size) has one row a
-request, its last token: nothing to verify, the token is sampled as without speculation; the MTP pass still reads
-it (the draft KV stays whole) and drafts one token, which becomes every one of the request's D drafts (a guess
-the next verify checks like any other), and the chained steps do not run.
+A shallow step (speculation switched off for a batch above --speculative-disable-by-batch-size) makes no drafts
+(-1), so a request's next verify offers none (n_draft 0: one row, its last token) and that verify's MTP pass
+drafts again. In the decode form it is the plain decode step: one row a request, its last token, nothing to
+verify, the token sampled as without speculation, no MTP layer (it costs what a plain decode step costs); the
+draft KV of those positions stays unwritten: the tokens stay exact (the target decides), only the drafts that
+attend to those positions may be accepted less often. In the extend form (a prompt read somewhere) the rows stay
+as planned (a prompt chunk samples its first token, a verify checks the drafts it still offers: none after a
+shallow step) and the MTP pass still writes the draft KV of every row, the prompt's above all (drafts read it to
+copy from), but the chained steps do not run.
 
 Rows a verify rejected leave latents past the request's accepted length, in its own pages: the next verify
 starts at the first of them and writes them again before anything reads them (attention reads only positions
@@ -67,6 +72,14 @@ def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, 
     return tokens_BJ, accepted_B, logprobs_BJ
 
 
+def _outputs(tokens_RJ, accepted_R, logprobs_RJ, drafts_RD, main, draft_kv, rows_E):
+    """A rank's step outputs (with the leading rank axis): tokens, tokens per request, their log-probabilities, the
+    next drafts (-1: none), the pool (the main latents and the draft KV) and rows per expert."""
+    cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
+    out = (tokens_RJ, accepted_R + 1, logprobs_RJ, drafts_RD)
+    return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+
+
 def build_spec_step(runner, shape):
     """The jitted speculative step of `shape` (a StepShape with draft_tokens D) for `runner` (a StepRunner with
     a draft model). `shape.absorbed`: every rank only verifies, and each verify row is a sequence of its own
@@ -74,7 +87,8 @@ def build_spec_step(runner, shape):
     the absorbed decode form; otherwise the rows are pieces as in an extend step (a prompt chunk somewhere)."""
     lay, cfg = runner.layout, runner.cfg
     D, T, R, absorbed = shape.draft_tokens, shape.num_rows, shape.num_requests, shape.absorbed
-    J = 1 if shape.shallow else D + 1  # logits rows a request
+    skip_mtp = shape.shallow and absorbed  # the plain decode step
+    J = 1 if skip_mtp else D + 1  # logits rows a request
     gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
     chain_gather = GatherSpec("max_len", lay.dp, lay.tp)
     lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
@@ -96,12 +110,16 @@ def build_spec_step(runner, shape):
         lead_R = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
         j = jnp.arange(J)
         rows_RJ = first[:, None] + jnp.minimum(lead_R[:, None] + j[None], (last - first)[:, None])
-        logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
-                                                   absorbed=absorbed, decode_kernel=decode_kernel, return_hidden=True)
+        logits_LV, main, rows_E, *hidden = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
+                                                 absorbed=absorbed, decode_kernel=decode_kernel,
+                                                 return_hidden=not skip_mtp)
         logits_RJV = logits_LV.reshape(R, J, -1)
         tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"][:, : J - 1], n_draft,
                                                      smp["temperature"], smp["top_p"], smp["top_k"], smp["min_p"],
                                                      smp["keys"])
+        no_drafts = jnp.full((R, D), -1, jnp.int32)
+        if skip_mtp:
+            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
         next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
         accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
@@ -116,16 +134,18 @@ def build_spec_step(runner, shape):
         drafter = nnx.merge(draft_graphdef, draft_state)
         embed, head = model.embed_VD[...], model.lm_head_weight()
         at_R = first + accrow_R
-        d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden_TD, mtp_valid_T, attn, draft_kv, at_R, comm,
+        d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden[0], mtp_valid_T, attn, draft_kv, at_R, comm,
                                                  embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
+        if shape.shallow:  # (the extend form: the draft KV written, no chain, no drafts)
+            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one
         chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged)
         pos_R = b["positions_T"][first] + accrow_R
         table_RN = b["page_table_BN"][first] if absorbed else b["page_table_BN"]  # (absorbed: a row's is its request's)
         reqs = jnp.arange(R, dtype=jnp.int32)
-        for step in range(1, 1 if shape.shallow else D):
+        for step in range(1, D):
             p_R = pos_R + step
             slot_R = jnp.take_along_axis(s["ahead_slots_RA"], (accepted_R + step - 1)[:, None], axis=1)[:, 0]
             one = AttnBatch(p_R, reqs, slot_R, table_RN, p_R + 1)
@@ -133,9 +153,7 @@ def build_spec_step(runner, shape):
                                                      head, absorbed=True, decode_kernel=decode_kernel)
             drafts.append(jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32))
             h_RD = drafter.shared_norm(h_RD)
-        cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
-        out = (tokens_RJ, accepted_R + 1, logprobs_RJ, jnp.stack(drafts * (D if shape.shallow else 1), axis=1))
-        return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+        return _outputs(tokens_RJ, accepted_R, logprobs_RJ, jnp.stack(drafts, axis=1), main, draft_kv, rows_E)
 
     dp_spec = P("dp")
     fn = jax.shard_map(

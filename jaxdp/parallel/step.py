@@ -46,7 +46,8 @@ class StepShape:
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
     draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
     shallow: bool = False  # ... switched off for this step (a batch above --speculative-disable-by-batch-size):
-    # one row a request, no draft verified, the MTP layer reads the step's tokens and drafts only one
+    # no drafts made; in the decode form one row a request, nothing verified, no MTP layer; in the extend form
+    # the MTP pass writes the draft KV, no chained steps
 
     @property
     def num_logits(self) -> int:
