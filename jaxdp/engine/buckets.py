@@ -150,12 +150,12 @@ class Buckets:
             requests = agreement.requests_per_rank
             if agreement.use_decode_bucket:
                 per = self.draft_tokens + 1
-                b = self.decode[bisect.bisect_left(self.decode, max(requests))]
+                b = self.decode[bisect.bisect_left(self.decode, agreement.max_requests)]
                 if self._spec_off(requests):
                     return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens, shallow=True)
                 return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
             shape = self._extend_shape(rows, busiest, pages_per_seq)
-            return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, max(requests)),
+            return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, agreement.max_requests),
                                        draft_tokens=self.draft_tokens, shallow=self._spec_off(requests))
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]

@@ -103,7 +103,7 @@ class StepRunner:
         same way; its draft KV lives in the same pages as entries "mtp_*" of the pool."""
         o = dataclasses.replace(options or StepOptions(), **option_fields)
         self.index_key_dtype = o.index_key_dtype
-        given, model = model, model.merge() if isinstance(model, ShardedModel) else model
+        placed, model = isinstance(model, ShardedModel), model.merge() if isinstance(model, ShardedModel) else model
         self.cfg = model.cfg
         self.token_carry = o.token_carry
         self.layout = layout
@@ -115,10 +115,12 @@ class StepRunner:
         self.expert_quantization = expert_quantization(model)
         check_divisible(self.cfg, layout, self.expert_quantization)
         self.abstract = o.abstract
-        self.graphdef, self.state, self.state_specs = _place(given, layout, mesh, o)
+        self.graphdef, self.state, self.state_specs = _place(model, placed, layout, mesh, o)
         self.draft_graphdef = self.draft_state = self.draft_specs = None
         if draft is not None:  # (the MTP layer's experts multiply as the layers' do)
-            self.draft_graphdef, self.draft_state, self.draft_specs = _place(draft, layout, mesh, o)
+            self.draft_graphdef, self.draft_state, self.draft_specs = _place(
+                draft.merge() if isinstance(draft, ShardedModel) else draft, isinstance(draft, ShardedModel), layout,
+                mesh, o)
         self.cache_dtype = o.cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
         self._compiled: dict[StepShape, object] = {}
@@ -296,18 +298,16 @@ class StepRunner:
         return self.lower(shape).compile().as_text()
 
 
-def _place(model, layout: Layout, mesh, o: StepOptions):
-    """A model (or the MTP layer) as the runner holds it: its graph, its state on `mesh` (as given when already
-    placed, a ShardedModel; moved there otherwise; ShapeDtypeStructs when `o.abstract`) and its specs."""
-    sharded = isinstance(model, ShardedModel)
-    model = model.merge() if sharded else model
+def _place(model, placed: bool, layout: Layout, mesh, o: StepOptions):
+    """A model (or the MTP layer) as the runner holds it: its graph, its state on `mesh` (as given when `placed`,
+    merged from a ShardedModel; moved there otherwise; ShapeDtypeStructs when `o.abstract`) and its specs."""
     if o.moe_backend is not None:
         model = with_moe_runner_backend(model, o.moe_backend)
     graphdef, state = nnx.split(model)
     specs = state_specs(state, layout)
     if o.abstract:
         return graphdef, _abstract_on(state, specs, mesh), specs
-    return graphdef, state if sharded else shard_state(state, layout, mesh), specs
+    return graphdef, state if placed else shard_state(state, layout, mesh), specs
 
 
 def _abstract_on(state, specs, mesh):
