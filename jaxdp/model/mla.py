@@ -36,6 +36,8 @@ from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection
 from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
 from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
 
+ONE_ROW_BLOCK = 16  # a prompt step's one-row sequences (decoders riding along) attended at once
+
 
 @dataclasses.dataclass
 class AttnBatch:
@@ -171,7 +173,7 @@ class MLA(nnx.Module):
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
         else:
             o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK,
-                                         kv_TK.astype(kv_PSK.dtype))
+                                         kv_TK.astype(kv_PSK.dtype), decode_kernel)
         return self.output(o_THV.astype(x_TD.dtype)), kv_PSK, index
 
     def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch) -> jax.Array:
@@ -200,7 +202,7 @@ class MLA(nnx.Module):
 
     @jax.named_scope("mla_attention")
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None,
-                        kv_TK=None) -> jax.Array:
+                        kv_TK=None, decode_kernel=None) -> jax.Array:
         """Prompt path: each row over its own sequence's cached context, causally (expanded per head):
         - a small step in one piece (`prefill.attend_dense`: every sequence's whole page table; it compiles
           faster than loops);
@@ -208,6 +210,10 @@ class MLA(nnx.Module):
           piece and the context cached before it in blocks (`prefill.attend_split`), so a fresh prompt costs
           its own rows, whatever the page table's width and the sequences the step is padded to;
         - any other in blocks (`prefill.attend_blocked`).
+        In the last two, the sequences with one row in the step (decoders: a mixed chunk's, or other ranks'
+        relabeled as one-token extends beside a prompt) are attended as a decode step attends them, all at once
+        in the absorbed form (`attend_one_rows`), and the loops over sequences skip them: there each would run
+        a loop of its own, with its own W_UK / W_UV products.
         With a DSA selection, over the selected latents in the absorbed form (`prefill.attend_selected`)."""
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
@@ -219,13 +225,47 @@ class MLA(nnx.Module):
                                        w_kv_b_LHX.shape[-1] - N, own_rows=kv_TK is not None)
             if form == "dense":
                 return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
+            one_T, o_one_THV = self.attend_one_rows(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel)
             if form == "split":
-                return prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, **kw)
-            return attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
+                o_THV = prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, skip_T=one_T, **kw)
+            else:
+                o_THV = attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX,
+                                       see_T=jnp.where(one_T, -1, batch.positions_T), **kw)
+            return jnp.where(one_T[:, None, None], o_one_THV.astype(o_THV.dtype), o_THV)
         q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
                                 softmax_scale=cfg.softmax_scale)
         return dot("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
+
+    def attend_one_rows(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None):
+        """The rows that are their sequence's only row in a prompt step, attended as a decode step attends its
+        rows (`attend_absorbed`: each sequence's one query over its latents, which hold the row's own entry
+        already), ONE_ROW_BLOCK sequences at a time, as many blocks as there are such sequences: the work
+        follows them, not the sequence slots the step is padded to (none for a fresh prompt's step).
+        Returns (one_T: which rows, [T, H, V]: their outputs; the other rows' are zeros)."""
+        T, B = batch.seq_T.shape[0], batch.page_table_BN.shape[0]
+        rows_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].add(1)[:B]  # (padding rows: sequence B)
+        row_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].max(jnp.arange(T, dtype=jnp.int32))[:B]
+        one_B = rows_B == 1
+        W = min(ONE_ROW_BLOCK, B)
+        order = jnp.argsort(~one_B, stable=True)  # those sequences first
+        order = jnp.concatenate([order, jnp.full((-B % W,), B, order.dtype)])  # (whole blocks; B: none)
+
+        def block(i, o_THV):
+            b_W = jax.lax.dynamic_slice_in_dim(order, i * W, W)
+            real_W = (b_W < B) & one_B[jnp.clip(b_W, 0, B - 1)]
+            b_W = jnp.clip(b_W, 0, B - 1)
+            rows = dataclasses.replace(batch, page_table_BN=batch.page_table_BN[b_W],
+                                       seq_lens_B=jnp.where(real_W, batch.seq_lens_B[b_W], 0))
+            t_W = row_B[b_W]
+            o_WHV = self.attend_absorbed(q_nope_THN[t_W], q_rope_THR[t_W], kv_PSK, rows, decode_kernel)
+            return o_THV.at[jnp.where(real_W, t_W, T)].set(o_WHV.astype(o_THV.dtype), mode="drop")
+
+        V = self.cfg.v_head_dim
+        o_THV = jax.lax.fori_loop(0, (jnp.sum(one_B) + W - 1) // W, block,
+                                  jnp.zeros((T, q_nope_THN.shape[1], V), q_nope_THN.dtype))
+        seq_T = jnp.clip(batch.seq_T, 0, B - 1)
+        return one_B[seq_T] & (batch.seq_T < B), o_THV
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,

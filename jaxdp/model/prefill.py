@@ -61,11 +61,12 @@ def put(state, at, mine_W, new):
 
 def attend_blocked(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *, kv_lora_rank: int,
                    softmax_scale: float, row_block: int = ROW_BLOCK, key_block: int = KEY_BLOCK,
-                   absorbed_block: int = ABSORBED_BLOCK) -> jax.Array:
-    """Causal attention of each row over its sequence's cache (seq_T: B for padding rows) -> [T, H, V]."""
+                   absorbed_block: int = ABSORBED_BLOCK, see_T=None) -> jax.Array:
+    """Causal attention of each row over its sequence's cache (seq_T: B for padding rows) -> [T, H, V]
+    (see_T: as `blocked_state`'s)."""
     state = blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX,
                           kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, row_block=row_block,
-                          key_block=key_block, absorbed_block=absorbed_block)
+                          key_block=key_block, absorbed_block=absorbed_block, see_T=see_T)
     return finish(state).astype(w_kv_b_LHX.dtype)
 
 
@@ -180,13 +181,14 @@ def blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w
 
 
 def attend_split(q_nope_THN, q_rope_THR, kv_TK, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX, *,
-                 kv_lora_rank: int, softmax_scale: float, **blocks) -> jax.Array:
+                 kv_lora_rank: int, softmax_scale: float, skip_T=None, **blocks) -> jax.Array:
     """`attend_blocked`'s result, sized by the step's own rows: each row attends to the rows of its own
     sequence in this step (their entries kv_TK, as the cache holds them: one [T, H, T] piece, T keys
     expanded) and, in blocks, to its sequence's context cached before the step (`blocked_state` up to the
     sequence's first row here: no work for a fresh prompt); the two online-softmax states are merged.
     A sequence's rows in a step are consecutive positions (`jaxdp.batch.fill_pieces`), so the two parts
-    cover its context once. What a step runs while its [T, H, T] scores stay under DENSE_MAX_SCORES."""
+    cover its context once. What a step runs while its [T, H, T] scores stay under DENSE_MAX_SCORES.
+    skip_T: rows whose cached context is not read (their output is the caller's: `MLA.attend_one_rows`)."""
     T, H, N = q_nope_THN.shape
     B, L = page_table_BN.shape[0], kv_lora_rank
     R = kv_TK.shape[-1] - L
@@ -205,6 +207,8 @@ def attend_split(q_nope_THN, q_rope_THR, kv_TK, kv_PSK, page_table_BN, seq_T, po
     own = (m_HT.T, p_HTU.sum(-1).T, o_HTV.transpose(1, 0, 2))
     first_B = jnp.full((B + 1,), jnp.iinfo(jnp.int32).max, jnp.int32).at[seq_T].min(pos_T)
     see_T = first_B[seq_T] - 1
+    if skip_T is not None:
+        see_T = jnp.where(skip_T, -1, see_T)
 
     def cached(own):
         return merge(own, blocked_state(q_nope_THN, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_T, w_kv_b_LHX,
