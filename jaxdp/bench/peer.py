@@ -1,6 +1,7 @@
 """`python -m jaxdp.bench.peer`: jaxdp against vLLM-CPU on the same checkpoint, the same client, round for round.
 
-    python -m jaxdp.bench.peer [--concurrency 1,8,32,64] [--rounds 2] [--json benchmarks/results/peer.json]
+    python -m jaxdp.bench.peer [--concurrency 1,8,32,64] [--rounds 2] [--jaxdp-args "--enable-mixed-chunk"]
+                               [--engines jaxdp,vllm] [--json benchmarks/results/peer.json]
 
 Not in CI (it installs vLLM-CPU, 3.5 GB). Builds the issue-26 checkpoint (`jaxdp.bench.peer_model`: DeepSeek-V3's
 architecture at 230 M parameters, random bf16 weights, plus a word-level tokenizer both servers load), creates
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -60,11 +62,11 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout
     return proc
 
 
-def server_cmd(engine: str, model: Path, port: int, max_running: int) -> tuple[list[str], dict]:
+def server_cmd(engine: str, model: Path, port: int, max_running: int, jaxdp_args: str = "") -> tuple[list[str], dict]:
     if engine == "jaxdp":
         return [sys.executable, "-m", "jaxdp.serve", "--model-path", str(model), "--mesh", "dp=1", "--port", str(port),
                 "--served-model-name", "peer", "--max-running-requests", str(max_running),
-                "--context-length", "256"], {}
+                "--context-length", "256", *shlex.split(jaxdp_args)], {}
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
             str(port), "--served-model-name", "peer", "--dtype", "bfloat16", "--max-model-len", "256",
             "--max-num-seqs", str(max_running)], {"VLLM_MLA_DISABLE": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -75,7 +77,7 @@ def one_round(engine: str, model: Path, concurrency: list[int], args, logs: Path
     from jaxdp.bench import serving
 
     port = free_port()
-    cmd, env = server_cmd(engine, model, port, max(concurrency))
+    cmd, env = server_cmd(engine, model, port, max(concurrency), args.jaxdp_args)
     proc = start(cmd, port, logs / f"{engine}.log", env)
     try:
         points = []
@@ -99,16 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per engine, alternating")
     ap.add_argument("--prompts-per-slot", type=int, default=4, help="requests per concurrency slot in a point")
+    ap.add_argument("--jaxdp-args", default="", help="more flags for jaxdp's server, e.g. \"--enable-mixed-chunk\"")
+    ap.add_argument("--engines", default="jaxdp,vllm", help="which servers run (jaxdp alone: its figures, no ratio)")
     ap.add_argument("--json", default="benchmarks/results/peer.json")
     ap.add_argument("--plot", default="docs/peer.png")
     args = ap.parse_args(argv)
+    engines = [e for e in ("jaxdp", "vllm") if e in args.engines.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     model = ensure_checkpoint()
     logs = cache_dir() / "peer-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rounds: dict[str, list[list[dict]]] = {"jaxdp": [], "vllm": []}
+    rounds: dict[str, list[list[dict]]] = {e: [] for e in engines}
     for r in range(args.rounds):
-        for engine in ("jaxdp", "vllm"):
+        for engine in engines:
             load = os.getloadavg()[0]
             points = one_round(engine, model, concurrency, args, logs)
             for p in points:
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def median(engine: str, i: int, key: str) -> float:
         """The median over rounds of a point's figure (`key`, or `key/median` for a latency's median)."""
+        if engine not in rounds:
+            return float("nan")
         k, _, sub = key.partition("/")
         vals = sorted(rnd[i][k][sub] if sub else rnd[i][k] for rnd in rounds[engine])
         return vals[len(vals) // 2]
@@ -135,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {c} | {v:.1f} | {j:.1f} | {row['ratio']:.2f} | {row['vllm_ttft_ms']:.0f} / "
               f"{row['jaxdp_ttft_ms']:.0f} | {row['vllm_tpot_ms']:.0f} / {row['jaxdp_tpot_ms']:.0f} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"model": str(model), "vllm": VLLM_VERSION, "table": rows,
-                                           "rounds": rounds}, indent=1) + "\n")
+    Path(args.json).write_text(json.dumps({"model": str(model), "vllm": VLLM_VERSION, "jaxdp_args": args.jaxdp_args,
+                                           "table": rows, "rounds": rounds}, indent=1) + "\n")
     if args.plot:
         import matplotlib
 
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key, label in (("vllm_tok_s", f"vLLM-CPU {VLLM_VERSION}"), ("jaxdp_tok_s", "jaxdp")):
+        for key, label in (("vllm_tok_s", f"vLLM-CPU {VLLM_VERSION}"), ("jaxdp_tok_s", f"jaxdp {args.jaxdp_args}")):
             ax.plot(concurrency, [r[key] for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

@@ -1,19 +1,21 @@
 """`python -m jaxdp.bench.profile`: where a step's milliseconds go, by operation, on one device.
 
     python -m jaxdp.bench.profile [--model-path DIR] [--batches 1,8,32,256] [--extend-rows 256] [--dtype float32]
+                                  [--mixed-decoders 32]
 
 Builds the model as the server does (`jaxdp.engine.setup.build_runners`, default: the issue-26 checkpoint of
 `jaxdp.bench.peer_model`, generated once under the cache), compiles decode steps at each batch size (rows with
-`--context` tokens cached) and one extend step, and runs each under `jax.profiler` with XLA:CPU's per-thunk
-trace events (`--xla_cpu_enable_xprof_traceme`). Each executed thunk (a fusion, a dot, a copy) is charged its
-own time (nested events subtracted) to the part of the model its HLO's `op_name` names: the model's named
-scopes (embedding, mla_projections, kv_write, mla_attention, dense_ffn, router, routed_experts, shared_expert,
-lm_head); "layer weight slices" are the scan's copies of one layer's weights out of the stacked arrays, "other"
-the rest (residual adds, norms, the scan's bookkeeping, ops XLA left without an op_name). XLA runs thunks on two
-threads side by side, so each part is given its share of the threads' time, scaled to the step's wall time.
-"step" is the wall time of `StepRunner.run` with the logits read back (median), "host" the time to build the
-step's arrays, "sampling" the engine's sampler on the logits (it runs after the step). Prints a table (ms per
-step) with the roofline's floor, writes JSON.
+`--context` tokens cached) and one extend step (with `--mixed-decoders`, carrying that many one-token sequences with
+`--context` cached, as a mixed chunk or a DP step's relabeled decoders do), and runs each under `jax.profiler` with
+XLA:CPU's per-thunk trace events (`--xla_cpu_enable_xprof_traceme`). Each executed thunk (a fusion, a dot, a copy)
+is charged its own time (nested events subtracted) to the part of the model its HLO's `op_name` names: the model's
+named scopes (embedding, mla_projections, kv_write, mla_attention, dense_ffn, router, routed_experts, shared_expert,
+lm_head); "layer weight slices" are the scan's copies of one layer's weights out of the stacked arrays, "other" the
+rest (residual adds, norms, the scan's bookkeeping, ops XLA left without an op_name). XLA runs thunks on two threads
+side by side, so each part is given its share of the threads' time, scaled to the step's wall time. "step" is the
+wall time of `StepRunner.run` with the logits read back (median), "host" the time to build the step's arrays,
+"sampling" the engine's sampler on the logits (it runs after the step). Prints a table (ms per step) with the
+roofline's floor, writes JSON.
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ def timed(fn, *args, reps: int = 5) -> float:
     return float(np.median(timings(fn, *args, reps=reps)))
 
 
-def step_pieces(cfg, shape: StepShape, context: int) -> list[Piece]:
-    """Decode rows with `context` tokens cached, or extend sequences of `context` tokens, on pages 0, 1, ..."""
+def step_pieces(cfg, shape: StepShape, context: int, decoders: int = 0) -> list[Piece]:
+    """Decode rows with `context` tokens cached, or extend sequences of `context` tokens followed by `decoders`
+    one-token sequences with `context` tokens cached (a mixed chunk's decoders, or another rank's decoders
+    relabeled as one-token extends), on pages 0, 1, ..."""
     B, N = shape.num_seqs, shape.pages_per_seq
     rng = np.random.default_rng(0)
-    n = B if shape.absorbed else shape.num_rows // context
-    return [Piece([int(rng.integers(2, cfg.vocab_size))] if shape.absorbed else
-                  rng.integers(2, cfg.vocab_size, context).tolist(), context if shape.absorbed else 0,
-                  list(range(b * N, (b + 1) * N))) for b in range(n)]
+    n = B if shape.absorbed else (shape.num_rows - decoders) // context
+    one = [False] * (B if shape.absorbed else n) + [True] * (0 if shape.absorbed else decoders)
+    return [Piece([int(rng.integers(2, cfg.vocab_size))] if o else rng.integers(2, cfg.vocab_size, context).tolist(),
+                  context if o else 0, list(range(b * N, (b + 1) * N))) for b, o in enumerate(one)]
 
 
 def op_parts(hlo_text: str) -> dict[str, str]:
@@ -103,10 +107,11 @@ def exclusive_ms(xplane: str, steps: int) -> dict[str, float]:
     return {k: v / 1e6 / steps for k, v in total.items()}
 
 
-def profile_step(runner, shape: StepShape, context: int, reps: int, top: int = 0) -> dict[str, float]:
+def profile_step(runner, shape: StepShape, context: int, reps: int, top: int = 0,
+                 decoders: int = 0) -> dict[str, float]:
     """Milliseconds by part of one step of `shape` (see the module's docstring)."""
     S = runner.page_size
-    pieces = step_pieces(runner.cfg, shape, context)
+    pieces = step_pieces(runner.cfg, shape, context, decoders)
 
     def build():
         return stack_ranks([build_rank_batch(pieces, num_rows=shape.num_rows, num_seqs=shape.num_seqs,
@@ -165,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     "server's is its page bucket, e.g. 16 for `jaxdp.bench.peer`'s 256-token context)")
     ap.add_argument("--extend-seqs", type=int, default=None, help="sequences the extend step is padded to (default: "
                     "its prompts; a server's extend bucket pads to min(rows, requests per rank), e.g. 64)")
+    ap.add_argument("--mixed-decoders", type=int, default=0, help="one-token sequences with --context cached "
+                    "added to the extend step (a mixed chunk's decoders; under DP, other ranks' decoders)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--moe-runner-backend", default=None)
     ap.add_argument("--reps", type=int, default=5)
@@ -186,23 +193,27 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     S = 16
     N = args.pages or -(-(args.context + 1) // S)
-    num_pages = max(max(batches), max(1, args.extend_rows // args.context)) * N + 1
+    num_pages = max(max(batches), max(1, args.extend_rows // args.context) + args.mixed_decoders) * N + 1
     runner = build_runners(path, layout, [layout.make_mesh(jax.devices()[:1])], dtype=args.dtype,
                            num_pages=num_pages, page_size=S, moe_backend=args.moe_runner_backend)[0]
     mach = machine()
     shapes = [(f"decode {b}", StepShape(True, b, b, N), [1] * b) for b in batches]
     if args.extend_rows:
-        n = max(1, args.extend_rows // args.context)
-        B = max(n, args.extend_seqs or n)
-        shapes.append((f"extend {n}x{args.context}" + (f" ({B} seqs)" if B > n else ""),
-                       StepShape(False, n * args.context, B, N), [args.context] * n))
+        n, d = max(1, args.extend_rows // args.context), args.mixed_decoders
+        B = max(n + d, args.extend_seqs or n + d)
+        shapes.append((f"extend {n}x{args.context}" + (f" + {d} decoders" if d else "")
+                       + (f" ({B} seqs)" if B > n + d else ""),
+                       StepShape(False, n * args.context + d, B, N), [args.context] * n + [1] * d))
     cols = {}
     for name, shape, row_tokens in shapes:
         load = os.getloadavg()[0]
-        ms = profile_step(runner, shape, args.context, args.reps, args.top)
+        d = 0 if shape.absorbed else args.mixed_decoders
+        ms = profile_step(runner, shape, args.context, args.reps, args.top, d)
         cached = args.context if shape.absorbed else 0  # the extend step's prompts start from nothing cached
-        floor = step_floor(runner.cfg, row_tokens, cached, args.dtype, mach)
-        ms["floor (roofline)"] = floor.seconds * 1e3
+        floor = step_floor(runner.cfg, row_tokens[: len(row_tokens) - d], cached, args.dtype, mach).seconds
+        if d:  # (a mixed step's floor: at least its prompts' alone and its decoders' alone)
+            floor = max(floor, step_floor(runner.cfg, [1] * d, args.context, args.dtype, mach).seconds)
+        ms["floor (roofline)"] = floor * 1e3
         ms["x the floor"] = ms["step"] / ms["floor (roofline)"]
         ms["load average"] = load
         cols[name] = ms
