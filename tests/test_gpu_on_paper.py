@@ -90,7 +90,10 @@ def test_the_steps_compile_for_simulated_h200s_on_the_gpu_paths(ep_plan):
     # the decode kernel's grid: (16 heads / block 16, splits to fill 132 SMs, 24 rows)
     decode = steps[("decode", "max_len")]["checks"]["kernels"]
     assert decode["grids"]["mla_decode_split"] == [[1, 8, 24]]
-    assert "mla_decode_split" not in {k["name"] for k in steps[("extend", "max_len")]["checks"]["kernels"]["found"]}
+    # a prompt step's one-row sequences (other ranks' decoders, relabeled) in blocks of up to 16
+    # (MLA.attend_one_rows); this extend step has one sequence slot, so blocks of one
+    extend = steps[("extend", "max_len")]["checks"]["kernels"]["grids"]["mla_decode_split"]
+    assert extend == [[1, 8, 1]], extend
     out = "\n".join(format_compiled(ep_plan))
     assert "Compiled by XLA:GPU for 8 simulated NVIDIA H200 (sm_90)" in out and "checks of decode 24 max_len" in out
     assert "HBM floor" in out
@@ -142,7 +145,8 @@ def test_the_speculative_steps_compile_with_the_mtp_layer_and_pass_the_checks(tm
         assert {"fp8_grouped_matmul", "fp8_matmul", "fp8_head_matmul", "mla_decode_split"} <= names, names
         assert "ragged-all-to-all" in {p["op"] for p in s["checks"]["collectives"]["pairs"]}
     grids = {k: s["checks"]["kernels"]["grids"]["mla_decode_split"] for k, s in steps.items()}
-    assert grids == {"spec-decode": [[1, 4, 72], [1, 8, 24]], "spec-extend": [[1, 8, 24]]}, grids
+    # the verify's rows, the chained drafts' (one a request), and the spec-extend's one-row sequences, 16 at a time
+    assert grids == {"spec-decode": [[1, 4, 72], [1, 8, 24]], "spec-extend": [[1, 8, 16], [1, 8, 24]]}, grids
 
 
 @needs_plugin

@@ -64,15 +64,19 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
                 merged.setdefault(name, []).extend(grids)
         return merged
     from jaxdp.model.indexer import query_block
+    from jaxdp.model.mla import ONE_ROW_BLOCK
     from jaxdp.model.prefill import KEY_BLOCK
     from kernels_pallas.mla_decode import default_num_splits
     from kernels_pallas.nvfp4_moe import _fit_block
 
     expected: dict[str, list[tuple[int, int, int]]] = {}
-    if pallas_attention and shape.absorbed:
+    path = prompt_path(cfg, layout, shape, page_size)
+    if pallas_attention and path in ("decode", "split", "blocked"):
+        # a decode step's rows, or a prompt step's one-row sequences, ONE_ROW_BLOCK at a time (`MLA.attend_one_rows`)
         heads = _cdiv(cfg.num_heads // layout.tp, 16)  # block_h 16
-        b, capacity = shape.num_seqs, shape.pages_per_seq * page_size
-        if cfg.index_topk and capacity > cfg.index_topk:
+        b = shape.num_seqs if shape.absorbed else min(ONE_ROW_BLOCK, shape.num_seqs)
+        capacity = shape.pages_per_seq * page_size
+        if shape.absorbed and cfg.index_topk and capacity > cfg.index_topk:
             expected["sparse_mla_decode_split"] = [
                 (heads, default_num_splits(b, heads, _cdiv(cfg.index_topk, 32)), b)]
         else:
@@ -96,7 +100,6 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
     heads = cfg.num_heads // layout.tp
     kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    path = prompt_path(cfg, layout, shape, page_size)
     if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
         # the prompt's expansion of the latents by kv_b_proj [L, H * (N + V)]: the context's keys at once (B x C,
         # `prefill.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
@@ -144,7 +147,9 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     """The per-head GEMM of MLA's absorbed products with kv_b_proj [L, H, N + V] (`fp8_head_matmul`): q_nope . W_UK
     (contracting N, L wide out) and W_UV after attention (contracting L, V wide out), with the rows of the
     decode step or of a prompt step's selected attention (DSA), or the prompt's absorbed windows of one or a few
-    rows (`prefill.attend_blocked`, also inside `attend_split`); none in `attend_dense`."""
+    rows (`prefill.attend_blocked`, also inside `attend_split`) and its one-row sequences in blocks
+    (`MLA.attend_one_rows`); none in `attend_dense`."""
+    from jaxdp.model.mla import ONE_ROW_BLOCK
     from jaxdp.model.prefill import ABSORBED_BLOCK
     from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
     from kernels_pallas.nvfp4_moe import _fit_block
@@ -155,7 +160,7 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     path, t = prompt_path(cfg, layout, shape, page_size), shape.num_rows
     if not products or path == "dense":
         return {}
-    rows = {t} if path in ("decode", "selected") else {1, min(ABSORBED_BLOCK, t)}
+    rows = {t} if path in ("decode", "selected") else {1, min(ABSORBED_BLOCK, t), min(ONE_ROW_BLOCK, shape.num_seqs)}
     grids = [(_cdiv(r, 64), heads, n // min(_fit_block(64, n), BLOCK_K)) for r in rows for n in products]
     return {"fp8_head_matmul" if expert_dtype == "fp8" else "stacked_head_matmul": grids}
 
