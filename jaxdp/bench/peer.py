@@ -1,6 +1,6 @@
 """`python -m jaxdp.bench.peer`: jaxdp against vLLM-CPU on the same checkpoint, the same client, round for round.
 
-    python -m jaxdp.bench.peer [--concurrency 1,8,32,64] [--rounds 2] [--jaxdp-args "--enable-mixed-chunk"]
+    python -m jaxdp.bench.peer [--concurrency 1,8,32,64] [--rounds 2] [--jaxdp-args=--enable-mixed-chunk]
                                [--engines jaxdp,vllm] [--json benchmarks/results/peer.json]
 
 Not in CI (it installs vLLM-CPU, 3.5 GB). Builds the issue-26 checkpoint (`jaxdp.bench.peer_model`: DeepSeek-V3's
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per engine, alternating")
     ap.add_argument("--prompts-per-slot", type=int, default=4, help="requests per concurrency slot in a point")
-    ap.add_argument("--jaxdp-args", default="", help="more flags for jaxdp's server, e.g. \"--enable-mixed-chunk\"")
+    ap.add_argument("--jaxdp-args", default="",
+                    help="more flags for jaxdp's server, given with '=': --jaxdp-args=--enable-mixed-chunk")
     ap.add_argument("--engines", default="jaxdp,vllm", help="which servers run (jaxdp alone: its figures, no ratio)")
     ap.add_argument("--json", default="benchmarks/results/peer.json")
     ap.add_argument("--plot", default="docs/peer.png")
@@ -142,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {c} | {v:.1f} | {j:.1f} | {row['ratio']:.2f} | {row['vllm_ttft_ms']:.0f} / "
               f"{row['jaxdp_ttft_ms']:.0f} | {row['vllm_tpot_ms']:.0f} / {row['jaxdp_tpot_ms']:.0f} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    table = [{k: None if v != v else v for k, v in row.items()} for row in rows]  # (an engine not run: NaN -> null)
     Path(args.json).write_text(json.dumps({"model": str(model), "vllm": VLLM_VERSION, "jaxdp_args": args.jaxdp_args,
-                                           "table": rows, "rounds": rounds}, indent=1) + "\n")
+                                           "table": table, "rounds": rounds}, indent=1) + "\n")
     if args.plot:
         import matplotlib
 

@@ -66,7 +66,7 @@ def step_pieces(cfg, shape: StepShape, context: int, decoders: int = 0) -> list[
     B, N = shape.num_seqs, shape.pages_per_seq
     rng = np.random.default_rng(0)
     n = B if shape.absorbed else (shape.num_rows - decoders) // context
-    one = [False] * (B if shape.absorbed else n) + [True] * (0 if shape.absorbed else decoders)
+    one = [True] * B if shape.absorbed else [False] * n + [True] * decoders
     return [Piece([int(rng.integers(2, cfg.vocab_size))] if o else rng.integers(2, cfg.vocab_size, context).tolist(),
                   context if o else 0, list(range(b * N, (b + 1) * N))) for b, o in enumerate(one)]
 
