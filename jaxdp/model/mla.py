@@ -211,9 +211,9 @@ class MLA(nnx.Module):
           its own rows, whatever the page table's width and the sequences the step is padded to;
         - any other in blocks (`prefill.attend_blocked`).
         In the last two, the sequences with one row in the step (decoders: a mixed chunk's, or other ranks'
-        relabeled as one-token extends beside a prompt) are attended as a decode step attends them, all at once
-        in the absorbed form (`attend_one_rows`), and the loops over sequences skip them: there each would run
-        a loop of its own, with its own W_UK / W_UV products.
+        relabeled as one-token extends beside a prompt) are attended as a decode step attends them, ONE_ROW_BLOCK
+        at a time in the absorbed form (`attend_one_rows`), and the loops over sequences skip them: there each
+        would run a loop of its own, with its own W_UK / W_UV products.
         With a DSA selection, over the selected latents in the absorbed form (`prefill.attend_selected`)."""
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
@@ -261,7 +261,7 @@ class MLA(nnx.Module):
             o_WHV = self.attend_absorbed(q_nope_THN[t_W], q_rope_THR[t_W], kv_PSK, rows, decode_kernel)
             return o_THV.at[jnp.where(real_W, t_W, T)].set(o_WHV.astype(o_THV.dtype), mode="drop")
 
-        V = self.cfg.v_head_dim
+        V = weight(self, "w_kv_b_LHX").shape[-1] - q_nope_THN.shape[-1]
         o_THV = jax.lax.fori_loop(0, (jnp.sum(one_B) + W - 1) // W, block,
                                   jnp.zeros((T, q_nope_THN.shape[1], V), q_nope_THN.dtype))
         seq_T = jnp.clip(batch.seq_T, 0, B - 1)
