@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 overlap = engine.pipeline.cfg.overlap
                 iters = instrument(engine)
                 t0 = time.perf_counter()
-                reqs = engine.generate(prompts, params)
+                if n == 1:  # one request at a time (under dp=4 too: not one a rank)
+                    reqs = [r for p in prompts for r in engine.generate([p], params)]
+                else:
+                    reqs = engine.generate(prompts, params)
                 seconds = time.perf_counter() - t0
                 tokens[case] = [r.output_ids for r in reqs]
                 row = {"mesh": mesh, "requests": n, "case": case, "overlap": overlap, "seconds": seconds,
