@@ -48,6 +48,8 @@ from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, spec_s
 from jaxdp.engine.sampling import filtered_probs
 from jaxdp.engine.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
+from jaxdp.parallel import packing
+from jaxdp.parallel.packing import Layout, pack, unpack
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import lm_head_mode
 
@@ -179,45 +181,18 @@ PACKED = (*STEP_SPEC, *SPEC_SPEC, *SAMPLING_SPEC)  # a speculative step's per-ra
 
 
 @functools.cache
-def packed_layout(shape) -> tuple[tuple[str, tuple[int, ...], type, int], ...]:
-    """Where each per-rank input of a speculative step of `shape` lies in its packed [dp, W] int32 array: (name,
-    shape after the rank axis, dtype, first word). Every input is 32 bits a value (bool stored as 0/1), so the
-    host puts one array a step, not 21 (each put costs a fixed ~0.05-0.15 ms on the host)."""
+def packed_layout(shape) -> Layout:
+    """Where each per-rank input of a speculative step of `shape` lies in its packed [dp, W] int32 array
+    (`jaxdp.parallel.packing`): one host-to-device transfer a step, not 21."""
     step = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq)
     own = spec_sizes(shape.num_rows, shape.num_requests, shape.draft_tokens)  # (sampling: one row a request)
-    out, at = [], 0
-    for a in PACKED:
-        dims = a.shape(1, step if a in STEP_SPEC else own)[1:]
-        out.append((a.name, dims, a.dtype, at))
-        at += int(np.prod(dims))
-    return tuple(out)
-
-
-def pack(arrays: dict[str, np.ndarray], layout) -> np.ndarray:
-    """The host arrays of a speculative step as one [dp, W] int32 array (`packed_layout`)."""
-    parts = []
-    for name, _, dtype, _ in layout:
-        a = arrays[name]
-        a = a.astype(np.int32) if dtype == np.bool_ else np.ascontiguousarray(a, dtype).view(np.int32)
-        parts.append(a.reshape(len(a), -1))
-    return np.concatenate(parts, axis=1)
-
-
-def unpack(packed_RW, layout) -> dict[str, jax.Array]:
-    """The packed array back into the step's inputs, each [dp, ...] in its own dtype (on the device)."""
-    dp, out = packed_RW.shape[0], {}
-    for name, dims, dtype, at in layout:
-        words = packed_RW[:, at: at + int(np.prod(dims))].reshape(dp, *dims)
-        out[name] = words != 0 if dtype == np.bool_ else (
-            words if dtype == np.int32 else jax.lax.bitcast_convert_type(words, dtype))
-    return out
+    return packing.packed_layout(PACKED, lambda a: step if a in STEP_SPEC else own)
 
 
 def spec_abstract_args(runner, shape):
     """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time)."""
     dp, sh = runner.layout.dp, NamedSharding(runner.mesh, P("dp"))
-    name, dims, _, at = packed_layout(shape)[-1]
-    packed = jax.ShapeDtypeStruct((dp, at + int(np.prod(dims))), jnp.int32, sharding=sh)
+    packed = jax.ShapeDtypeStruct((dp, packing.width(packed_layout(shape))), jnp.int32, sharding=sh)
     counts = jax.ShapeDtypeStruct((2, dp), jnp.int32, sharding=NamedSharding(runner.mesh, P()))
     return runner.state, runner.draft_state, runner.cache, packed, counts
 

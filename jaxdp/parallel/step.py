@@ -31,6 +31,8 @@ from jaxdp.model.mtp import MTPLayer, mtp_layer_is_moe
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
+from jaxdp.parallel.packing import Layout as PackedLayout
+from jaxdp.parallel.packing import pack, packed_layout, unpack, width
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
 
@@ -123,6 +125,7 @@ class StepRunner:
                 mesh, o)
         self.cache_dtype = o.cache_dtype or model.embed_VD.get_value().dtype
         self.cache = self._empty_cache(self.cache_dtype)
+        self._no_prev = None  # the previous tokens of a step that refers to none (zeros, on the mesh)
         self._compiled: dict[StepShape, object] = {}
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
@@ -180,13 +183,14 @@ class StepRunner:
 
     def close(self) -> None:
         """Free the weights, the caches and the executables."""
-        self.state = self.cache = self.draft_state = None
+        self.state = self.cache = self.draft_state = self._no_prev = None
         self._compiled.clear()
 
     def ensure_token_carry(self, width: int) -> None:
         """Let steps read at least `width` of the previous step's tokens (recompiles on change)."""
         if self.token_carry < width:
             self.token_carry = width
+            self._no_prev = None
             self._compiled.clear()
 
     def resize_pool(self, num_pages: int) -> None:
@@ -235,7 +239,17 @@ class StepRunner:
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
-        return jax.jit(fn, donate_argnums=(1,))
+        layout = self._packed_layout(shape)
+
+        def step(state, cache, packed_RW, rows_R, prev_tokens):  # (the step's inputs put as one array)
+            return fn(state, cache, unpack(packed_RW, layout), rows_R, prev_tokens)
+
+        return jax.jit(step, donate_argnums=(1,))
+
+    @staticmethod
+    def _packed_layout(shape: StepShape) -> PackedLayout:
+        sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
+        return packed_layout(STEP_SPEC, lambda _: sizes)
 
     def compile(self, shape: StepShape) -> None:
         if shape in self._compiled:
@@ -253,8 +267,7 @@ class StepRunner:
 
             return spec_abstract_args(self, shape)
         dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
-        sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
-        batch = {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in STEP_SPEC}
+        batch = jax.ShapeDtypeStruct((dp, width(self._packed_layout(shape))), jnp.int32, sharding=sh)
         rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(self.mesh, P()))
         prev = jax.ShapeDtypeStruct((dp, self.token_carry), jnp.int32, sharding=sh)
         return self.state, self.cache, batch, rows, prev
@@ -266,10 +279,12 @@ class StepRunner:
         prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
         negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
         self.compile(shape)
-        batch = {k: self.put(stacked[k]) for k in STEP_FIELDS}
+        batch = self.put(pack(stacked, self._packed_layout(shape)))  # (one transfer for the 8 arrays)
         rows = self.put(np.asarray(stacked["rows_R"], np.int32), P())
         if prev_tokens is None:
-            prev_tokens = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
+            if self._no_prev is None:  # (kept: the step does not donate it)
+                self._no_prev = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
+            prev_tokens = self._no_prev
         logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
