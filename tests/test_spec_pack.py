@@ -9,7 +9,7 @@ import jaxdp.engine.engine  # noqa: F401  (the engine first, as the package load
 from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_SPEC, empty_spec, empty_step
 from jaxdp.parallel.packing import pack, unpack
 from jaxdp.parallel.spec_step import packed_layout
-from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.parallel.step import StepShape, packed_step_layout
 
 
 def random_like(arrays, rng):
@@ -38,7 +38,7 @@ def same_back(arrays, layout):
                                    StepShape(False, 6, 2, 5, all_logits=True)])
 def test_a_plain_steps_inputs_come_back_as_they_were(shape):
     arrays = empty_step(3, shape.num_rows, shape.num_seqs, shape.pages_per_seq, 99)
-    layout = StepRunner._packed_layout(shape)
+    layout = packed_step_layout(shape)
     arrays = random_like({name: arrays[name] for name, *_ in layout}, np.random.default_rng(1))
     if shape.all_logits:  # every row's logits: T of them
         arrays["logits_idx_B"] = np.zeros((3, shape.num_rows), np.int32)

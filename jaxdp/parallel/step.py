@@ -13,6 +13,7 @@ on the same leading axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -239,17 +240,12 @@ class StepRunner:
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
-        layout = self._packed_layout(shape)
+        layout = packed_step_layout(shape)
 
         def step(state, cache, packed_RW, rows_R, prev_tokens):  # (the step's inputs put as one array)
             return fn(state, cache, unpack(packed_RW, layout), rows_R, prev_tokens)
 
         return jax.jit(step, donate_argnums=(1,))
-
-    @staticmethod
-    def _packed_layout(shape: StepShape) -> PackedLayout:
-        sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
-        return packed_layout(STEP_SPEC, lambda _: sizes)
 
     def compile(self, shape: StepShape) -> None:
         if shape in self._compiled:
@@ -267,7 +263,7 @@ class StepRunner:
 
             return spec_abstract_args(self, shape)
         dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
-        batch = jax.ShapeDtypeStruct((dp, width(self._packed_layout(shape))), jnp.int32, sharding=sh)
+        batch = jax.ShapeDtypeStruct((dp, width(packed_step_layout(shape))), jnp.int32, sharding=sh)
         rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(self.mesh, P()))
         prev = jax.ShapeDtypeStruct((dp, self.token_carry), jnp.int32, sharding=sh)
         return self.state, self.cache, batch, rows, prev
@@ -279,7 +275,7 @@ class StepRunner:
         prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
         negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
         self.compile(shape)
-        batch = self.put(pack(stacked, self._packed_layout(shape)))  # (one transfer for the 8 arrays)
+        batch = self.put(pack(stacked, packed_step_layout(shape)))  # (one transfer for the 8 arrays)
         rows = self.put(np.asarray(stacked["rows_R"], np.int32), P())
         if prev_tokens is None:
             if self._no_prev is None:  # (kept: the step does not donate it)
@@ -311,6 +307,13 @@ class StepRunner:
     def hlo_text(self, shape: StepShape) -> str:
         """The optimized HLO of a step (to check which collectives it runs)."""
         return self.lower(shape).compile().as_text()
+
+
+@functools.cache
+def packed_step_layout(shape: StepShape) -> PackedLayout:
+    """Where each of a plain step's arrays lies in its packed [dp, W] int32 input (`jaxdp.parallel.packing`)."""
+    sizes = step_sizes(shape.num_rows, shape.num_seqs, shape.pages_per_seq, shape.num_logits)
+    return packed_layout(STEP_SPEC, lambda _: sizes)
 
 
 def _place(model, placed: bool, layout: Layout, mesh, o: StepOptions):
