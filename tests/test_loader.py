@@ -295,10 +295,13 @@ def test_an_engine_leaves_jax_compilation_cache_config_to_the_entry_points():
     assert jax.config.jax_compilation_cache_dir == before
 
 
-def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack():
+def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack(monkeypatch):
     """XLA's memory analysis of a compiled decode step: with FP8 weights the step's temporaries stay below
-    those of the same model held dense (which on the CPU converts its bf16 weights for the dots): the
-    FP8 weights are dequantized one layer at a time inside the scan, never as a whole stack."""
+    those of the same model held dense with XLA's products (which on the CPU convert its bf16 weights for the
+    dots; `jaxdp.native`'s products, off here, read them in place and hold none): no dequantized copy in the
+    model's dtype. (XLA:CPU has no FP8 arithmetic and converts an FP8 stack to f16 before slicing a layer out
+    of it; a GPU's step reads the FP8 layer in place, docs/gpu-on-paper.md.)"""
+    from jaxdp import native
     from jaxdp.layout import Layout
     from jaxdp.model.sharded import init_sharded
     from jaxdp.parallel.step import StepShape
@@ -307,13 +310,19 @@ def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack():
     layout = Layout()
     mesh = layout.make_mesh(jax.devices()[:1])
     temp, weights = {}, {}
-    for q in (None, "fp8"):
-        runner = StepRunner(init_sharded(cfg, layout, mesh, jnp.bfloat16, 0, q), layout, mesh, num_pages=4,
-                            page_size=4)
-        shape = StepShape(True, 4, 4, 2)
-        compiled = runner._build(shape).lower(*runner._abstract_args(shape)).compile()
-        temp[q] = compiled.memory_analysis().temp_size_in_bytes
-        weights[q] = sum(weight_bytes_per_device(runner.state).values())
+    monkeypatch.setenv(native.ENV, "0")
+    native.available.cache_clear()
+    try:
+        for q in (None, "fp8"):
+            runner = StepRunner(init_sharded(cfg, layout, mesh, jnp.bfloat16, 0, q), layout, mesh, num_pages=4,
+                                page_size=4)
+            shape = StepShape(True, 4, 4, 2)
+            compiled = runner._build(shape).lower(*runner._abstract_args(shape)).compile()
+            temp[q] = compiled.memory_analysis().temp_size_in_bytes
+            weights[q] = sum(weight_bytes_per_device(runner.state).values())
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
     assert weights["fp8"] < 0.6 * weights[None]
     dense_stack = weights[None]  # a whole dequantized copy would add at least this much
     assert temp["fp8"] < temp[None] and temp["fp8"] < dense_stack + 0.25 * temp[None], (temp, weights)

@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from jaxdp.bench.launch import NotReady, free_port, wait_healthy
-from jaxdp.bench.peer_model import cache_dir, ensure_checkpoint
+from jaxdp.bench.peer_model import ensure_checkpoint
+from jaxdp.cache import cache_dir
 
 VLLM_VERSION = "0.32.0"
 

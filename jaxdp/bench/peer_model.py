@@ -10,9 +10,9 @@ vLLM routes by softmax.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from jaxdp.cache import cache_dir
 from jaxdp.config import ModelConfig
 
 PEER_CONFIG = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256,
@@ -20,13 +20,6 @@ PEER_CONFIG = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2
                           qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=32, n_shared_experts=1,
                           num_experts_per_tok=4, first_k_dense_replace=1, routed_scaling_factor=2.5,
                           bos_token_id=0, eos_token_id=1)
-
-
-def cache_dir() -> Path:
-    """jaxdp's cache directory (JAXDP_CACHE, else $XDG_CACHE_HOME/jaxdp, else ~/.cache/jaxdp)."""
-    if os.environ.get("JAXDP_CACHE"):
-        return Path(os.environ["JAXDP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxdp"
 
 
 def ensure_checkpoint(path: str | Path | None = None) -> Path:

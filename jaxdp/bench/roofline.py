@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxdp.bench.peer_model import cache_dir
+from jaxdp.cache import cache_dir
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,10 +185,24 @@ class StackedWeight:
             return None
         return self.values, self.scales, _scale_index((b,), (s_b,), self.block)
 
+    def _native(self, eq: str, x, n_in: int) -> bool:
+        """Whether a CPU multiplies x by this weight with `jaxdp.native.matmul` (the layer read in place): a plain
+        float32 or bf16 weight, all its columns, eq contracting x's trailing dims with the weight's leading ones
+        ("td,dq->tq"), its columns a multiple of 16, and the kernels built on this machine."""
+        from jaxdp import native
+
+        lhs, out = eq.replace(" ", "").split("->")
+        xs, ws = lhs.split(",")
+        floats = (jnp.float32, jnp.bfloat16)
+        return (self.scales is None and self.cols is None and xs[len(xs) - n_in:] == ws[:n_in]
+                and out == xs[:len(xs) - n_in] + ws[n_in:] and math.prod(self.shape[n_in:]) % 16 == 0
+                and self.values.dtype in floats and x.dtype in floats and native.available())
+
     def dot(self, eq: str, x, dense_dot, kernel: bool | None = None, out_dtype=None):
         """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, or `out_dtype`, float32 accumulation):
         by a Pallas GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode
-        on a CPU, for tests), else, and on a CPU, `dense_dot(eq, x, self.dense())`. The GEMMs: `fp8_matmul` when
+        on a CPU, for tests), else `dense_dot(eq, x, self.dense())`; on a CPU by `jaxdp.native.matmul` where it
+        applies (`_native`), else `dense_dot` too. The GEMMs: `fp8_matmul` when
         eq contracts x's trailing dims with the weight's leading ones; `fp8_head_matmul` for a product per head
         with a weight [A, H, B] (or a view of columns of B), contracting A ("...ha,ahb->...hb") or B
         ("...hb,ahb->...ha")."""
@@ -224,15 +238,25 @@ class StackedWeight:
         def dense(x, values, scales, layer):
             return dense_dot(eq, x, self._like(values, scales, layer).dense()).astype(out_dtype)
 
-        if gemm is None:
+        cpu = dense
+        if n_in and self._native(eq, x, n_in):
+            def cpu(x, values, scales, layer):  # jaxdp.native: the layer read in place, on a CPU
+                from jaxdp import native
+
+                k = math.prod(self.shape[:n_in])
+                y = native.matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, -1), layer)
+                return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:]).astype(out_dtype)
+
+        if gemm is None and cpu is dense:
             return dense(x, self.values, self.scales, self.layer)
         if kernel:
             return gemm(x, None)
+        off_cpu = dense if gemm is None else lambda x, *_: gemm(x, False)
 
         @jax.custom_jvp
-        def product(x, values, scales, layer):  # (the kernel has no derivative: training differentiates the
-            return jax.lax.platform_dependent(x, cpu=lambda x: dense(x, values, scales, layer),  # dense form)
-                                              default=lambda x: gemm(x, False))
+        def product(x, values, scales, layer):  # (the kernels have no derivative: training differentiates the
+            return jax.lax.platform_dependent(x, cpu=lambda x: cpu(x, values, scales, layer),  # dense form)
+                                              default=lambda x: off_cpu(x, values, scales, layer))
 
         product.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
         return product(x, self.values, self.scales, self.layer)

@@ -30,7 +30,9 @@ layer where it lies in the layer stack (the scan hands them the whole stack: `ja
 `jaxdp.model.grouped.grouped_matmul` computes what `lax.ragged_dot` does by blocks of rows, without the
 [rows, experts x width] expansion XLA makes of a ragged_dot: bf16 experts use it under "pallas" (they have no
 kernel) and "blocked", NVFP4 and FP8 experts under "blocked"; "xla" is `lax.ragged_dot` for every kind.
-"auto", the default on a CPU, reads only the experts some row chose: with
+"auto", the default on a CPU, reads only the experts some row chose: where jaxdp's native kernels are built
+(`jaxdp.native`, the CPU's usual case) the rows, sorted by expert, are multiplied by `native.grouped_matmul`,
+which reads each chosen expert where it lies in the layer stack and nothing else; without them, with
 few (row, choice) pairs (at most a quarter of the experts held here) each pair multiplies its row by its own expert's
 weights, gathered (`gathered_experts`: no sort, no loop, and the step reads the chosen experts only; also when
 the gathered weights are small, `gathers`); with more, the blocked form. The default on a GPU is pallas.
@@ -222,6 +224,11 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
     Returns (y_TD in float32, rows received per local expert [E_local]).
     """
     E_local, D, _, I = w_gate_up_ED2I.shape
+    if native_experts(backend, x_TD, (w_gate_up_ED2I, w_down_EID)):
+        return jax.lax.platform_dependent(
+            x_TD, cpu=lambda x_TD: _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset),
+            default=lambda x_TD: routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset,
+                                                "blocked"))
     expert_bytes = 3 * D * I * jnp.dtype(w_gate_up_ED2I.dtype).itemsize
     if gathers(backend, idx_TK.size, E_local, expert_bytes):
         return gathered_experts(x_TD, idx_TK, w_TK, _dense(w_gate_up_ED2I), _dense(w_down_EID), expert_offset)
@@ -239,6 +246,33 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
         h = ragged(x_sorted, w1, sizes_E, preferred_element_type=jnp.float32).reshape(-1, 2, I)
         h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
         return ragged(h, w2, sizes_E, preferred_element_type=jnp.float32)
+
+    return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
+
+
+def native_experts(backend: str, x_TD, stacked) -> bool:
+    """Whether a CPU runs the routed experts by `jaxdp.native.grouped_matmul` (under "auto"): plain float32 or
+    bf16 experts handed whole by the layer scan (read in place, only the experts some row chose, no copy), and
+    the kernels built on this machine."""
+    from jaxdp import native
+
+    floats = (jnp.float32, jnp.bfloat16)
+    return (backend == "auto" and x_TD.dtype in floats and native.available()
+            and all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None and w.dtype in floats
+                    for w in stacked))
+
+
+def _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I: StackedWeight, w_down_EID: StackedWeight, expert_offset=0):
+    from jaxdp import native
+
+    E_local, D, _, I = w_gate_up_ED2I.shape
+    w1 = w_gate_up_ED2I.values.reshape(-1, E_local, D, 2 * I)
+    layer = w_gate_up_ED2I.layer
+
+    def ffn(x_sorted, sizes_E):
+        h = native.grouped_matmul(x_sorted, w1, layer, sizes_E).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        return native.grouped_matmul(h, w_down_EID.values, layer, sizes_E)
 
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
 

@@ -1,0 +1,102 @@
+"""Native CPU kernels: XLA FFI custom calls, compiled on first use by the machine's C++ compiler.
+
+XLA:CPU's products read whole buffers: a layer sliced out of a layer stack, an expert out of a layer, is
+copied before the product reads it, and its one-row products read at about half the machine's bandwidth
+(docs/performance.md). `grouped_matmul` (`matmul.cc`) multiplies rows by one layer's weights (one group) or
+by its experts (rows sorted by expert) where they lie in the stack, float32 or bf16 weights, float32
+accumulation, on the calling thread and XLA's intra-op pool.
+
+It is built once per machine into the cache (`jaxdp.cache.cache_dir() / "native"`, keyed by the source, the
+compiler, JAX's headers and the CPU's flags) with `c++ -O3 -march=native`; where no compiler is found or the
+build fails, `available()` is False, one log line says so, and the products stay XLA's. `JAXDP_NATIVE=0`
+turns them off (the step then is what it was before them, for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp.cache import cache_dir
+
+log = logging.getLogger("jaxdp.native")
+
+SOURCE = Path(__file__).with_name("matmul.cc")
+TARGET = "jaxdp_grouped_matmul"
+FLAGS = ("-O3", "-march=native", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-w")
+ENV = "JAXDP_NATIVE"  # "0": never build or use them
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> Path:
+    """The shared library, compiled if this machine has not compiled this source yet."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise OSError("no C++ compiler (c++ or g++) on the PATH")
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, include, jax.__version__, _cpu_flags(),
+                                    " ".join(FLAGS)]).encode()).hexdigest()[:16]
+    lib = cache_dir() / "native" / f"jaxdp_matmul-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # then renamed: concurrent builders never clash
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-I", include, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(f"{Path(cxx).name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native kernels are built and registered with XLA:CPU (built on the first call)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("jaxdp's native CPU kernels are not built (%s): the CPU's products run in XLA, slower", e)
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdpGroupedMatmul), platform="cpu")
+    return True
+
+
+def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array) -> jax.Array:
+    """Rows of x (sorted by group) times their group's matrix of layer `layer` of the stack `w_LEKN`, read in
+    place: the first sizes_E[0] rows by w[layer, 0], the next sizes_E[1] by w[layer, 1], ...; rows past the
+    groups give zeros (w [L, K, N]: one group). x and w float32 or bfloat16, N a multiple of 16; float32 [M, N]
+    out. Only where `available()`, and on a CPU (XLA:CPU's custom call; no derivative)."""
+    M, N = x_MK.shape[0], w_LEKN.shape[-1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    return call(x_MK, w_LEKN, jnp.asarray(layer, jnp.int32), sizes_E.astype(jnp.int32))
+
+
+def matmul(x_MK: jax.Array, w_LKN: jax.Array, layer) -> jax.Array:
+    """x @ w[layer], the layer read where it lies in the stack [L, K, N]: float32 [M, N]."""
+    return grouped_matmul(x_MK, w_LKN, layer, jnp.full((1,), x_MK.shape[0], jnp.int32))

@@ -1,0 +1,110 @@
+"""jaxdp.native: the CPU's grouped product reading a layer (and an expert) where it lies in its stack, against
+numpy; the model's products take it on a CPU (custom call in the compiled step) and still differentiate; a
+machine without a compiler falls back in one log line."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdp import native
+from jaxdp.model.fp8 import StackedWeight, einsum
+from jaxdp.model.layers import dot
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler: the native kernels are not built")
+
+
+def _reference(x, w_LEKN, layer, sizes):
+    """numpy, float64: each group's rows times its matrix; rows past the groups 0."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w_LEKN[layer], np.float64)
+    y = np.zeros((x.shape[0], w64.shape[-1]))
+    row = 0
+    for e, n in enumerate(np.asarray(sizes)):
+        y[row:row + n] = x64[row:row + n] @ w64[e]
+        row += n
+    return y
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                              (jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize("sizes, rows, n", [
+    ([3, 0, 7, 1, 13], 30, 80),  # empty groups, every row count 1..13 (tiles of 6, 5, 4, ...), 6 rows past them
+    ([1, 1, 1, 1, 1], 5, 16),    # one row each, one vector of columns
+    ([0, 0, 0, 0, 0], 4, 64),    # no group: zeros
+    ([2, 2, 2, 2, 40], 48, 128),  # more rows than any tile, two column tasks
+])
+def test_grouped_matmul_equals_numpy(x_dtype, w_dtype, sizes, rows, n):
+    rng = np.random.default_rng(len(sizes) + rows + n)
+    L, E, K = 3, len(sizes), 40
+    x = jnp.asarray(rng.normal(size=(rows, K)), x_dtype)
+    w = jnp.asarray(rng.normal(size=(L, E, K, n)), w_dtype)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    for layer in (0, 2):
+        got = jax.jit(native.grouped_matmul)(x, w, layer, sizes)
+        assert got.dtype == jnp.float32 and got.shape == (rows, n)
+        want = _reference(np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)), layer, sizes)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_only_the_chosen_groups_are_read():
+    """Groups with no rows are never read: they hold NaN and the product stays finite (a product per group over
+    every row, as lax.ragged_dot's, would turn it NaN)."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 4, 32, 48)).astype(np.float32)
+    w[1, [0, 2]] = np.nan  # layer 1's experts 0 and 2: no rows
+    w[0] = np.nan  # another layer: never read
+    x = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    sizes = jnp.asarray([0, 3, 0, 2], jnp.int32)
+    got = np.asarray(jax.jit(native.grouped_matmul)(x, jnp.asarray(w), 1, sizes))
+    np.testing.assert_allclose(got, _reference(np.asarray(x), np.nan_to_num(w), 1, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_a_stacked_weight_multiplies_natively_and_differentiates():
+    """A Linear weight the layer scan hands whole (`StackedWeight`) is multiplied on a CPU by the custom call,
+    reading its layer in place (no dynamic slice of the stack in the compiled step); the product equals the
+    dense one, and its derivative is the dense product's (training)."""
+    rng = np.random.default_rng(1)
+    stack = jnp.asarray(rng.normal(size=(4, 24, 3, 16)), jnp.float32)  # [L, D, H, K]
+    x = jnp.asarray(rng.normal(size=(5, 24)), jnp.float32)
+
+    def f(x, stack, layer):
+        return dot("td,dhk->thk", x, StackedWeight(stack, None, layer))
+
+    hlo = jax.jit(f).lower(x, stack, 2).compile().as_text()
+    assert native.TARGET in hlo and "dynamic-slice" not in hlo
+    with jax.default_matmul_precision("highest"):
+        want = jnp.einsum("td,dhk->thk", x, stack[2])
+        np.testing.assert_allclose(np.asarray(jax.jit(f)(x, stack, 2)), np.asarray(want), rtol=1e-5, atol=1e-5)
+        g = jax.grad(lambda x: f(x, stack, 2).sum())(x)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(stack[2].sum((1, 2)))[None].repeat(5, 0), rtol=1e-5)
+        # a view of some columns, or an einsum of another form, keeps the dense product
+        view = jax.jit(lambda x, s: einsum("td,dhk->thk", x, StackedWeight(s, None, 1)[..., 4:12]))
+        assert native.TARGET not in view.lower(x, stack).compile().as_text()
+
+
+def test_under_vmap():
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)
+    got = jax.vmap(lambda x: native.matmul(x, w, 1))(xs)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("bmk,kn->bmn", xs, w[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_no_compiler_means_no_native_kernels(monkeypatch, tmp_path, caplog):
+    """Where the build cannot run, the build says why and `available` is False with one log line (the products
+    stay XLA's); a build that worked is kept in the cache, keyed by the source."""
+    monkeypatch.setenv("JAXDP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(OSError):
+        native._build()
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="jaxdp.native"):
+            assert not native.available()
+        assert len(caplog.records) == 1 and "not built" in caplog.records[0].getMessage()
+    finally:
+        native.available.cache_clear()
+        monkeypatch.undo()
+        assert native.available()
