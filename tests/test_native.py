@@ -108,3 +108,25 @@ def test_no_compiler_means_no_native_kernels(monkeypatch, tmp_path, caplog):
         native.available.cache_clear()
         monkeypatch.undo()
         assert native.available()
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 20])  # 20: W_UK transposed first (kTransposeRows)
+def test_head_products_equal_numpy(w_dtype, rows):
+    """MLA's per-head products with a view of kv_b_proj's columns, read in place: W_UK (the columns transposed,
+    contract "B") and W_UV (contract "A"), through `StackedWeight.dot` as the model calls them."""
+    rng = np.random.default_rng(rows)
+    L, A, H, N, V = 3, 32, 4, 16, 48  # [L, A, H, N + V]: kv_b_proj's layout
+    stack = jnp.asarray(rng.normal(size=(L, A, H, N + V)), w_dtype)
+    w64 = np.asarray(stack.astype(jnp.float32), np.float64)[1]
+    q = jnp.asarray(rng.normal(size=(rows, H, N)), jnp.float32)
+    o = jnp.asarray(rng.normal(size=(rows, H, A)), jnp.float32)
+    w = StackedWeight(stack, None, 1)
+    uk = jax.jit(lambda q, s: dot("bhn,lhn->bhl", q, StackedWeight(s, None, 1)[..., :N]))
+    uv = jax.jit(lambda o, s: dot("bhl,lhv->bhv", o, StackedWeight(s, None, 1)[..., N:]))
+    assert native.HEAD_TARGET in uk.lower(q, stack).compile().as_text()
+    np.testing.assert_allclose(np.asarray(uk(q, stack)), np.einsum("bhn,lhn->bhl", q, w64[..., :N]), rtol=1e-5,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(uv(o, stack)), np.einsum("bhl,lhv->bhv", o, w64[..., N:]), rtol=1e-5,
+                               atol=1e-4)
+    assert w.shape == (A, H, N + V)

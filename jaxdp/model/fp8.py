@@ -185,24 +185,34 @@ class StackedWeight:
             return None
         return self.values, self.scales, _scale_index((b,), (s_b,), self.block)
 
-    def _native(self, eq: str, x, n_in: int) -> bool:
-        """Whether a CPU multiplies x by this weight with `jaxdp.native.matmul` (the layer read in place): a plain
-        float32 or bf16 weight, all its columns, eq contracting x's trailing dims with the weight's leading ones
-        ("td,dq->tq"), its columns a multiple of 16, and the kernels built on this machine."""
+    def _native(self, eq: str, x):
+        """How a CPU multiplies x by this weight with `jaxdp.native`, reading the layer in place: "gemm" (eq
+        contracts x's trailing dims with the weight's leading ones, "td,dq->tq", all its columns, a multiple of
+        16 of them), "A" or "B" (a product per head with a weight [A, H, X] or a view of some columns of X,
+        contracting A, "bhl,lhv->bhv", or the columns, "bhn,lhn->bhl"; A and the columns multiples of 16), or
+        None (a block-FP8 weight, another form, no kernels built on this machine: `dense_dot`)."""
         from jaxdp import native
 
         lhs, out = eq.replace(" ", "").split("->")
         xs, ws = lhs.split(",")
+        n_in = (len(xs) + len(ws) - len(out)) // 2
         floats = (jnp.float32, jnp.bfloat16)
-        return (self.scales is None and self.cols is None and xs[len(xs) - n_in:] == ws[:n_in]
-                and out == xs[:len(xs) - n_in] + ws[n_in:] and math.prod(self.shape[n_in:]) % 16 == 0
-                and self.values.dtype in floats and x.dtype in floats and native.available())
+        if self.scales is not None or self.values.dtype not in floats or x.dtype not in floats:
+            return None
+        if (n_in and self.cols is None and xs[len(xs) - n_in:] == ws[:n_in] and out == xs[:len(xs) - n_in] + ws[n_in:]
+                and math.prod(self.shape[n_in:]) % 16 == 0):
+            return "gemm" if native.available() else None
+        if len(ws) == 3 and len(xs) == 3 and xs[-2] == ws[1] and xs[-1] in (ws[0], ws[2]) and (
+                out == xs[:-1] + ws[2 if xs[-1] == ws[0] else 0]) and self.shape[0] % 16 == 0 and (
+                self.shape[2] % 16 == 0):
+            return ("A" if xs[-1] == ws[0] else "B") if native.available() else None
+        return None
 
     def dot(self, eq: str, x, dense_dot, kernel: bool | None = None, out_dtype=None):
         """einsum(eq, x, self) as `dense_dot` computes it (x's dtype out, or `out_dtype`, float32 accumulation):
         by a Pallas GEMM where the step is lowered for a GPU (kernel None) or always (kernel True: interpret mode
-        on a CPU, for tests), else `dense_dot(eq, x, self.dense())`; on a CPU by `jaxdp.native.matmul` where it
-        applies (`_native`), else `dense_dot` too. The GEMMs: `fp8_matmul` when
+        on a CPU, for tests), else `dense_dot(eq, x, self.dense())`; on a CPU by `jaxdp.native` where it applies
+        (`_native`), else `dense_dot` too. The GEMMs: `fp8_matmul` when
         eq contracts x's trailing dims with the weight's leading ones; `fp8_head_matmul` for a product per head
         with a weight [A, H, B] (or a view of columns of B), contracting A ("...ha,ahb->...hb") or B
         ("...hb,ahb->...ha")."""
@@ -238,14 +248,20 @@ class StackedWeight:
         def dense(x, values, scales, layer):
             return dense_dot(eq, x, self._like(values, scales, layer).dense()).astype(out_dtype)
 
-        cpu = dense
-        if n_in and self._native(eq, x, n_in):
+        cpu, form = dense, self._native(eq, x)
+        if form == "gemm":
             def cpu(x, values, scales, layer):  # jaxdp.native: the layer read in place, on a CPU
                 from jaxdp import native
 
                 k = math.prod(self.shape[:n_in])
                 y = native.matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, -1), layer)
                 return y.reshape(*x.shape[:x.ndim - n_in], *self.shape[n_in:]).astype(out_dtype)
+        elif form is not None:
+            def cpu(x, values, scales, layer):  # per head, the columns read in place
+                from jaxdp import native
+
+                offset = 0 if self.cols is None else self.cols[0]
+                return native.head_matmul(x, values, layer, offset, self.shape[2], form).astype(out_dtype)
 
         if gemm is None and cpu is dense:
             return dense(x, self.values, self.scales, self.layer)

@@ -252,14 +252,16 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
 
 def native_experts(backend: str, x_TD, stacked) -> bool:
     """Whether a CPU runs the routed experts by `jaxdp.native.grouped_matmul` (under "auto"): plain float32 or
-    bf16 experts handed whole by the layer scan (read in place, only the experts some row chose, no copy), and
-    the kernels built on this machine."""
+    bf16 experts handed whole by the layer scan (read in place, only the experts some row chose, no copy), their
+    widths held here multiples of 16, and the kernels built on this machine."""
     from jaxdp import native
 
     floats = (jnp.float32, jnp.bfloat16)
-    return (backend == "auto" and x_TD.dtype in floats and native.available()
-            and all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None and w.dtype in floats
-                    for w in stacked))
+    ok = all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None and w.dtype in floats
+             for w in stacked)
+    _, D, _, I = stacked[0].shape  # (held here: I is a slice of it under TP)
+    return ok and backend == "auto" and x_TD.dtype in floats and (2 * I) % 16 == 0 and D % 16 == 0 and (
+        native.available())
 
 
 def _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I: StackedWeight, w_down_EID: StackedWeight, expert_offset=0):

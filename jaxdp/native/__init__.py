@@ -3,8 +3,10 @@
 XLA:CPU's products read whole buffers: a layer sliced out of a layer stack, an expert out of a layer, is
 copied before the product reads it, and its one-row products read at about half the machine's bandwidth
 (docs/performance.md). `grouped_matmul` (`matmul.cc`) multiplies rows by one layer's weights (one group) or
-by its experts (rows sorted by expert) where they lie in the stack, float32 or bf16 weights, float32
-accumulation, on the calling thread and XLA's intra-op pool.
+by its experts (rows sorted by expert) where they lie in the stack, and `head_matmul` multiplies each head's
+rows by its columns of MLA's kv_b_proj (W_UK, transposed, and W_UV) where they lie; float32 or bf16 weights,
+float32 accumulation, on the calling thread and XLA's intra-op pool. The model's products take them on a CPU
+(`jaxdp.model.fp8.StackedWeight.dot`, `jaxdp.model.moe.routed_experts`).
 
 It is built once per machine into the cache (`jaxdp.cache.cache_dir() / "native"`, keyed by the source, the
 compiler, JAX's headers and the CPU's flags) with `c++ -O3 -march=native`; where no compiler is found or the
@@ -33,6 +35,7 @@ log = logging.getLogger("jaxdp.native")
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxdp_grouped_matmul"
+HEAD_TARGET = "jaxdp_head_matmul"
 FLAGS = ("-O3", "-march=native", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV = "JAXDP_NATIVE"  # "0": never build or use them
 
@@ -84,6 +87,7 @@ def available() -> bool:
         log.warning("jaxdp's native CPU kernels are not built (%s): the CPU's products run in XLA, slower", e)
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdpGroupedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(HEAD_TARGET, jax.ffi.pycapsule(lib.JaxdpHeadMatmul), platform="cpu")
     return True
 
 
@@ -100,3 +104,14 @@ def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array
 def matmul(x_MK: jax.Array, w_LKN: jax.Array, layer) -> jax.Array:
     """x @ w[layer], the layer read where it lies in the stack [L, K, N]: float32 [M, N]."""
     return grouped_matmul(x_MK, w_LKN, layer, jnp.full((1,), x_MK.shape[0], jnp.int32))
+
+
+def head_matmul(x_BHK: jax.Array, w_LAHX: jax.Array, layer, offset: int, width: int, contract: str) -> jax.Array:
+    """Per head h, x[:, h] times columns [offset, offset + width) of layer `layer` of w [L, A, H, X], read in
+    place: contract "A" (x's last dim is A; W_UV) -> [B, H, width], or "B" (x's last dim is width; W_UK, the
+    columns transposed) -> [B, H, A]. float32 out; A and width multiples of 16."""
+    B, H = x_BHK.shape[:2]
+    n = width if contract == "A" else w_LAHX.shape[1]
+    call = jax.ffi.ffi_call(HEAD_TARGET, jax.ShapeDtypeStruct((B, H, n), jnp.float32), vmap_method="sequential")
+    return call(x_BHK, w_LAHX, jnp.asarray(layer, jnp.int32), offset=int(offset), width=int(width),
+                contract_a=int(contract == "A"))

@@ -1,20 +1,23 @@
-// A grouped matrix product for XLA:CPU that reads the weights where they lie: one layer of a layer stack,
-// one expert of that layer, never copied out first (XLA:CPU copies a dynamic slice before its products
-// read it). The serving step's products on a CPU: the layers' Linear weights (one group of all rows) and
-// the routed experts (rows sorted by expert, one group each). jaxdp/native/__init__.py builds it.
+// Products for XLA:CPU that read the weights where they lie: one layer of a layer stack, one expert of that
+// layer, one head of MLA's kv_b_proj, never copied out first (XLA:CPU copies a dynamic slice, or a weight it
+// must transpose, before its products read it). jaxdp/native/__init__.py builds this file and says where the
+// model uses each.
 //
-//   x [M, K] f32 | bf16, w [L, E, K, N] f32 | bf16, layer int32 [], sizes int32 [E]  ->  y [M, N] f32
-//   (w [L, K, N]: E = 1)
-//
-// The first sizes[0] rows multiply w[layer, 0], the next sizes[1] w[layer, 1], ...; rows past them are 0.
-// Work is split in tasks of (group, 64 columns); the calling thread and XLA's intra-op pool take tasks from
-// one counter, so the call finishes whether or not the pool runs them.
+// GroupedMatmul: x [M, K] f32 | bf16, w [L, E, K, N] (or [L, K, N]: E = 1) f32 | bf16, layer int32 [],
+//   sizes int32 [E] -> y [M, N] f32: the first sizes[0] rows times w[layer, 0], the next sizes[1] times
+//   w[layer, 1], ...; rows past them 0. Tasks of (group, 64 columns).
+// HeadMatmul: x [B, H, K], w [L, A, H, X], layer, attributes offset, width, contract_a -> y [B, H, N] f32: per
+//   head, x times columns [offset, offset + width) of w[layer, :, h, :] (contract A) or their transpose
+//   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w).
+// The calling thread and XLA's intra-op pool take the tasks from one counter (`parallel_for`).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -30,6 +33,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 constexpr int64_t kVec = 16;          // floats in a v16f
 constexpr int64_t kCols = 4 * kVec;   // columns a task computes
+constexpr int64_t kTransposeRows = 16;  // rows from which W_UK's product transposes its weight first
 constexpr int64_t kRows = 6;          // rows the inner loop carries at once
 
 inline v16f load(const float* p) {
@@ -47,126 +51,244 @@ inline v16f load(const uint16_t* p) {  // bf16 -> f32: the bits shifted into the
   return v;
 }
 
+inline float to_f32(float v) { return v; }
+
+inline float to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 
-// R rows of x (f32, row stride K) times w's columns [n0, n0 + V * 16) (row stride N): into y (row stride N).
+// R rows of x (f32, row stride ldx) times w's columns [0, V * 16) (row stride ldw) over K: into y (row stride ldy).
 template <int R, int V, typename W>
-void tile(const float* x, const W* w, float* y, int64_t K, int64_t N) {
+void tile(const float* x, const W* w, float* y, int64_t K, int64_t ldx, int64_t ldw, int64_t ldy) {
   v16f acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
-    const W* wk = w + k * N;
-    __builtin_prefetch(wk + 8 * N);
+    const W* wk = w + k * ldw;
+    for (int v = 0; v < V; ++v) __builtin_prefetch(wk + 8 * ldw + v * kVec);
     v16f wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(wk + v * kVec);
     for (int r = 0; r < R; ++r) {
-      v16f xr = v16f{} + x[r * K + k];
+      v16f xr = v16f{} + x[r * ldx + k];
       for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store(y + r * N + v * kVec, acc[r][v]);
+    for (int v = 0; v < V; ++v) store(y + r * ldy + v * kVec, acc[r][v]);
 }
 
 template <int V, typename W>
-void rows_tile(const float* x, const W* w, float* y, int64_t rows, int64_t K, int64_t N) {
+void rows_tile(const float* x, const W* w, float* y, int64_t rows, int64_t K, int64_t ldx, int64_t ldw,
+               int64_t ldy) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) tile<kRows, V>(x + r * K, w, y + r * N, K, N);
+  for (; r + kRows <= rows; r += kRows) tile<kRows, V>(x + r * ldx, w, y + r * ldy, K, ldx, ldw, ldy);
+  const float* xr = x + r * ldx;
+  float* yr = y + r * ldy;
   switch (rows - r) {
-    case 5: tile<5, V>(x + r * K, w, y + r * N, K, N); break;
-    case 4: tile<4, V>(x + r * K, w, y + r * N, K, N); break;
-    case 3: tile<3, V>(x + r * K, w, y + r * N, K, N); break;
-    case 2: tile<2, V>(x + r * K, w, y + r * N, K, N); break;
-    case 1: tile<1, V>(x + r * K, w, y + r * N, K, N); break;
+    case 5: tile<5, V>(xr, w, yr, K, ldx, ldw, ldy); break;
+    case 4: tile<4, V>(xr, w, yr, K, ldx, ldw, ldy); break;
+    case 3: tile<3, V>(xr, w, yr, K, ldx, ldw, ldy); break;
+    case 2: tile<2, V>(xr, w, yr, K, ldx, ldw, ldy); break;
+    case 1: tile<1, V>(xr, w, yr, K, ldx, ldw, ldy); break;
     default: break;
   }
 }
 
-struct Job {
-  const float* x;       // [M, K] f32
-  const void* w;        // layer's [E, K, N]
-  bool bf16;
-  float* y;             // [M, N]
-  int64_t K, N, blocks; // blocks: column tasks per group
-  std::vector<int64_t> first, rows;  // per group: first row, rows (groups with rows only)
-  std::vector<float> x32;            // x converted, when it came in bf16
-  std::vector<int64_t> expert;       // per group: its expert
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t tasks = 0;
-
-  template <typename W>
-  void run_task(int64_t t) const {
-    int64_t g = t / blocks, n0 = (t % blocks) * kCols;
-    const W* wg = static_cast<const W*>(w) + expert[g] * K * N + n0;
-    const float* xg = x + first[g] * K;
-    float* yg = y + first[g] * N + n0;
-    int64_t width = std::min(kCols, N - n0);
-    switch (width / kVec) {
-      case 4: rows_tile<4>(xg, wg, yg, rows[g], K, N); break;
-      case 3: rows_tile<3>(xg, wg, yg, rows[g], K, N); break;
-      case 2: rows_tile<2>(xg, wg, yg, rows[g], K, N); break;
-      default: rows_tile<1>(xg, wg, yg, rows[g], K, N); break;
-    }
+// Columns [0, width) (a multiple of 16, at most 64) of rows x (stride ldx) times w (row stride ldw) over K.
+template <typename W>
+void panel(const float* x, const W* w, float* y, int64_t rows, int64_t width, int64_t K, int64_t ldx,
+           int64_t ldw, int64_t ldy) {
+  switch (width / kVec) {
+    case 4: rows_tile<4>(x, w, y, rows, K, ldx, ldw, ldy); break;
+    case 3: rows_tile<3>(x, w, y, rows, K, ldx, ldw, ldy); break;
+    case 2: rows_tile<2>(x, w, y, rows, K, ldx, ldw, ldy); break;
+    default: rows_tile<1>(x, w, y, rows, K, ldx, ldw, ldy); break;
   }
+}
+
+// The sums of the lanes of a[0..15], lane j of the result holding a[j]'s: four rounds, each adding the even
+// and the odd chunks (8, 4, 2, 1 lanes) of two vectors laid end to end.
+inline v16f lane_sums(v16f* a) {
+  typedef int32_t v16i __attribute__((vector_size(64)));
+  const v16i e8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i o8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16i e4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i o4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const v16i e2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i o2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const v16i e1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i o1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  for (int n = 8; n >= 1; n /= 2) {
+    const v16i& e = n == 8 ? e8 : n == 4 ? e4 : n == 2 ? e2 : e1;
+    const v16i& o = n == 8 ? o8 : n == 4 ? o4 : n == 2 ? o2 : o1;
+    for (int i = 0; i < n; ++i) a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], e) +
+                                       __builtin_shuffle(a[2 * i], a[2 * i + 1], o);
+  }
+  return a[0];
+}
+
+// y[m, j] = sum_k x[m, k] * w[j, k] for j in [0, 16): rows of w contiguous over K (a multiple of 16), row
+// stride ldw; x rows stride ldx, y rows stride ldy.
+template <typename W>
+void dot_rows(const float* x, const W* w, float* y, int64_t rows, int64_t K, int64_t ldx, int64_t ldw,
+              int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) {
+    v16f acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = v16f{};
+    for (int64_t k = 0; k < K; k += kVec) {
+      v16f xv = load(x + m * ldx + k);
+      for (int j = 0; j < 16; ++j) acc[j] += xv * load(w + j * ldw + k);
+    }
+    store(y + m * ldy, lane_sums(acc));
+  }
+}
+
+// Tasks 0 .. count - 1 run by the calling thread and XLA's intra-op pool, taking them from one counter: the call
+// returns once every task ran, whether or not the pool picked any up (a helper that starts late finds none).
+struct Tasks {
+  std::function<void(int64_t)> run;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0}, done{0};
 
   void work() {
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-      if (bf16) run_task<uint16_t>(t); else run_task<float>(t);
+    for (int64_t t; (t = next.fetch_add(1)) < count;) {
+      run(t);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+void parallel_for(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> run) {
+  auto tasks = std::make_shared<Tasks>();
+  tasks->run = std::move(run);
+  tasks->count = count;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([tasks] { tasks->work(); });
+  tasks->work();
+  while (tasks->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+// x as float32: its own data, or converted into `buffer` when it came in bf16.
+const float* as_f32(const ffi::AnyBuffer& x, std::vector<float>& buffer) {
+  if (x.element_type() == ffi::F32) return static_cast<const float*>(x.untyped_data());
+  size_t n = x.element_count();
+  buffer.resize(n);
+  const uint16_t* h = static_cast<const uint16_t*>(x.untyped_data());
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u = uint32_t(h[i]) << 16;
+    std::memcpy(&buffer[i], &u, 4);
+  }
+  return buffer.data();
+}
+
+bool is_float(const ffi::AnyBuffer& a) { return a.element_type() == ffi::F32 || a.element_type() == ffi::BF16; }
+
+// w's layer `layer`, as W (float or bf16 bits), `per_layer` elements a layer.
+template <typename W>
+const W* layer_of(const ffi::AnyBuffer& w, int64_t layer, int64_t per_layer) {
+  int64_t L = w.dimensions()[0];
+  return static_cast<const W*>(w.untyped_data()) + std::clamp<int64_t>(layer, 0, L - 1) * per_layer;
+}
+
+template <typename W>
+void grouped(ffi::ThreadPool& pool, const float* x, const W* w, const int32_t* sizes, float* y, int64_t M,
+             int64_t E, int64_t K, int64_t N) {
+  std::vector<int64_t> first, rows, expert;  // the groups with rows
+  int64_t row = 0;
+  for (int64_t e = 0; e < E && row < M; ++e) {
+    int64_t n = std::min<int64_t>(std::max(sizes[e], 0), M - row);
+    if (n) {
+      first.push_back(row);
+      rows.push_back(n);
+      expert.push_back(e);
+    }
+    row += n;
+  }
+  std::memset(y + row * N, 0, (M - row) * N * sizeof(float));
+  int64_t blocks = (N + kCols - 1) / kCols;
+  parallel_for(pool, static_cast<int64_t>(first.size()) * blocks, [&](int64_t t) {
+    int64_t g = t / blocks, n0 = (t % blocks) * kCols;
+    panel(x + first[g] * K, w + expert[g] * K * N + n0, y + first[g] * N + n0, rows[g], std::min(kCols, N - n0),
+          K, K, N, N);
+  });
+}
 
 ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4))
     return ffi::Error::InvalidArgument("x [M, K] and w [L, E, K, N] or [L, K, N] expected");
-  bool grouped = wd.size() == 4;  // [L, K, N]: one group
-  int64_t M = xd[0], K = xd[1], L = wd[0], E = grouped ? wd[1] : 1, N = wd.back();
-  if (wd[wd.size() - 2] != K || N % kVec || sizes.element_count() != E)
-    return ffi::Error::InvalidArgument("shapes do not match (or N is not a multiple of 16)");
-  bool x16 = x.element_type() == ffi::BF16, w16 = w.element_type() == ffi::BF16;
-  if ((!x16 && x.element_type() != ffi::F32) || (!w16 && w.element_type() != ffi::F32))
-    return ffi::Error::InvalidArgument("x and w must be float32 or bfloat16");
-  int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  int64_t M = xd[0], K = xd[1], E = wd.size() == 4 ? wd[1] : 1, N = wd.back();
+  if (wd[wd.size() - 2] != K || N % kVec || static_cast<int64_t>(sizes.element_count()) != E)
+    return ffi::Error::InvalidArgument("jaxdp_grouped_matmul: x [" + std::to_string(M) + ", " + std::to_string(K) +
+                                       "], w's last dims [" + std::to_string(wd[wd.size() - 2]) + ", " +
+                                       std::to_string(N) + "], " + std::to_string(sizes.element_count()) +
+                                       " sizes for " + std::to_string(E) + " groups: shapes do not match");
+  if (!is_float(x) || !is_float(w)) return ffi::Error::InvalidArgument("x and w must be float32 or bfloat16");
+  std::vector<float> buffer;
+  const float* x32 = as_f32(x, buffer);
+  int64_t l = layer.typed_data()[0], per_layer = E * K * N;
+  if (w.element_type() == ffi::BF16)
+    grouped(pool, x32, layer_of<uint16_t>(w, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+  else
+    grouped(pool, x32, layer_of<float>(w, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+  return ffi::Error::Success();
+}
 
-  auto job = std::make_shared<Job>();
-  job->bf16 = w16;
-  job->K = K;
-  job->N = N;
-  job->blocks = (N + kCols - 1) / kCols;
-  job->w = static_cast<const char*>(w.untyped_data()) + l * E * K * N * (w16 ? 2 : 4);
-  job->y = y->typed_data();
-  if (x16) {
-    job->x32.resize(M * K);
-    const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t i = 0; i < M * K; ++i) {
-      uint32_t u = uint32_t(xs[i]) << 16;
-      std::memcpy(&job->x32[i], &u, 4);
-    }
-    job->x = job->x32.data();
-  } else {
-    job->x = static_cast<const float*>(x.untyped_data());
+// MLA's per-head products with kv_b_proj's layer w [A, H, X], columns [offset, offset + width) of X:
+//   contract A (W_UV): y[b, h, :width] = x[b, h, :A] @ w[:, h, offset:offset + width]
+//   contract B (W_UK): y[b, h, :A] = x[b, h, :width] @ w[:, h, offset:offset + width]^T
+template <typename W>
+void heads(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t B, int64_t A, int64_t H, int64_t X,
+           int64_t offset, int64_t width, bool contract_a) {
+  if (contract_a) {
+    int64_t blocks = (width + kCols - 1) / kCols;
+    parallel_for(pool, H * blocks, [&](int64_t t) {
+      int64_t h = t / blocks, n0 = (t % blocks) * kCols;
+      panel(x + h * A, w + h * X + offset + n0, y + h * width + n0, B, std::min(kCols, width - n0), A, H * A,
+            H * X, H * width);
+    });
+  } else if (B < kTransposeRows) {  // few rows: dot products along w's rows, 16 at a time
+    int64_t blocks = A / kVec;
+    parallel_for(pool, H * blocks, [&](int64_t t) {
+      int64_t h = t / blocks, a0 = (t % blocks) * kVec;
+      dot_rows(x + h * width, w + a0 * H * X + h * X + offset, y + h * A + a0, B, width, H * width, H * X, H * A);
+    });
+  } else {  // many: 64 rows of w transposed once into a panel, then the panel product
+    int64_t blocks = (A + kCols - 1) / kCols;
+    parallel_for(pool, H * blocks, [&](int64_t t) {
+      int64_t h = t / blocks, a0 = (t % blocks) * kCols, n = std::min(kCols, A - a0);
+      std::vector<float> wt(width * kCols);
+      for (int64_t a = 0; a < n; ++a) {
+        const W* row = w + (a0 + a) * H * X + h * X + offset;
+        for (int64_t k = 0; k < width; ++k) wt[k * kCols + a] = to_f32(row[k]);
+      }
+      panel(x + h * width, wt.data(), y + h * A + a0, B, n, width, H * width, kCols, H * A);
+    });
   }
-  int64_t row = 0;
-  for (int64_t e = 0; e < E && row < M; ++e) {
-    int64_t n = std::min<int64_t>(std::max(sizes.typed_data()[e], 0), M - row);
-    if (n) {
-      job->first.push_back(row);
-      job->rows.push_back(n);
-      job->expert.push_back(e);
-    }
-    row += n;
-  }
-  std::memset(job->y + row * N, 0, (M - row) * N * sizeof(float));
-  job->tasks = static_cast<int64_t>(job->first.size()) * job->blocks;
+}
 
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+ffi::Error HeadMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t offset, int64_t width, int64_t contract_a) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 4) return ffi::Error::InvalidArgument("x [B, H, K] and w [L, A, H, X] expected");
+  int64_t B = xd[0], H = xd[1], A = wd[1], X = wd[3];
+  bool ok = wd[2] == H && offset >= 0 && offset + width <= X && width % kVec == 0 && A % kVec == 0 &&
+            xd[2] == (contract_a ? A : width);
+  if (!ok) return ffi::Error::InvalidArgument("shapes do not match (or width or A is not a multiple of 16)");
+  if (!is_float(x) || !is_float(w)) return ffi::Error::InvalidArgument("x and w must be float32 or bfloat16");
+  std::vector<float> buffer;
+  const float* x32 = as_f32(x, buffer);
+  int64_t l = layer.typed_data()[0], per_layer = A * H * X;
+  if (w.element_type() == ffi::BF16)
+    heads(pool, x32, layer_of<uint16_t>(w, l, per_layer), y->typed_data(), B, A, H, X, offset, width, contract_a);
+  else
+    heads(pool, x32, layer_of<float>(w, l, per_layer), y->typed_data(), B, A, H, X, offset, width, contract_a);
   return ffi::Error::Success();
 }
 
@@ -180,3 +302,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpGroupedMatmul, GroupedMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpHeadMatmul, HeadMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("width")
+                                  .Attr<int64_t>("contract_a"));
