@@ -130,3 +130,33 @@ def test_head_products_equal_numpy(w_dtype, rows):
     np.testing.assert_allclose(np.asarray(uv(o, stack)), np.einsum("bhl,lhv->bhv", o, w64[..., N:]), rtol=1e-5,
                                atol=1e-4)
     assert w.shape == (A, H, N + V)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_decode_equals_the_xla_decode(cache_dtype):
+    """The native absorbed decode reads each row's entries through its page table and equals `mla_decode_xla`
+    (rows of every length: within a page, across pages, none); entries past a row's length hold NaN and are
+    never read."""
+    from jaxdp.model.mla import mla_decode_portable, mla_decode_xla
+
+    rng = np.random.default_rng(3)
+    B, H, Lk, R, P, S, N = 5, 3, 64, 16, 16, 4, 3
+    kv = rng.normal(size=(P, S, Lk + R)).astype(np.float32)
+    table = rng.permutation(P)[:B * N].reshape(B, N).astype(np.int32)
+    lens = np.asarray([1, 4, 7, 12, 0], np.int32)
+    for b in range(B):  # every slot past the row's length: NaN
+        for c in range(lens[b], N * S):
+            kv[table[b, c // S], c % S] = np.nan
+    q_lat = jnp.asarray(rng.normal(size=(B, H, Lk)), jnp.float32)
+    q_rope = jnp.asarray(rng.normal(size=(B, H, R)), jnp.float32)
+    kv_j = jnp.asarray(kv, cache_dtype)
+    f = jax.jit(lambda *a: mla_decode_portable(*a, softmax_scale=0.3, kv_lora_rank=Lk))
+    assert native.DECODE_TARGET in f.lower(q_lat, q_rope, kv_j, table, lens).compile().as_text()
+    got = np.asarray(f(q_lat, q_rope, kv_j, table, lens).astype(jnp.float32))
+    clean = jnp.asarray(np.nan_to_num(kv), cache_dtype)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(mla_decode_xla(q_lat, q_rope, clean, table, lens, softmax_scale=0.3,
+                                         kv_lora_rank=Lk).astype(jnp.float32))
+    tol = 1e-5 if cache_dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got[:4], want[:4], rtol=tol, atol=tol)
+    np.testing.assert_array_equal(got[4], 0)

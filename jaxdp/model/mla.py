@@ -302,8 +302,8 @@ class MLA(nnx.Module):
             o_BHL = decode_kernel(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                   softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         else:
-            o_BHL = mla_decode_xla(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
-                                   softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
+            o_BHL = mla_decode_portable(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
+                                        softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return weight_first("lhv,bhl->bhv", w_uv_LHV, o_BHL.astype(w_uv_LHV.dtype))
 
 
@@ -388,6 +388,28 @@ def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, 
     pages_needed = (jnp.max(seq_lens_B) + S - 1) // S
     branch = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < pages_needed)
     return jax.lax.switch(branch, [attend(n) for n in widths], *args)
+
+
+def mla_decode_portable(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, softmax_scale,
+                        kv_lora_rank):
+    """The absorbed decode without a Pallas kernel: on a CPU `jaxdp.native.mla_decode` where it is built (each
+    row reads its own entries through the page table, no gathered copy, no batched products over padding),
+    elsewhere and otherwise `mla_decode_xla`."""
+    from jaxdp import native
+
+    args = (q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B)
+    kw = dict(softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank)
+    floats = (jnp.float32, jnp.bfloat16)
+    if not (kv_lora_rank % 64 == 0 and q_latent_BHL.shape[-1] == kv_lora_rank and q_rope_BHR.shape[-1] % 16 == 0
+            and kv_PSK.dtype in floats
+            and q_latent_BHL.dtype in floats and q_rope_BHR.dtype in floats and native.available()):
+        return mla_decode_xla(*args, **kw)
+
+    def cpu(q_latent_BHL):
+        o = native.mla_decode(q_latent_BHL, *args[1:], softmax_scale=softmax_scale)
+        return o.astype(kv_PSK.dtype)
+
+    return jax.lax.platform_dependent(q_latent_BHL, cpu=cpu, default=lambda q: mla_decode_xla(q, *args[1:], **kw))
 
 
 def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):

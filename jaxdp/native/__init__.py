@@ -4,9 +4,10 @@ XLA:CPU's products read whole buffers: a layer sliced out of a layer stack, an e
 copied before the product reads it, and its one-row products read at about half the machine's bandwidth
 (docs/performance.md). `grouped_matmul` (`matmul.cc`) multiplies rows by one layer's weights (one group) or
 by its experts (rows sorted by expert) where they lie in the stack, and `head_matmul` multiplies each head's
-rows by its columns of MLA's kv_b_proj (W_UK, transposed, and W_UV) where they lie; float32 or bf16 weights,
+rows by its columns of MLA's kv_b_proj (W_UK, transposed, and W_UV) where they lie, and `mla_decode` attends
+a decode step's rows over the paged latent cache without gathering it; float32 or bf16 weights and caches,
 float32 accumulation, on the calling thread and XLA's intra-op pool. The model's products take them on a CPU
-(`jaxdp.model.fp8.StackedWeight.dot`, `jaxdp.model.moe.routed_experts`).
+(`jaxdp.model.fp8.StackedWeight.dot`, `jaxdp.model.moe.routed_experts`, `jaxdp.model.mla.mla_decode_xla`).
 
 It is built once per machine into the cache (`jaxdp.cache.cache_dir() / "native"`, keyed by the source, the
 compiler, JAX's headers and the CPU's flags) with `c++ -O3 -march=native`; where no compiler is found or the
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxdp.cache import cache_dir
 
@@ -36,6 +38,7 @@ log = logging.getLogger("jaxdp.native")
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxdp_grouped_matmul"
 HEAD_TARGET = "jaxdp_head_matmul"
+DECODE_TARGET = "jaxdp_mla_decode"
 FLAGS = ("-O3", "-march=native", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV = "JAXDP_NATIVE"  # "0": never build or use them
 
@@ -88,7 +91,15 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdpGroupedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(HEAD_TARGET, jax.ffi.pycapsule(lib.JaxdpHeadMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(lib.JaxdpMlaDecode), platform="cpu")
     return True
+
+
+def _call(target: str, out: jax.ShapeDtypeStruct):
+    """The custom call `target` (registering the kernels on first use; they must be `available()`)."""
+    if not available():
+        raise RuntimeError("jaxdp's native CPU kernels are not built on this machine (see the log): use XLA's products")
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")
 
 
 def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array) -> jax.Array:
@@ -97,7 +108,7 @@ def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array
     groups give zeros (w [L, K, N]: one group). x and w float32 or bfloat16, N a multiple of 16; float32 [M, N]
     out. Only where `available()`, and on a CPU (XLA:CPU's custom call; no derivative)."""
     M, N = x_MK.shape[0], w_LEKN.shape[-1]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    call = _call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32))
     return call(x_MK, w_LEKN, jnp.asarray(layer, jnp.int32), sizes_E.astype(jnp.int32))
 
 
@@ -112,6 +123,16 @@ def head_matmul(x_BHK: jax.Array, w_LAHX: jax.Array, layer, offset: int, width: 
     columns transposed) -> [B, H, A]. float32 out; A and width multiples of 16."""
     B, H = x_BHK.shape[:2]
     n = width if contract == "A" else w_LAHX.shape[1]
-    call = jax.ffi.ffi_call(HEAD_TARGET, jax.ShapeDtypeStruct((B, H, n), jnp.float32), vmap_method="sequential")
+    call = _call(HEAD_TARGET, jax.ShapeDtypeStruct((B, H, n), jnp.float32))
     return call(x_BHK, w_LAHX, jnp.asarray(layer, jnp.int32), offset=int(offset), width=int(width),
                 contract_a=int(contract == "A"))
+
+
+def mla_decode(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, softmax_scale) -> jax.Array:
+    """MLA's absorbed decode (`jaxdp.model.mla.mla_decode_xla`'s result, float32): each row's heads against its
+    first seq_lens_B[b] cache entries, read where they lie in the pages of page_table_BN[b]; rows of no length
+    give zeros. The latent width a multiple of 64, the rope's of 16."""
+    B, H, L = q_latent_BHL.shape
+    call = _call(DECODE_TARGET, jax.ShapeDtypeStruct((B, H, L), jnp.float32))
+    return call(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN.astype(jnp.int32), seq_lens_B.astype(jnp.int32),
+                scale=np.float32(softmax_scale))

@@ -9,9 +9,11 @@
 // HeadMatmul: x [B, H, K], w [L, A, H, X], layer, attributes offset, width, contract_a -> y [B, H, N] f32: per
 //   head, x times columns [offset, offset + width) of w[layer, :, h, :] (contract A) or their transpose
 //   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w).
+// MlaDecode: MLA's absorbed decode over the paged latent cache (`decode`).
 // The calling thread and XLA's intra-op pool take the tasks from one counter (`parallel_for`).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -292,6 +294,91 @@ ffi::Error HeadMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   return ffi::Error::Success();
 }
 
+// MLA's absorbed decode over the paged latent cache: per row b and head h, the scores of q [Kd] (latent and
+// rope, scaled) against the row's first seq_lens[b] cache entries (pages through page_table[b]), softmax, and
+// the weighted sum of their latents [Lk]. Tasks of (row, 8 heads); rows of no length give zeros.
+template <typename C>
+void decode(ffi::ThreadPool& pool, const float* q_lat, const float* q_rope, const C* kv, const int32_t* table,
+            const int32_t* lens, float* out, int64_t B, int64_t H, int64_t Lk, int64_t R, int64_t P, int64_t S,
+            int64_t N, float scale) {
+  constexpr int64_t kHeads = 8, kGroup = 4;  // heads a task attends; heads whose sums the registers carry
+  const int64_t Kd = Lk + R, blocks = (H + kHeads - 1) / kHeads;
+  const std::vector<C> zeros(Kd, C{});  // the entry padding reads, past a row's length
+  parallel_for(pool, B * blocks, [&](int64_t t) {
+    int64_t b = t / blocks, h0 = (t % blocks) * kHeads, nh = std::min(kHeads, H - h0);
+    int64_t n = std::clamp<int64_t>(lens[b], 0, N * S), n16 = (n + kVec - 1) / kVec * kVec;
+    float* o = out + (b * H + h0) * Lk;
+    std::memset(o, 0, nh * Lk * sizeof(float));
+    if (n == 0) return;
+    std::vector<const C*> rows(n16, zeros.data());
+    for (int64_t c = 0; c < n; ++c)
+      rows[c] = kv + (std::clamp<int64_t>(table[b * N + c / S], 0, P - 1) * S + c % S) * Kd;
+    std::vector<float> q(nh * Kd), p(nh * n16);
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t k = 0; k < Kd; ++k)
+        q[h * Kd + k] = scale * (k < Lk ? q_lat[(b * H + h0 + h) * Lk + k] : q_rope[(b * H + h0 + h) * R + k - Lk]);
+    for (int64_t c0 = 0; c0 < n16; c0 += kVec) {  // scores, 16 entries at a time (they stay in L1 across heads)
+      for (int64_t h = 0; h < nh; ++h) {
+        v16f acc[kVec];
+        for (auto& a : acc) a = v16f{};
+        for (int64_t k = 0; k < Kd; k += kVec) {
+          v16f qv = load(q.data() + h * Kd + k);
+          for (int j = 0; j < kVec; ++j) acc[j] += qv * load(rows[c0 + j] + k);
+        }
+        store(p.data() + h * n16 + c0, lane_sums(acc));
+      }
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      float* ph = p.data() + h * n16;
+      float mx = *std::max_element(ph, ph + n), total = 0;
+      for (int64_t c = 0; c < n; ++c) total += (ph[c] = std::exp(ph[c] - mx));
+      for (int64_t c = 0; c < n; ++c) ph[c] /= total;
+    }
+    for (int64_t g = 0; g < nh; g += kGroup) {
+      int64_t ng = std::min(kGroup, nh - g);
+      for (int64_t k0 = 0; k0 < Lk; k0 += kCols) {  // 64 latent columns of kGroup heads at a time
+        v16f acc[kGroup][4];
+        for (auto& a : acc)
+          for (auto& v : a) v = v16f{};
+        for (int64_t c = 0; c < n; ++c) {
+          v16f r[4];
+          for (int v = 0; v < 4; ++v) r[v] = load(rows[c] + k0 + v * kVec);
+          for (int64_t h = 0; h < ng; ++h) {
+            v16f ph = v16f{} + p[(g + h) * n16 + c];
+            for (int v = 0; v < 4; ++v) acc[h][v] += ph * r[v];
+          }
+        }
+        for (int64_t h = 0; h < ng; ++h)
+          for (int v = 0; v < 4; ++v) store(o + (g + h) * Lk + k0 + v * kVec, acc[h][v]);
+      }
+    }
+  });
+}
+
+ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::AnyBuffer q_latent, ffi::AnyBuffer q_rope, ffi::AnyBuffer kv,
+                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out,
+                     float scale) {
+  auto qd = q_latent.dimensions(), rd = q_rope.dimensions(), kd = kv.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || rd.size() != 3 || kd.size() != 3 || td.size() != 2)
+    return ffi::Error::InvalidArgument("q_latent [B, H, Lk], q_rope [B, H, R], kv [P, S, Lk + R], table [B, N]");
+  int64_t B = qd[0], H = qd[1], Lk = qd[2], R = rd[2], P = kd[0], S = kd[1], N = td[1];
+  if (rd[0] != B || rd[1] != H || kd[2] != Lk + R || td[0] != B || lens.element_count() != static_cast<size_t>(B) ||
+      Lk % kCols || R % kVec)
+    return ffi::Error::InvalidArgument("jaxdp_mla_decode: shapes do not match (or Lk is not a multiple of 64, R of 16)");
+  if (!is_float(q_latent) || !is_float(q_rope) || !is_float(kv))
+    return ffi::Error::InvalidArgument("q and kv must be float32 or bfloat16");
+  std::vector<float> qb, rb;
+  const float* q32 = as_f32(q_latent, qb);
+  const float* r32 = as_f32(q_rope, rb);
+  if (kv.element_type() == ffi::BF16)
+    decode(pool, q32, r32, static_cast<const uint16_t*>(kv.untyped_data()), table.typed_data(), lens.typed_data(),
+           out->typed_data(), B, H, Lk, R, P, S, N, scale);
+  else
+    decode(pool, q32, r32, static_cast<const float*>(kv.untyped_data()), table.typed_data(), lens.typed_data(),
+           out->typed_data(), B, H, Lk, R, P, S, N, scale);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpGroupedMatmul, GroupedMatmul,
@@ -313,3 +400,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpHeadMatmul, HeadMatmul,
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("width")
                                   .Attr<int64_t>("contract_a"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpMlaDecode, MlaDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
