@@ -160,3 +160,18 @@ def test_mla_decode_equals_the_xla_decode(cache_dtype):
     tol = 1e-5 if cache_dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got[:4], want[:4], rtol=tol, atol=tol)
     np.testing.assert_array_equal(got[4], 0)
+
+
+def test_dense_matmul_is_native_on_a_cpu_and_differentiates():
+    """The LM head's product (a weight held whole, [K, N]): the custom call on a CPU, XLA's derivative."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 24)), jnp.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.asarray(rng.normal(size=(24, 48)), dtype)
+        f = jax.jit(native.dense_matmul)
+        assert native.TARGET in f.lower(x, w).compile().as_text()
+        want = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-4)
+    g = jax.grad(lambda x: native.dense_matmul(x, w.astype(jnp.float32)).sum())(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w.astype(jnp.float32)).sum(1)[None].repeat(3, 0),
+                               rtol=1e-5, atol=1e-4)

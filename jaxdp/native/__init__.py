@@ -136,3 +136,23 @@ def mla_decode(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, s
     call = _call(DECODE_TARGET, jax.ShapeDtypeStruct((B, H, L), jnp.float32))
     return call(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN.astype(jnp.int32), seq_lens_B.astype(jnp.int32),
                 scale=np.float32(softmax_scale))
+
+
+def dense_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
+    """x @ w accumulated and returned in float32 (a weight held whole, the LM head): on a CPU by
+    `grouped_matmul` where the kernels are built (XLA:CPU's one-row products read at half the machine's
+    bandwidth), elsewhere by XLA; differentiable (the derivative is XLA's product's)."""
+    def xla(x, w):
+        return jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)
+
+    floats = (jnp.float32, jnp.bfloat16)
+    if not (w_KN.shape[-1] % 16 == 0 and x_MK.dtype in floats and w_KN.dtype in floats and available()):
+        return xla(x_MK, w_KN)
+
+    @jax.custom_jvp
+    def product(x, w):
+        sizes = jnp.full((1,), x.shape[0], jnp.int32)
+        return jax.lax.platform_dependent(x, cpu=lambda x: grouped_matmul(x, w, 0, sizes), default=lambda x: xla(x, w))
+
+    product.defjvp(lambda primals, tangents: jax.jvp(xla, primals, tangents))
+    return product(x_MK, w_KN)

@@ -3,7 +3,7 @@
 // must transpose, before its products read it). jaxdp/native/__init__.py builds this file and says where the
 // model uses each.
 //
-// GroupedMatmul: x [M, K] f32 | bf16, w [L, E, K, N] (or [L, K, N]: E = 1) f32 | bf16, layer int32 [],
+// GroupedMatmul: x [M, K] f32 | bf16, w [L, E, K, N] (or [L, K, N]: E = 1; [K, N]: L = E = 1) f32 | bf16, layer int32 [],
 //   sizes int32 [E] -> y [M, N] f32: the first sizes[0] rows times w[layer, 0], the next sizes[1] times
 //   w[layer, 1], ...; rows past them 0. Tasks of (group, 64 columns).
 // HeadMatmul: x [B, H, K], w [L, A, H, X], layer, attributes offset, width, contract_a -> y [B, H, N] f32: per
@@ -192,8 +192,7 @@ bool is_float(const ffi::AnyBuffer& a) { return a.element_type() == ffi::F32 || 
 
 // w's layer `layer`, as W (float or bf16 bits), `per_layer` elements a layer.
 template <typename W>
-const W* layer_of(const ffi::AnyBuffer& w, int64_t layer, int64_t per_layer) {
-  int64_t L = w.dimensions()[0];
+const W* layer_of(const ffi::AnyBuffer& w, int64_t L, int64_t layer, int64_t per_layer) {
   return static_cast<const W*>(w.untyped_data()) + std::clamp<int64_t>(layer, 0, L - 1) * per_layer;
 }
 
@@ -223,9 +222,9 @@ void grouped(ffi::ThreadPool& pool, const float* x, const W* w, const int32_t* s
 ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4))
-    return ffi::Error::InvalidArgument("x [M, K] and w [L, E, K, N] or [L, K, N] expected");
-  int64_t M = xd[0], K = xd[1], E = wd.size() == 4 ? wd[1] : 1, N = wd.back();
+  if (xd.size() != 2 || wd.size() < 2 || wd.size() > 4)
+    return ffi::Error::InvalidArgument("x [M, K] and w [L, E, K, N], [L, K, N] or [K, N] expected");
+  int64_t M = xd[0], K = xd[1], L = wd.size() > 2 ? wd[0] : 1, E = wd.size() == 4 ? wd[1] : 1, N = wd.back();
   if (wd[wd.size() - 2] != K || N % kVec || static_cast<int64_t>(sizes.element_count()) != E)
     return ffi::Error::InvalidArgument("jaxdp_grouped_matmul: x [" + std::to_string(M) + ", " + std::to_string(K) +
                                        "], w's last dims [" + std::to_string(wd[wd.size() - 2]) + ", " +
@@ -236,9 +235,9 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   const float* x32 = as_f32(x, buffer);
   int64_t l = layer.typed_data()[0], per_layer = E * K * N;
   if (w.element_type() == ffi::BF16)
-    grouped(pool, x32, layer_of<uint16_t>(w, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+    grouped(pool, x32, layer_of<uint16_t>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
   else
-    grouped(pool, x32, layer_of<float>(w, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+    grouped(pool, x32, layer_of<float>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
   return ffi::Error::Success();
 }
 
@@ -279,7 +278,7 @@ ffi::Error HeadMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
                       ffi::ResultBuffer<ffi::F32> y, int64_t offset, int64_t width, int64_t contract_a) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 3 || wd.size() != 4) return ffi::Error::InvalidArgument("x [B, H, K] and w [L, A, H, X] expected");
-  int64_t B = xd[0], H = xd[1], A = wd[1], X = wd[3];
+  int64_t B = xd[0], H = xd[1], L = wd[0], A = wd[1], X = wd[3];
   bool ok = wd[2] == H && offset >= 0 && offset + width <= X && width % kVec == 0 && A % kVec == 0 &&
             xd[2] == (contract_a ? A : width);
   if (!ok) return ffi::Error::InvalidArgument("shapes do not match (or width or A is not a multiple of 16)");
@@ -288,9 +287,10 @@ ffi::Error HeadMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   const float* x32 = as_f32(x, buffer);
   int64_t l = layer.typed_data()[0], per_layer = A * H * X;
   if (w.element_type() == ffi::BF16)
-    heads(pool, x32, layer_of<uint16_t>(w, l, per_layer), y->typed_data(), B, A, H, X, offset, width, contract_a);
+    heads(pool, x32, layer_of<uint16_t>(w, L, l, per_layer), y->typed_data(), B, A, H, X, offset, width,
+          contract_a);
   else
-    heads(pool, x32, layer_of<float>(w, l, per_layer), y->typed_data(), B, A, H, X, offset, width, contract_a);
+    heads(pool, x32, layer_of<float>(w, L, l, per_layer), y->typed_data(), B, A, H, X, offset, width, contract_a);
   return ffi::Error::Success();
 }
 

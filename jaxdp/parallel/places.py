@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.model.layers import rms_norm
+from jaxdp.native import dense_matmul
 
 ALL = ("dp", "tp")
 
@@ -136,10 +137,10 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
 def lm_head_logits(h_BD, w_DV, mode: str, dp: int, tp: int):
     """Full-vocab float32 logits of this rank's rows [B, V]."""
     if mode == "replicated":
-        return jnp.einsum("bd,dv->bv", h_BD, w_DV, preferred_element_type=jnp.float32)
+        return dense_matmul(h_BD, w_DV)
     B = h_BD.shape[0]
     h_RD = jax.lax.all_gather(h_BD, "dp", axis=0, tiled=True)  # rows to the weights
-    part_RV = jnp.einsum("rd,dv->rv", h_RD, w_DV, preferred_element_type=jnp.float32)
+    part_RV = dense_matmul(h_RD, w_DV)
     if mode == "split":
         full_RV = jax.lax.all_gather(part_RV, ALL, axis=1, tiled=True)
         return jax.lax.dynamic_slice_in_dim(full_RV, jax.lax.axis_index("dp") * B, B, axis=0)
