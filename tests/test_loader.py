@@ -311,18 +311,14 @@ def test_the_fp8_step_keeps_no_dequantized_copy_of_the_stack(monkeypatch):
     mesh = layout.make_mesh(jax.devices()[:1])
     temp, weights = {}, {}
     monkeypatch.setenv(native.ENV, "0")
-    native.available.cache_clear()
-    try:
-        for q in (None, "fp8"):
-            runner = StepRunner(init_sharded(cfg, layout, mesh, jnp.bfloat16, 0, q), layout, mesh, num_pages=4,
-                                page_size=4)
-            shape = StepShape(True, 4, 4, 2)
-            compiled = runner._build(shape).lower(*runner._abstract_args(shape)).compile()
-            temp[q] = compiled.memory_analysis().temp_size_in_bytes
-            weights[q] = sum(weight_bytes_per_device(runner.state).values())
-    finally:
-        monkeypatch.undo()
-        native.available.cache_clear()
+    for q in (None, "fp8"):
+        runner = StepRunner(init_sharded(cfg, layout, mesh, jnp.bfloat16, 0, q), layout, mesh, num_pages=4,
+                            page_size=4)
+        shape = StepShape(True, 4, 4, 2)
+        compiled = runner._build(shape).lower(*runner._abstract_args(shape)).compile()
+        temp[q] = compiled.memory_analysis().temp_size_in_bytes
+        weights[q] = sum(weight_bytes_per_device(runner.state).values())
+    monkeypatch.undo()
     assert weights["fp8"] < 0.6 * weights[None]
     dense_stack = weights[None]  # a whole dequantized copy would add at least this much
     assert temp["fp8"] < temp[None] and temp["fp8"] < dense_stack + 0.25 * temp[None], (temp, weights)

@@ -80,10 +80,9 @@ def _build() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the native kernels are built and registered with XLA:CPU (built on the first call)."""
-    if os.environ.get(ENV, "1") == "0":
-        return False
+def _load() -> bool:
+    """Build (once per machine), load and register the kernels with XLA:CPU, once per process (XLA refuses a
+    second registration of a name from another library)."""
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as e:
@@ -93,6 +92,13 @@ def available() -> bool:
     jax.ffi.register_ffi_target(HEAD_TARGET, jax.ffi.pycapsule(lib.JaxdpHeadMatmul), platform="cpu")
     jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(lib.JaxdpMlaDecode), platform="cpu")
     return True
+
+
+def available() -> bool:
+    """Whether the model's products take the native kernels: built and registered with XLA:CPU (on the first
+    call), and not turned off (`JAXDP_NATIVE=0`, read at each call: a step traced after it changes compiles
+    without them)."""
+    return os.environ.get(ENV, "1") != "0" and _load()
 
 
 def _call(target: str, out: jax.ShapeDtypeStruct):
