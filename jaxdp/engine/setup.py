@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxdp.batch import SAMPLING_KEYS, empty_step
+from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_spec, empty_step
 from jaxdp.engine.logprobs import prompt_logprobs
 from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS
 from jaxdp.engine.sampling import sample_tokens, top_logprobs
@@ -41,13 +41,15 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: int) -> None:
-    """Compile every step shape and its sampling ahead of time (the stand-in for CUDA graph capture)."""
+    """Compile every step shape and its sampling ahead of time, and run each once on padding (the stand-in for
+    CUDA graph capture, which runs the forward too)."""
     from tqdm import tqdm
 
     shapes = buckets.shapes()
     t0 = time.perf_counter()
     for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
         runner.compile(shape)
+        run_idle(runner, shape, dp)
         if shape.draft_tokens:  # a speculative step samples inside itself
             continue
         idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
@@ -64,6 +66,25 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
                 jax.block_until_ready(prompt_logprobs(rows, *(runner.put(a) for a in asks)))
     log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s; page-table widths %s)",
              len(shapes), time.perf_counter() - t0, buckets.decode, buckets.extend, list(buckets.pages))
+
+
+def run_idle(runner: StepRunner, shape, dp: int) -> None:
+    """Run the compiled step of `shape` once with every rank idle (all padding: its cache writes land past the
+    pool's end and are dropped). An executable's first run costs far more than the next ones (XLA:CPU: 50-250 ms
+    more for a speculative step of the default model, measured in docs/speculative.md); paid here, not by the
+    first request whose batch takes that shape."""
+    pad_slot = runner.num_pages * runner.page_size
+    arrays = empty_step(dp, shape.num_rows, shape.num_seqs, shape.pages_per_seq, pad_slot)
+    arrays["rows_R"] = np.zeros(dp, np.int32)
+    arrays["logits_idx_B"] = np.zeros((dp, shape.num_logits), np.int32)  # (every row's, in the all_logits shape)
+    if shape.draft_tokens:
+        from jaxdp.parallel.spec_step import run_spec_step
+
+        arrays |= empty_spec(dp, shape.num_rows, shape.num_requests, shape.draft_tokens, pad_slot)
+        arrays["seqs_R"] = np.zeros(dp, np.int32)
+        jax.block_until_ready(run_spec_step(runner, shape, arrays))
+    else:
+        jax.block_until_ready(runner.run(shape, {k: arrays[k] for k in (*STEP_FIELDS, "rows_R")}))
 
 
 def find_tokenizer(model):
