@@ -6,6 +6,7 @@ unequal replicas. Two servers are started once for the module (a dp=8 one with a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -242,14 +243,22 @@ def test_no_tokenizer_serves_token_ids_and_refuses_text(replica_server):
 
 
 def test_total_tokens_sends_a_new_request_to_the_least_loaded_replica(replica_server):
+    """While a long request holds tokens on one replica, a new one goes to the other. The long request runs in a
+    thread; the new one is sent as soon as /get_load shows the long one running (a decode step of the tiny model
+    takes about a millisecond: its 190 tokens last a fifth of a second)."""
     small = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
     for busy, expected in ((0, 1), (1, 0)):
-        long = {"input_ids": list(range(1, 60)), "stream": True, "routed_dp_rank": busy,
+        long = {"input_ids": list(range(1, 60)), "routed_dp_rank": busy,
                 "sampling_params": {"max_new_tokens": 190, "ignore_eos": True}}
-        with httpx.stream("POST", replica_server.url + "/generate", json=long, timeout=60):
-            # the answer's headers are back: the long request is assigned and holds tokens on `busy`
-            got = post(replica_server, "/generate", small, headers={}).json()["meta_info"]["dp_rank"]
-        assert got == expected
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(post, replica_server, "/generate", long, {})
+            got = None
+            while got is None and not done.done():
+                load = json.loads(get(replica_server, "/get_load", headers={}).text)
+                if load[busy]["num_running_reqs"]:
+                    got = post(replica_server, "/generate", small, headers={}).json()["meta_info"]["dp_rank"]
+            assert done.result().status_code == 200
+        assert got == expected, load
 
 
 def test_unequal_replicas_total_tokens_keeps_the_small_one_from_holding_the_queue(replica_server):
