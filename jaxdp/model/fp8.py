@@ -185,27 +185,24 @@ class StackedWeight:
             return None
         return self.values, self.scales, _scale_index((b,), (s_b,), self.block)
 
-    def _native(self, eq: str, x):
-        """How a CPU multiplies x by this weight with `jaxdp.native`, reading the layer in place: "gemm" (eq
-        contracts x's trailing dims with the weight's leading ones, "td,dq->tq", all its columns, a multiple of
-        16 of them), "A" or "B" (a product per head with a weight [A, H, X] or a view of some columns of X,
-        contracting A, "bhl,lhv->bhv", or the columns, "bhn,lhn->bhl"; A and the columns multiples of 16), or
-        None (a block-FP8 weight, another form, no kernels built on this machine: `dense_dot`)."""
+    def _native(self, xs: str, ws: str, out: str, n_in: int, x):
+        """How a CPU multiplies x by this weight (einsum `xs,ws->out`, n_in contracted dims) with `jaxdp.native`,
+        reading the layer in place: "gemm" (x's trailing dims contracted with the weight's leading ones,
+        "td,dq->tq", all its columns, a multiple of 16 of them), "A" or "B" (a product per head with a weight
+        [A, H, X] or a view of some columns of X, contracting A, "bhl,lhv->bhv", or the columns, "bhn,lhn->bhl";
+        A and the columns multiples of 16), or None (a block-FP8 weight, another form, no kernels built on this
+        machine: `dense_dot`)."""
         from jaxdp import native
 
-        lhs, out = eq.replace(" ", "").split("->")
-        xs, ws = lhs.split(",")
-        n_in = (len(xs) + len(ws) - len(out)) // 2
-        floats = (jnp.float32, jnp.bfloat16)
-        if self.scales is not None or self.values.dtype not in floats or x.dtype not in floats:
+        if self.scales is not None:
             return None
         if (n_in and self.cols is None and xs[len(xs) - n_in:] == ws[:n_in] and out == xs[:len(xs) - n_in] + ws[n_in:]
                 and math.prod(self.shape[n_in:]) % 16 == 0):
-            return "gemm" if native.available() else None
+            return "gemm" if native.takes(x, self.values) else None
         if len(ws) == 3 and len(xs) == 3 and xs[-2] == ws[1] and xs[-1] in (ws[0], ws[2]) and (
                 out == xs[:-1] + ws[2 if xs[-1] == ws[0] else 0]) and self.shape[0] % 16 == 0 and (
                 self.shape[2] % 16 == 0):
-            return ("A" if xs[-1] == ws[0] else "B") if native.available() else None
+            return ("A" if xs[-1] == ws[0] else "B") if native.takes(x, self.values) else None
         return None
 
     def dot(self, eq: str, x, dense_dot, kernel: bool | None = None, out_dtype=None):
@@ -248,7 +245,7 @@ class StackedWeight:
         def dense(x, values, scales, layer):
             return dense_dot(eq, x, self._like(values, scales, layer).dense()).astype(out_dtype)
 
-        cpu, form = dense, self._native(eq, x)
+        cpu, form = dense, self._native(xs, ws, out, n_in, x)
         if form == "gemm":
             def cpu(x, values, scales, layer):  # jaxdp.native: the layer read in place, on a CPU
                 from jaxdp import native

@@ -399,10 +399,8 @@ def mla_decode_portable(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_len
 
     args = (q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B)
     kw = dict(softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank)
-    floats = (jnp.float32, jnp.bfloat16)
     if not (kv_lora_rank % 64 == 0 and q_latent_BHL.shape[-1] == kv_lora_rank and q_rope_BHR.shape[-1] % 16 == 0
-            and kv_PSK.dtype in floats
-            and q_latent_BHL.dtype in floats and q_rope_BHR.dtype in floats and native.available()):
+            and native.takes(q_latent_BHL, q_rope_BHR, kv_PSK)):
         return mla_decode_xla(*args, **kw)
 
     def cpu(q_latent_BHL):

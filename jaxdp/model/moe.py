@@ -256,12 +256,10 @@ def native_experts(backend: str, x_TD, stacked) -> bool:
     widths held here multiples of 16, and the kernels built on this machine."""
     from jaxdp import native
 
-    floats = (jnp.float32, jnp.bfloat16)
-    ok = all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None and w.dtype in floats
-             for w in stacked)
+    ok = all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None for w in stacked)
     _, D, _, I = stacked[0].shape  # (held here: I is a slice of it under TP)
-    return ok and backend == "auto" and x_TD.dtype in floats and (2 * I) % 16 == 0 and D % 16 == 0 and (
-        native.available())
+    return ok and backend == "auto" and (2 * I) % 16 == 0 and D % 16 == 0 and (
+        native.takes(x_TD, *(w.values for w in stacked)))
 
 
 def _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I: StackedWeight, w_down_EID: StackedWeight, expert_offset=0):

@@ -102,6 +102,11 @@ def available() -> bool:
     return os.environ.get(ENV, "1") != "0" and _load()
 
 
+def takes(*arrays) -> bool:
+    """Whether the kernels take these operands: float32 or bf16 each, and the kernels built (`available`)."""
+    return all(jnp.dtype(a.dtype) in (jnp.float32, jnp.bfloat16) for a in arrays) and available()
+
+
 def _call(target: str, out: jax.ShapeDtypeStruct):
     """The custom call `target` (registering the kernels on first use; they must be `available()`)."""
     if not available():
@@ -152,8 +157,7 @@ def dense_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
     def xla(x, w):
         return jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)
 
-    floats = (jnp.float32, jnp.bfloat16)
-    if not (w_KN.shape[-1] % 16 == 0 and x_MK.dtype in floats and w_KN.dtype in floats and available()):
+    if not (w_KN.shape[-1] % 16 == 0 and takes(x_MK, w_KN)):
         return xla(x_MK, w_KN)
 
     @jax.custom_jvp
