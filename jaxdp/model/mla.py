@@ -225,47 +225,42 @@ class MLA(nnx.Module):
                                        w_kv_b_LHX.shape[-1] - N, own_rows=kv_TK is not None)
             if form == "dense":
                 return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
-            one_T, o_one_THV = self.attend_one_rows(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel)
+            one = one_row_sequences(batch)
             if form == "split":
-                o_THV = prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, skip_T=one_T, **kw)
+                o_THV = prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, skip_T=one.T, **kw)
             else:
                 o_THV = attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX,
-                                       see_T=jnp.where(one_T, -1, batch.positions_T), **kw)
-            return jnp.where(one_T[:, None, None], o_one_THV.astype(o_THV.dtype), o_THV)
+                                       see_T=jnp.where(one.T, -1, batch.positions_T), **kw)
+            return self.attend_one_rows(q_nope_THN, q_rope_THR, kv_PSK, batch, one, o_THV, decode_kernel)
         q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
         o_THL = attend_selected(q_latent_THL, q_rope_THR, *args, sel_TK, kv_lora_rank=cfg.kv_lora_rank,
                                 softmax_scale=cfg.softmax_scale)
         return dot("thl,lhv->thv", o_THL.astype(w_kv_b_LHX.dtype), w_kv_b_LHX[..., cfg.qk_nope_head_dim :])
 
-    def attend_one_rows(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel=None):
+    def attend_one_rows(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, one: OneRows, o_THV,
+                        decode_kernel=None):
         """The rows that are their sequence's only row in a prompt step, attended as a decode step attends its
         rows (`attend_absorbed`: each sequence's one query over its latents, which hold the row's own entry
         already), ONE_ROW_BLOCK sequences at a time, as many blocks as there are such sequences: the work
         follows them, not the sequence slots the step is padded to (none for a fresh prompt's step).
-        Returns (one_T: which rows, [T, H, V]: their outputs; the other rows' are zeros)."""
+        Returns o_THV [T, H, V] (the loops' output, whose one-row rows they skipped) with those rows written in
+        place: no buffer of their own beside it."""
         T, B = batch.seq_T.shape[0], batch.page_table_BN.shape[0]
-        rows_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].add(1)[:B]  # (padding rows: sequence B)
-        row_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].max(jnp.arange(T, dtype=jnp.int32))[:B]
-        one_B = rows_B == 1
         W = min(ONE_ROW_BLOCK, B)
-        order = jnp.argsort(~one_B, stable=True)  # those sequences first
+        order = jnp.argsort(~one.B, stable=True)  # those sequences first
         order = jnp.concatenate([order, jnp.full((-B % W,), B, order.dtype)])  # (whole blocks; B: none)
 
         def block(i, o_THV):
             b_W = jax.lax.dynamic_slice_in_dim(order, i * W, W)
-            real_W = (b_W < B) & one_B[jnp.clip(b_W, 0, B - 1)]
+            real_W = (b_W < B) & one.B[jnp.clip(b_W, 0, B - 1)]
             b_W = jnp.clip(b_W, 0, B - 1)
             rows = dataclasses.replace(batch, page_table_BN=batch.page_table_BN[b_W],
                                        seq_lens_B=jnp.where(real_W, batch.seq_lens_B[b_W], 0))
-            t_W = row_B[b_W]
+            t_W = one.row_B[b_W]
             o_WHV = self.attend_absorbed(q_nope_THN[t_W], q_rope_THR[t_W], kv_PSK, rows, decode_kernel)
             return o_THV.at[jnp.where(real_W, t_W, T)].set(o_WHV.astype(o_THV.dtype), mode="drop")
 
-        V = weight(self, "w_kv_b_LHX").shape[-1] - q_nope_THN.shape[-1]
-        o_THV = jax.lax.fori_loop(0, (jnp.sum(one_B) + W - 1) // W, block,
-                                  jnp.zeros((T, q_nope_THN.shape[1], V), q_nope_THN.dtype))
-        seq_T = jnp.clip(batch.seq_T, 0, B - 1)
-        return one_B[seq_T] & (batch.seq_T < B), o_THV
+        return jax.lax.fori_loop(0, (jnp.sum(one.B) + W - 1) // W, block, o_THV)
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,
@@ -305,6 +300,23 @@ class MLA(nnx.Module):
             o_BHL = mla_decode_portable(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                         softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return weight_first("lhv,bhl->bhv", w_uv_LHV, o_BHL.astype(w_uv_LHV.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class OneRows:
+    """A prompt step's sequences with one row in it (decoders riding along): B (which sequences), row_B (that
+    row), T (which rows are such a row; padding rows are not)."""
+    B: jax.Array
+    row_B: jax.Array
+    T: jax.Array
+
+
+def one_row_sequences(batch: AttnBatch) -> OneRows:
+    T, B = batch.seq_T.shape[0], batch.page_table_BN.shape[0]
+    rows_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].add(1)[:B]  # (padding rows: sequence B)
+    row_B = jnp.zeros((B + 1,), jnp.int32).at[batch.seq_T].max(jnp.arange(T, dtype=jnp.int32))[:B]
+    one_B = rows_B == 1
+    return OneRows(one_B, row_B, one_B[jnp.clip(batch.seq_T, 0, B - 1)] & (batch.seq_T < B))
 
 
 def weight_first(eq: str, w: jax.Array, x: jax.Array) -> jax.Array:
