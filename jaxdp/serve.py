@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-balance-method", choices=METHODS, default="round_robin",
                    help="which rank (or replica) a new request goes to")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each step's tokens back before planning the next (the overlap is off anyway when "
+                        "speculating)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="a rank reading a prompt carries its own decoding requests in the same step")
     g.add_argument("--enable-prefill-delayer", action="store_true",

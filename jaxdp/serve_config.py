@@ -79,7 +79,8 @@ def engine_config(args, num_pages: int | None = None):
                         schedule_conservativeness=args.schedule_conservativeness, decode_buckets=buckets,
                         disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
                         enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
-                        enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg)
+                        enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg,
+                        overlap=not args.disable_overlap_schedule)
 
 
 def speculative_config(args):

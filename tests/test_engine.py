@@ -185,6 +185,14 @@ def test_overlap_queues_the_next_step_before_reading_tokens(engine):
     pools_are_full(engine)
 
 
+def test_disable_overlap_schedule_reaches_the_engine():
+    from jaxdp.serve import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse([]), 64).overlap  # SGLang's default: on
+    assert not engine_config(parse(["--disable-overlap-schedule"]), 64).overlap
+
+
 @pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # (CI: the default)
 def test_retraction_keeps_outputs_and_frees_everything(overlap):
     cfg = small_config(num_pages=10, max_running_requests=8, chunked_prefill_size=16, decode_buckets=[1, 2, 4],
