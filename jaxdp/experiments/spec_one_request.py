@@ -38,15 +38,16 @@ def main(argv: list[str] | None = None) -> int:
                          "switched off above --off-above running requests)")
     ap.add_argument("--off-above", type=int, default=64, metavar="N", help="mtp-off's threshold (default 64)")
     ap.add_argument("--concurrency", type=int, default=1, metavar="C",
-                    help="with --rounds: requests at once, 4 x C problems a round (default 1: the recipes' point)")
+                    help=f"with --rounds: requests at once (at most {TOP}), 4 x C problems a round (default 1: the "
+                         "recipes' point)")
     ap.add_argument("--rounds", type=int, default=0, metavar="N",
                     help="the modes' servers up at once, N rounds of 4 problems on each in turn (default: fresh "
                          "servers one after another, 4 problems then 16)")
     ap.add_argument("--json", default="benchmarks/results/experiments/spec_one_request.json")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if "plain" not in modes or any(m not in MODES for m in modes) or args.rounds < 0 or args.concurrency < 1:
-        ap.error(f"--modes takes plain and any of {', '.join(MODES)}; --rounds a count >= 0, --concurrency >= 1")
+    if "plain" not in modes or any(m not in MODES for m in modes) or args.rounds < 0 or not 0 < args.concurrency <= TOP:
+        ap.error(f"--modes takes plain and any of {', '.join(MODES)}; --rounds a count >= 0, --concurrency 1 to {TOP}")
     if args.concurrency > 1 and not args.rounds:
         ap.error("--concurrency takes --rounds (the fresh-server run is the recipes' one-request point)")
     ctx = Context("spec_one_request", False, Path("experiments-out"))
