@@ -201,3 +201,11 @@ def gap_ms(point: dict) -> float:
 
 def ms(value: float) -> str:
     return f"{value:.1f} ms"
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """An experiment script's raw rows as JSON at `path` (its folder made), and a line saying where."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {path}")

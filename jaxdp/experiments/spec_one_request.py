@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from jaxdp.experiments.recipes import LAYOUTS, OUTPUT_LEN, prompts_file
-from jaxdp.experiments.runner import Context, context_for
+from jaxdp.experiments.runner import Context, context_for, write_rows
 from jaxdp.model.loader import default_model_path
 
 TOP = 256  # recipes' --max-running-requests (its full run)
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in (4, 16):
                 print(f"{name}, {n} prompts: {mode} x{tok[mode, n] / tok['plain', n]:.2f} "
                       f"({tok[mode, n]:.0f} / {tok['plain', n]:.0f} tok/s)")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {args.json}")
+    write_rows(args.json, rows)
     return 0
 
 

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from jaxdp.experiments.runner import write_rows
+
 PARTS = ("plan", "agree", "arrays", "dispatch", "wait", "book", "other")
 
 
@@ -145,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.shutdown()
             same = all(t == tokens[next(iter(tokens))] for t in tokens.values())
             print(f"{mesh} x{n}: the same greedy tokens in every case: {same}", flush=True)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.json}")
+    write_rows(args.json, results)
     return 0
 
 
