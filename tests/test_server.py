@@ -262,8 +262,10 @@ def test_total_tokens_sends_a_new_request_to_the_least_loaded_replica(replica_se
 
 
 def test_unequal_replicas_total_tokens_keeps_the_small_one_from_holding_the_queue(replica_server):
-    """The guide's two-L4 experiment scaled down: pools of 64 and 16 pages; 24 requests at once."""
-    body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+    """The guide's two-L4 experiment scaled down: pools of 64 and 16 pages; 24 requests at once, long enough
+    (64 new tokens) that /get_load sees both replicas busy: with 24 the large replica could finish its share
+    between two polls on a fast step, and the comparison below then read its queue as always empty."""
+    body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
     queues = []
 
     async def run():
