@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import subprocess
@@ -403,11 +404,16 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path,
                         started[name].set()
                         events[name].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
 
-        # rank 0 (two slots) holds four 500-token fillers, so "long" and "plain" queue behind two rounds of them:
-        # they cannot finish within the 2 s of grace (a round takes about 2.7 s here); "short" runs on rank 1
-        fillers = [threading.Thread(target=httpx.post, args=(s.url + "/generate",),
-                                    kwargs={"json": greedy("1+1=", 500, routed_dp_rank=0), "timeout": 60})
-                   for _ in range(4)]
+        # "long" and "plain" must still be queued on rank 0 (two slots) when the 2 s of grace run out, yet not for
+        # the 6 s of --request-timeout: ahead of them go enough 500-token fillers for about 3.5 s of rounds, sized
+        # by a round timed here (the step's speed differs from machine to machine); "short" runs on rank 1
+        t1 = time.perf_counter()
+        assert httpx.post(s.url + "/generate", json=greedy("1+1=", 500, routed_dp_rank=0), timeout=60).status_code == 200
+        rounds = max(1, math.ceil(3.5 / (time.perf_counter() - t1)))
+        done = []  # fillers answered: the client's side of the count below
+        fillers = [threading.Thread(target=lambda: done.append(httpx.post(
+                       s.url + "/generate", timeout=60, json=greedy("1+1=", 500, routed_dp_rank=0))))
+                   for _ in range(2 * rounds)]
         for t in fillers:
             t.start()
         time.sleep(0.5)
@@ -416,9 +422,9 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path,
                        s.url + "/generate", timeout=60, json=greedy("1+1=", 500, routed_dp_rank=0))))]
         for t in threads:
             t.start()
-        t_wait = time.time()  # "long" and "plain" must be in the server (rank 0: four fillers and the two) first
-        while rank_state(s, 0)["num_reqs"] < 6:
-            assert time.time() - t_wait < 30, rank_state(s, 0)
+        t_wait = time.time()  # every filler and the two are in the server: those it holds and those answered
+        while rank_state(s, 0)["num_reqs"] + len(done) < len(fillers) + 2:
+            assert time.time() - t_wait < 30, (rank_state(s, 0), len(done), len(fillers))
             time.sleep(0.05)
         short = threading.Thread(target=stream, args=("short", 12), kwargs={"routed_dp_rank": 1})
         short.start()

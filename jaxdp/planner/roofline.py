@@ -129,10 +129,11 @@ def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int,
                                        + cfg.index_n_heads * cfg.index_head_dim * per_token)
     add("KV cache", kv_read, kv_flops)
     weights("router", moe_rows)
-    experts = comps["routed experts"]
-    touched = expected_experts(moe_rows, cfg.n_routed_experts, k) / cfg.n_routed_experts
-    add("routed experts", experts.bytes_total * touched / n * held,
-        2 * 3 * h * cfg.moe_intermediate_size * Lm * moe_rows * k / n)
+    experts = comps.get("routed experts")  # none where every layer is dense (a preset cut to its first layers)
+    if experts is not None:
+        touched = expected_experts(moe_rows, cfg.n_routed_experts, k) / cfg.n_routed_experts
+        add("routed experts", experts.bytes_total * touched / n * held,
+            2 * 3 * h * cfg.moe_intermediate_size * Lm * moe_rows * k / n)
     weights("shared expert", moe_rows)
     weights("dense layers", acct.gathered_rows)
     lm_rows = max(rows) if layout.dp_lm_head else sum(rows)  # one logits row per sequence
