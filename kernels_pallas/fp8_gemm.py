@@ -35,10 +35,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import words as w16
 from kernels_pallas.mla_decode import by_lowering_platform
 from kernels_pallas.nvfp4_moe import _fit_block, _is_pow2, _row_limit, effective_group_sizes, grouped_call
 
 BLOCK_K = 128  # DeepSeek's block: one scale per 128 rows of K
+FP8 = jnp.float8_e4m3fn
 _EXACT = jax.lax.Precision.HIGHEST  # f32 operands get IEEE dots (Triton would use TF32); bf16 unaffected
 
 
@@ -93,7 +95,7 @@ def _tile(x_at, w_at, s_at, rows_M, valid_M, cols_N, scol_N, kb, block_k=BLOCK_K
 
 
 def _dense_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, block_m, block_n, num_k_blocks,
-                  scaled):
+                  scaled, words):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     rows_M = i * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -102,7 +104,7 @@ def _dense_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, 
     scol_N = cols_ref[cols_N]
 
     def body(kb, acc_MN):
-        return acc_MN + _tile(lambda m, k: x_ref.at[m, k], lambda k, n: w_ref[layer, k, n],
+        return acc_MN + _tile(lambda m, k: x_ref.at[m, k], lambda k, n: w16.load(w_ref, (layer, k, n), FP8, words),
                               (lambda kb, s: s_ref[layer, kb, s][None, :]) if scaled else None,
                               rows_M, valid_M, cols_N, scol_N, kb)
 
@@ -115,28 +117,31 @@ def _compiler_params(interpret, num_warps, num_stages):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret", "num_warps", "num_stages",
-                                             "out_dtype"))
+                                             "out_dtype", "words"))
 def _dense_call(x_MK, w_LKN, scale_LKbS, col_scale_N, layer, *, block_m, block_n, interpret, num_warps,
-                num_stages, out_dtype):
+                num_stages, out_dtype, words):
     m, k = x_MK.shape
     n = w_LKN.shape[2]
     kernel = functools.partial(_dense_kernel, num_rows=m, block_m=block_m, block_n=block_n, num_k_blocks=k // BLOCK_K)
     return _layer_call(kernel, jax.ShapeDtypeStruct((m, n), x_MK.dtype if out_dtype is None else out_dtype),
                        (pl.cdiv(m, block_m), n // block_n), ("stacked_matmul", "fp8_matmul"), layer, col_scale_N,
-                       x_MK, w_LKN, scale_LKbS, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                       x_MK, w_LKN, scale_LKbS, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                       words=words)
 
 
 def _layer_call(kernel, out_shape, grid, names, layer, col_scale, x, w_stack, scales, *, interpret, num_warps,
-                num_stages):
+                num_stages, words):
     """Launch a GEMM that reads one layer of a stacked weight in place: its operands whole, the layer index, the
     scale column of each weight column, x, the stack and its scales (for a plain weight, placeholders never read:
     `kernel` gets scaled=False and the first of `names`)."""
     scaled = scales is not None
     if not scaled:
         scales, col_scale = jnp.zeros((1,) * w_stack.ndim, jnp.float32), jnp.zeros((w_stack.shape[-1],), jnp.int32)
+    words = w16.needs_words(w_stack.shape, w_stack.dtype) if words is None else words
+    w_stack = w16.as_words(w_stack) if words else w_stack
     whole = pl.no_block_spec
     return pl.pallas_call(
-        functools.partial(kernel, scaled=scaled),
+        functools.partial(kernel, scaled=scaled, words=words),
         out_shape=out_shape,
         grid=grid,
         in_specs=[whole] * 5,
@@ -160,13 +165,15 @@ def _check(name, x_shape, w_shape, s_shape, col_scale_N, blocks):
 
 
 def fp8_matmul(x_MK, w_LKN, scale_LKbS, col_scale_N, layer=0, *, block_m: int = 64, block_n: int = 64,
-               interpret: bool | None = None, num_warps: int = 4, num_stages: int = 3, out_dtype=None) -> jax.Array:
+               interpret: bool | None = None, num_warps: int = 4, num_stages: int = 3, out_dtype=None,
+               words: bool | None = None) -> jax.Array:
     """x [M, K] @ dequant(W[layer]) -> [M, N] in x's dtype (or `out_dtype`; float32 accumulation).
 
     w_LKN float8_e4m3fn [L, K, N] (or [K, N]: one layer); scale_LKbS float32 [L, K/128, S]; col_scale_N
     int32 [N] (numpy or jax), the scale column of each output column; layer: int or traced int32 scalar.
     scale_LKbS and col_scale_N None: W is a plain weight of any dtype (e.g. the MoE's float32 router), read
-    in place from its stack, cast to x's dtype."""
+    in place from its stack, cast to x's dtype. words: read W as 16-bit words (`kernels_pallas.words`); None:
+    where it needs it (2 to 4 GiB of FP8)."""
     if w_LKN.ndim == 2:
         w_LKN, scale_LKbS = w_LKN[None], None if scale_LKbS is None else scale_LKbS[None]
     if scale_LKbS is None:
@@ -174,7 +181,7 @@ def fp8_matmul(x_MK, w_LKN, scale_LKbS, col_scale_N, layer=0, *, block_m: int = 
     _check("fp8_matmul", x_MK.shape, w_LKN.shape, (*w_LKN.shape[:2], w_LKN.shape[1] // BLOCK_K, 1)
            if scale_LKbS is None else scale_LKbS.shape, col_scale_N, {"block_m": block_m, "block_n": block_n})
     call = functools.partial(_dense_call, block_m=block_m, block_n=_fit_block(block_n, w_LKN.shape[2]),
-                             num_warps=num_warps, num_stages=num_stages,
+                             num_warps=num_warps, num_stages=num_stages, words=words,
                              out_dtype=None if out_dtype is None else jnp.dtype(out_dtype))
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
     return call(x_MK, w_LKN, scale_LKbS, None if scale_LKbS is None else jnp.asarray(col_scale_N, jnp.int32), layer)
@@ -208,7 +215,7 @@ def fp8_head_matmul_reference(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer, *,
 
 
 def _head_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, block_m, block_n, block_k,
-                 num_k_blocks, offset, contract_a, scaled):
+                 num_k_blocks, offset, contract_a, scaled, words):
     i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     rows_M = i * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -217,11 +224,11 @@ def _head_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, b
     x_at = lambda m, k: x_ref.at[m, h, k]  # noqa: E731
     if contract_a:  # y[m, h, n] = sum_a x[m, h, a] W[a, h, offset + n]: a K tile is one block of scale rows
         scol_N = cols_ref[offset + n_N]
-        w_at = lambda k, n: w_ref[layer, k, h, offset + n]  # noqa: E731
+        w_at = lambda k, n: w16.load(w_ref, (layer, k, h, offset + n), FP8, words)  # noqa: E731
         s_at = lambda kb, s: s_ref[layer, kb, h, s][None, :]  # noqa: E731
     else:  # y[m, h, n] = sum_b x[m, h, b] W[n, h, offset + b]: an N tile lies in one block of scale rows
         scol_N = None
-        w_at = lambda k, n: w_ref[layer, n, h, offset + k]  # noqa: E731
+        w_at = lambda k, n: w16.load(w_ref, (layer, n, h, offset + k), FP8, words)  # noqa: E731
         s_at = lambda kb, _: s_ref[layer, (j * block_n) // BLOCK_K, h,  # noqa: E731
                                    cols_ref[offset + kb * block_k + jnp.arange(block_k, dtype=jnp.int32)]][:, None]
 
@@ -233,15 +240,15 @@ def _head_kernel(layer_ref, cols_ref, x_ref, w_ref, s_ref, y_ref, *, num_rows, b
 
 
 @functools.partial(jax.jit, static_argnames=("n", "offset", "contract_a", "block_m", "block_n", "block_k",
-                                             "interpret", "num_warps", "num_stages", "out_dtype"))
+                                             "interpret", "num_warps", "num_stages", "out_dtype", "words"))
 def _head_call(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer, *, n, offset, contract_a, block_m, block_n,
-               block_k, interpret, num_warps, num_stages, out_dtype):
+               block_k, interpret, num_warps, num_stages, out_dtype, words):
     m, h, k = x_MHK.shape
     kernel = functools.partial(_head_kernel, num_rows=m, block_m=block_m, block_n=block_n, block_k=block_k,
                                num_k_blocks=k // block_k, offset=offset, contract_a=contract_a)
     return _layer_call(kernel, jax.ShapeDtypeStruct((m, h, n), out_dtype), (pl.cdiv(m, block_m), h, n // block_n),
                        ("stacked_head_matmul", "fp8_head_matmul"), layer, col_scale_B, x_MHK, w_LAHB, scale_LAbHS,
-                       interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                       interpret=interpret, num_warps=num_warps, num_stages=num_stages, words=words)
 
 def head_tiles(a: int, width: int, contract: str, block_n: int = 64) -> bool:
     """Whether `fp8_head_matmul` tiles a weight [A, H, B] read over `width` of its B columns: the contracted
@@ -254,7 +261,7 @@ def head_tiles(a: int, width: int, contract: str, block_n: int = 64) -> bool:
 
 def fp8_head_matmul(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer=0, *, offset: int = 0, width: int | None = None,
                     contract: str = "A", block_m: int = 64, block_n: int = 64, interpret: bool | None = None,
-                    num_warps: int = 4, num_stages: int = 3, out_dtype=None) -> jax.Array:
+                    num_warps: int = 4, num_stages: int = 3, out_dtype=None, words: bool | None = None) -> jax.Array:
     """x [M, H, K] times each head's slice of a per-head weight (MLA's kv_b_proj [A, H, B]: A the latent, B the
     nope and value dims), the layer read where it lies in its stack [L, A, H, B], its columns [offset, offset +
     width) of B, FP8 dequantized in registers -> [M, H, N] in x's dtype (or `out_dtype`; float32 accumulation).
@@ -287,7 +294,7 @@ def fp8_head_matmul(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer=0, *, offset:
     call = functools.partial(_head_call, n=n, offset=offset, contract_a=contract == "A", block_m=block_m,
                              block_n=min(_fit_block(block_n, n), BLOCK_K),
                              block_k=BLOCK_K if contract == "A" else _fit_block(BLOCK_K, width),
-                             num_warps=num_warps, num_stages=num_stages,
+                             num_warps=num_warps, num_stages=num_stages, words=words,
                              out_dtype=jnp.dtype(x_MHK.dtype if out_dtype is None else out_dtype))
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
     return call(x_MHK, w_LAHB, scale_LAbHS, None if scale_LAbHS is None else jnp.asarray(col_scale_B, jnp.int32),
@@ -295,7 +302,7 @@ def fp8_head_matmul(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer=0, *, offset:
 
 
 def _grouped_kernel(layer_ref, cols_ref, expert_ref, start_ref, end_ref, count_ref, x_ref, w_ref, s_ref,
-                    _zeros_ref, y_ref, *, block_m, block_n, num_k_blocks):
+                    _zeros_ref, y_ref, *, block_m, block_n, num_k_blocks, words):
     tile, col = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tile < count_ref[0])
@@ -307,7 +314,8 @@ def _grouped_kernel(layer_ref, cols_ref, expert_ref, start_ref, end_ref, count_r
         scol_N = cols_ref[cols_N]
 
         def body(kb, acc_MN):
-            return acc_MN + _tile(lambda m, k: x_ref.at[m, k], lambda k, n: w_ref[layer, expert, k, n],
+            return acc_MN + _tile(lambda m, k: x_ref.at[m, k],
+                                  lambda k, n: w16.load(w_ref, (layer, expert, k, n), FP8, words),
                                   lambda kb, s: s_ref[layer, expert, kb, s][None, :], rows_M, valid_M, cols_N,
                                   scol_N, kb)
 
@@ -315,19 +323,22 @@ def _grouped_kernel(layer_ref, cols_ref, expert_ref, start_ref, end_ref, count_r
         plgpu.store(y_ref.at[rows_M[:, None], cols_N[None, :]], acc_MN.astype(y_ref.dtype), mask=valid_M[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret", "num_warps", "num_stages", "words"))
 def _grouped_call(x_TK, w_LEKN, scale_LEKbS, col_scale_N, group_sizes_E, layer, num_valid_rows, *, block_m,
-                  block_n, interpret, num_warps, num_stages):
+                  block_n, interpret, num_warps, num_stages, words):
+    n = w_LEKN.shape[3]
+    words = w16.needs_words(w_LEKN.shape, w_LEKN.dtype) if words is None else words
+    w_LEKN = w16.as_words(w_LEKN) if words else w_LEKN
     kernel = functools.partial(_grouped_kernel, block_m=block_m, block_n=block_n,
-                               num_k_blocks=x_TK.shape[1] // BLOCK_K)
-    return grouped_call(kernel, x_TK, w_LEKN.shape[3], group_sizes_E, num_valid_rows,
+                               num_k_blocks=x_TK.shape[1] // BLOCK_K, words=words)
+    return grouped_call(kernel, x_TK, n, group_sizes_E, num_valid_rows,
                         (jnp.asarray(layer, jnp.int32).reshape(1), col_scale_N),
                         (w_LEKN, scale_LEKbS.astype(jnp.float32)), block_m=block_m, block_n=block_n,
                         interpret=interpret, num_warps=num_warps, num_stages=num_stages, name="fp8_grouped_matmul")
 
 def fp8_grouped_matmul(x_TK, w_LEKN, scale_LEKbS, col_scale_N, group_sizes_E, layer=0, *, num_valid_rows=None,
                        block_m: int = 16, block_n: int = 64, interpret: bool | None = None, num_warps: int = 4,
-                       num_stages: int = 3) -> jax.Array:
+                       num_stages: int = 3, words: bool | None = None) -> jax.Array:
     """x [T, K] (rows sorted by expert) times each expert's dequant(W[layer, e]) [K, N] -> [T, N] in x's dtype.
 
     w_LEKN float8_e4m3fn [L, E, K, N] (or [E, K, N]); scale_LEKbS float32 [L, E, K/128, S]; col_scale_N int32
@@ -337,7 +348,7 @@ def fp8_grouped_matmul(x_TK, w_LEKN, scale_LEKbS, col_scale_N, group_sizes_E, la
     _check("fp8_grouped_matmul", x_TK.shape, w_LEKN.shape, scale_LEKbS.shape, col_scale_N,
            {"block_m": block_m, "block_n": block_n})
     call = functools.partial(_grouped_call, block_m=block_m, block_n=_fit_block(block_n, w_LEKN.shape[3]),
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, words=words)
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
     return call(x_TK, w_LEKN, scale_LEKbS, jnp.asarray(col_scale_N, jnp.int32), group_sizes_E, layer,
                 num_valid_rows)

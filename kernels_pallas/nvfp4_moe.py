@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.mla_decode import by_lowering_platform
+from kernels_pallas import words as w16
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, e2m1_decode_arith
 
 # f32 operands get IEEE dots (Triton would use TF32 for DEFAULT); bf16 operands are unaffected.
@@ -130,7 +131,7 @@ def _dequant_tile(packed_NK2, scale_NKB, dtype):
 
 def _grouped_kernel(
     layer_ref, expert_ref, start_ref, end_ref, count_ref, x_ref, packed_ref, scales_ref, gscale_ref, _zeros_ref,
-    y_ref, *, block_m, block_n, block_k, num_k_blocks,
+    y_ref, *, block_m, block_n, block_k, num_k_blocks, packed_words, scales_words,
 ):
     tile, col = pl.program_id(0), pl.program_id(1)
 
@@ -149,8 +150,11 @@ def _grouped_kernel(
             x_MK = plgpu.load(
                 x_ref.at[rows_M[:, None], (kb * block_k + k_K)[None, :]], mask=valid_M[:, None], other=0
             )
-            packed_NK2 = packed_ref[layer, expert, cols_N[:, None], (kb * (block_k // 2) + k_K2)[None, :]]
-            scale_NKB = scales_ref[layer, expert, cols_N[:, None], (kb * (block_k // BLOCK_K) + k_KB)[None, :]]
+            packed_NK2 = w16.load(packed_ref, (layer, expert, cols_N[:, None], (kb * (block_k // 2) + k_K2)[None, :]),
+                                  jnp.uint8, packed_words)
+            scale_NKB = w16.load(scales_ref, (layer, expert, cols_N[:, None],
+                                              (kb * (block_k // BLOCK_K) + k_KB)[None, :]), jnp.float8_e4m3fn,
+                                 scales_words)
             w_NK = _dequant_tile(packed_NK2, scale_NKB, x_MK.dtype)
             return acc_MN + jax.lax.dot_general(
                 x_MK, w_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_EXACT
@@ -162,12 +166,17 @@ def _grouped_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret", "num_warps", "num_stages")
+    jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret", "num_warps", "num_stages", "words")
 )
 def _grouped_call(x_TK, packed_LENK2, scales_LENK16, global_scale_LE, group_sizes_E, layer, num_valid_rows, *,
-                  block_m, block_n, block_k, interpret, num_warps, num_stages):
+                  block_m, block_n, block_k, interpret, num_warps, num_stages, words):
+    packed_words, scales_words = (w16.needs_words(a.shape, a.dtype) if words is None else words
+                                  for a in (packed_LENK2, scales_LENK16))
+    packed_LENK2 = w16.as_words(packed_LENK2) if packed_words else packed_LENK2
+    scales_LENK16 = w16.as_words(scales_LENK16.astype(jnp.float8_e4m3fn)) if scales_words else scales_LENK16
     kernel = functools.partial(_grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               num_k_blocks=x_TK.shape[1] // block_k)
+                               num_k_blocks=x_TK.shape[1] // block_k, packed_words=packed_words,
+                               scales_words=scales_words)
     return grouped_call(kernel, x_TK, packed_LENK2.shape[2], group_sizes_E, num_valid_rows,
                         (jnp.asarray(layer, jnp.int32).reshape(1),),
                         (packed_LENK2, scales_LENK16, global_scale_LE.astype(jnp.float32)), block_m=block_m,
@@ -177,7 +186,7 @@ def _grouped_call(x_TK, packed_LENK2, scales_LENK16, global_scale_LE, group_size
 def nvfp4_grouped_matmul(
     x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, layer=None, *, num_valid_rows=None,
     block_m: int = 16, block_n: int = 64, block_k: int = 128, interpret: bool | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = 4, num_stages: int = 3, words: bool | None = None,
 ) -> jax.Array:
     """x [T, K] (rows sorted by expert) times each expert's NVFP4 weight [N, K] -> y [T, N] in x's dtype.
 
@@ -186,6 +195,8 @@ def nvfp4_grouped_matmul(
     [E, H, I]. num_valid_rows (int or traced int32 scalar): rows at or past it return zeros.
     layer (int or traced int32 scalar): the weights are a stack of layers, [L, E, N, K//2], [L, E, N, K//16]
     and [L, E], and layer `layer` is multiplied, read where it lies in the stack (no slice is copied out).
+    words: read the packed codes and scales as 16-bit words (`kernels_pallas.words`); None: where an operand
+    needs it (2 to 4 GiB).
     """
     if layer is None:
         packed_ENK2, scales_ENK16, global_scale_E = packed_ENK2[None], scales_ENK16[None], global_scale_E[None]
@@ -204,6 +215,6 @@ def nvfp4_grouped_matmul(
     if block_k < BLOCK_K:
         raise ValueError(f"K={k} needs a power-of-two divisor of at least {BLOCK_K} (one scale block).")
     call = functools.partial(_grouped_call, block_m=block_m, block_n=block_n, block_k=block_k,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, words=words)
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
     return call(x_TK, packed_ENK2, scales_ENK16, global_scale_E, group_sizes_E, layer, num_valid_rows)
