@@ -113,9 +113,10 @@ def test_stacked_fp8_dot_is_the_dense_product(eq, shape, name):
     w = fp8.StackedWeight(q, s, jnp.int32(1), 128, jnp.dtype(jnp.float32))
     lead = {"td,dkf->tkf": (9, 256), "thv,hvd->td": (9,) + shape[:2], "tq,qhk->thk": (9, 128)}[eq]
     x = jnp.asarray(rng.standard_normal(lead), jnp.float32)
-    want = jnp.einsum(eq, x, dequantized(q[1], s[1]))
+    want = jnp.einsum(eq, x, dequantized(q[1], s[1]), precision=jax.lax.Precision.HIGHEST)
     for kernel in (True, None):
-        got = w.dot(eq, x, dot, kernel=kernel)
+        with jax.default_matmul_precision("highest"):  # float32 dots on a GPU: IEEE, not TF32 (the default)
+            got = w.dot(eq, x, dot, kernel=kernel)
         assert got.shape == want.shape and got.dtype == x.dtype
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
     view = w[..., :5]  # a view of some columns, read as an array: those columns of the layer

@@ -73,6 +73,13 @@ def _effective_scale(block_scale_NB, scale_2):
     return np.repeat(np.asarray(block_scale_NB.astype(jnp.float32)), 16, axis=-1) * float(scale_2)
 
 
+def _worst(w, w_hat, bound) -> str:
+    """The element furthest past its bound, for the failure message."""
+    w, w_hat = np.asarray(w, np.float32), np.asarray(w_hat, np.float32)
+    i = np.unravel_index(np.argmax(np.abs(w - w_hat) / bound), w.shape)
+    return f"at {i}: w {w[i]!r}, dequantized {w_hat[i]!r}, bound {bound[i]!r} ({jax.default_backend()})"
+
+
 def test_quantize_dequantize_within_error_bound():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((16, 128)) * np.exp(rng.standard_normal((16, 1))), jnp.float32)
@@ -89,7 +96,8 @@ def test_quantize_dequantize_within_error_bound():
     s = _effective_scale(block_scale, scale_2)
     normal = np.repeat(np.asarray(block_scale.astype(jnp.float32)) >= 2.0**-6, 16, axis=-1)
     assert normal.sum() == w.size - 16
-    assert np.all(err[normal] <= s[normal] * (1 + 1e-6))  # half the widest E2M1 gap (4 -> 6), in block units
+    # half the widest E2M1 gap (4 -> 6), in block units
+    assert np.all(err[normal] <= s[normal] * (1 + 1e-6)), _worst(np.where(normal, w, 0), np.where(normal, w_hat, 0), s)
     small = normal & (np.abs(np.asarray(w)) <= 2 * s)
     assert np.all(err[small] <= s[small] / 4 * (1 + 1e-6))
     assert 0 < float(block_scale[5, 2].astype(jnp.float32)) < 2.0**-6
@@ -112,8 +120,9 @@ def test_gate_up_share_one_global_scale():
     assert float(s2g) == float(s2u)
     np.testing.assert_allclose(s2g, max(np.abs(w_gate).max(), np.abs(w_up).max()) / 2688, rtol=1e-6)
     for w, p, s in ((w_gate, pg, sg), (w_up, pu, su)):
-        err = np.abs(np.asarray(w) - np.asarray(dequantize_nvfp4(p, s, s2g)))
-        assert np.all(err <= _effective_scale(s, s2g) * (1 + 1e-6))
+        w_hat = np.asarray(dequantize_nvfp4(p, s, s2g))
+        bound = _effective_scale(s, s2g)
+        assert np.all(np.abs(np.asarray(w) - w_hat) <= bound * (1 + 1e-6)), _worst(w, w_hat, bound)
     fused_p, fused_s, fused_2 = quantize_nvfp4_experts_gate_up(jnp.stack([w_gate] * 2), jnp.stack([w_up] * 2))
     assert fused_p.shape == (2, 16, 16) and fused_s.shape == (2, 16, 2) and fused_2.shape == (2,)
     np.testing.assert_array_equal(fused_p[1], jnp.concatenate([pg, pu]))
