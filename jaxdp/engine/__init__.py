@@ -1,7 +1,18 @@
-"""The serving engine: schedulers per DP rank, page pools, prefix caches, the loop, sampling."""
+"""The serving engine: schedulers per DP rank, page pools, prefix caches, the loop, sampling.
 
-from jaxdp.engine.engine import Engine
-from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.request import BadRequest, Request, SamplingParams
+The names below load on first use (PEP 562), so that a tool which needs one submodule (`one_batch` needs
+`jaxdp.engine.setup`) does not import the engine's HTTP and disaggregation stack with it."""
 
-__all__ = ["BadRequest", "Engine", "EngineConfig", "Request", "SamplingParams"]
+import importlib
+
+_NAMES = {"Engine": "jaxdp.engine.engine", "EngineConfig": "jaxdp.engine.options",
+          "BadRequest": "jaxdp.engine.request", "Request": "jaxdp.engine.request",
+          "SamplingParams": "jaxdp.engine.request"}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
