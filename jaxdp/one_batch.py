@@ -77,13 +77,16 @@ def run_prompts(runner: StepRunner, prompts: list[list[int]], ranks: list[int], 
     t3 = time.perf_counter()
     runner.compile(dshape)
     decode_compile_s = time.perf_counter() - t3
-    step_times = []
+    step_times, copy_times = [], []
     for j in range(output_len):
         pieces = [[Piece([tokens[i][j]], len(prompts[i]) + j, pages[i]) for i in b] for b in by_rank]
         ts = time.perf_counter()
         (logits, _), _ = step(pieces, dshape)
+        jax.block_until_ready(logits)  # the step; what follows is this tool's copy of every row's logits
+        tc = time.perf_counter()
         logits = np.asarray(jax.device_get(logits), np.float32)
-        step_times.append(time.perf_counter() - ts)
+        step_times.append(tc - ts)
+        copy_times.append(time.perf_counter() - tc)
         for r, b in enumerate(by_rank):
             for k, i in enumerate(b):
                 decode[i].append(logits[r, k])
@@ -95,6 +98,7 @@ def run_prompts(runner: StepRunner, prompts: list[list[int]], ranks: list[int], 
     if timings is not None:
         timings.update(prefill_compile_s=t1 - t0, prefill_s=t2 - t1, decode_compile_s=decode_compile_s,
                        decode_median_s=float(np.median(step_times)) if step_times else 0.0,
+                       logits_copy_median_s=float(np.median(copy_times)) if copy_times else 0.0,
                        prefill_tokens=sum(rows), gather_mode=mode, decode_rows=B * dp)
     return out
 
@@ -107,12 +111,23 @@ def print_roofline(runner: StepRunner, prompts: list[list[int]], output_len: int
     if runner.layout.world != 1:
         return
     mach = machine()
+    fmt = weight_format(runner)
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
-    print("prefill " + describe(step_floor(runner.cfg, [mean_prompt] * len(prompts), 0, dtype, mach), t["prefill_s"]))
+    print("prefill " + describe(step_floor(runner.cfg, [mean_prompt] * len(prompts), 0, dtype, mach,
+                                           expert_dtype=fmt), t["prefill_s"]))
     if output_len:
         context = mean_prompt + output_len // 2
-        print("decode " + describe(step_floor(runner.cfg, [1] * len(prompts), context, dtype, mach),
-                                   t["decode_median_s"]))
+        print("decode " + describe(step_floor(runner.cfg, [1] * len(prompts), context, dtype, mach,
+                                              expert_dtype=fmt), t["decode_median_s"]))
+
+
+def weight_format(runner: StepRunner) -> str:
+    """How the floor prices the weights (`jaxdp.planner.weights`): "nvfp4" experts, "fp8" (DeepSeek's block
+    FP8 Linear weights and experts, as held), or "bf16"."""
+    if runner.expert_quantization == "nvfp4":
+        return "nvfp4"
+    fp8 = any(jax.numpy.dtype(x.dtype).itemsize == 1 and "float8" in str(x.dtype) for x in jax.tree.leaves(runner.state))
+    return "fp8" if fp8 else "bf16"
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -214,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill: {t['prefill_tokens']} tokens in {t['prefill_s'] * 1e3:.1f} ms "
           f"({t['prefill_tokens'] / max(t['prefill_s'], 1e-9):.1f} tok/s, gather {t['gather_mode']})")
     if args.output_len:
-        print(f"decode: median {t['decode_median_s'] * 1e3:.2f} ms/step, "
-              f"{len(prompts) / max(t['decode_median_s'], 1e-9):.1f} tok/s")
+        print(f"decode: median {t['decode_median_s'] * 1e3:.2f} ms/step until the logits are ready, "
+              f"{len(prompts) / max(t['decode_median_s'], 1e-9):.1f} tok/s (this tool's copy of the logits to "
+              f"the host, apart: {t['logits_copy_median_s'] * 1e3:.2f} ms)")
     print_roofline(runner, prompts, args.output_len, args.dtype, t)
     acc = runner.last_account
     if acc is not None:

@@ -111,7 +111,8 @@ def gemm_cases(preset, model):
             yield dict(kernel=kernel, batch=tokens, context=rows), args, bytes_moved, 2 * rows * n * k
 
 
-def run(preset_name: str, peak_gbs: float, peak_tflops: float, iters: int | None):
+def run(preset_name: str, peak_gbs: float, peak_tflops: float, iters: int | None,
+        kernels: tuple[str, ...] = ("mla", "nvfp4")):
     preset = PRESETS[preset_name]
     iters = iters or preset["iters"]
     interpret = default_interpret()
@@ -129,7 +130,8 @@ def run(preset_name: str, peak_gbs: float, peak_tflops: float, iters: int | None
             "pallas": jax.jit(functools.partial(nvfp4_grouped_matmul, interpret=interpret)),
             "xla": jax.jit(functools.partial(nvfp4_grouped_matmul_reference, compute_dtype=jnp.bfloat16)),
         }
-        for cases, paths in ((mla_cases(preset, model), mla_paths), (gemm_cases(preset, model), gemm_paths)):
+        families = {"mla": (mla_cases, mla_paths), "nvfp4": (gemm_cases, gemm_paths)}
+        for cases, paths in ((families[f][0](preset, model), families[f][1]) for f in kernels):
             for case, args, bytes_moved, flops in cases:
                 outputs = {}
                 for path, fn in paths.items():
@@ -197,15 +199,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write a docs-ready markdown table here")
     parser.add_argument("--iters", type=int, help="timed calls per case (median reported)")
+    parser.add_argument("--kernels", default="mla,nvfp4",
+                        help="which kernels, comma-separated: mla (decode attention), nvfp4 (grouped GEMM)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0, help="device memory bandwidth, GB/s")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 dense TFLOP/s")
     args = parser.parse_args(argv)
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    if not kernels or set(kernels) - {"mla", "nvfp4"}:
+        parser.error(f"--kernels takes mla and/or nvfp4, got {args.kernels!r}")
 
     device = jax.devices()[0]
     print(f"# {device.device_kind} ({jax.default_backend()}), interpret={default_interpret()}, "
           f"preset={args.preset}")
     print(" ".join(f"{h:>14}" for h in HEADER), flush=True)
-    results = run(args.preset, args.peak_gbs, args.peak_tflops, args.iters)
+    results = run(args.preset, args.peak_gbs, args.peak_tflops, args.iters, kernels)
     report = dict(
         command="python -m kernels_pallas.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         device=device.device_kind, backend=jax.default_backend(), interpret=default_interpret(),

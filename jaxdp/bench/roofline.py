@@ -4,9 +4,9 @@ measured once and cached.
 
     python -m jaxdp.bench.roofline [--refresh]        # measure (a few seconds) or show the cached figures
 
-The read bandwidth is a reduction over a 256 MiB float32 array; the dot throughput a [256, 2048] x [2048, 4096]
-product, in float32 and in bf16 with float32 accumulation (the dot the model runs on bf16 weights). Both run on
-all of XLA's threads, as a step does. The figures are cached in `~/.cache/jaxdp/machine.json`, keyed by the CPU
+The read bandwidth is a reduction over a 256 MiB float32 array (4 GiB on a GPU); the dot throughput a
+[256, 2048] x [2048, 4096] product (8192 cubed on a GPU), in float32 and in bf16 with float32 accumulation (the
+dot the model runs on bf16 weights). Both run on all of XLA's threads, as a step does. The figures are cached in `~/.cache/jaxdp/machine.json`, keyed by the CPU
 and the JAX version; other programs running at the same time lower them (the load average is recorded beside).
 A benchmark reports a step as "N x the floor": its time over `step_floor(...)`.
 """
@@ -75,10 +75,11 @@ def _best(fn, *args, reps: int = 7) -> float:
 
 def measure() -> Machine:
     """Read bandwidth and dot throughput of the default device, now (a few seconds)."""
-    x = jnp.ones((64, 1 << 20), jnp.float32)  # 256 MiB
+    gpu = jax.default_backend() == "gpu"  # a GPU reads 256 MiB in ~60 us: its launch latency would count
+    x = jnp.ones((1024 if gpu else 64, 1 << 20), jnp.float32)  # 4 GiB on a GPU, 256 MiB on a CPU
     read = x.nbytes / _best(jax.jit(lambda a: a.sum(1)), x)  # rows of 4 MiB, summed along memory
     del x
-    M, K, N = 256, 2048, 4096
+    M, K, N = (8192, 8192, 8192) if gpu else (256, 2048, 4096)
     flops = {}
     for name, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
         a = jnp.ones((M, K), dt)
