@@ -126,8 +126,7 @@ def weight_format(runner: StepRunner) -> str:
     FP8 Linear weights and experts, as held), or "bf16"."""
     if runner.expert_quantization == "nvfp4":
         return "nvfp4"
-    fp8 = any(jax.numpy.dtype(x.dtype).itemsize == 1 and "float8" in str(x.dtype) for x in jax.tree.leaves(runner.state))
-    return "fp8" if fp8 else "bf16"
+    return "fp8" if any("float8" in str(x.dtype) for x in jax.tree.leaves(runner.state)) else "bf16"
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.mla_decode import by_lowering_platform
 from kernels_pallas import words as w16
+from kernels_pallas.mla_decode import by_lowering_platform
 from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4, e2m1_decode_arith
 
 # f32 operands get IEEE dots (Triton would use TF32 for DEFAULT); bf16 operands are unaffected.

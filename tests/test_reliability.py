@@ -408,7 +408,8 @@ def test_7_sigterm_drains_then_ends_the_rest_with_an_error_and_exits_0(tmp_path,
         # the 6 s of --request-timeout: ahead of them go enough 500-token fillers for about 3.5 s of rounds, sized
         # by a round timed here (the step's speed differs from machine to machine); "short" runs on rank 1
         t1 = time.perf_counter()
-        assert httpx.post(s.url + "/generate", json=greedy("1+1=", 500, routed_dp_rank=0), timeout=60).status_code == 200
+        timed = httpx.post(s.url + "/generate", json=greedy("1+1=", 500, routed_dp_rank=0), timeout=60)
+        assert timed.status_code == 200, timed.text
         rounds = max(1, math.ceil(3.5 / (time.perf_counter() - t1)))
         done = []  # fillers answered: the client's side of the count below
         fillers = [threading.Thread(target=lambda: done.append(httpx.post(

@@ -6,8 +6,9 @@ measured once and cached.
 
 The read bandwidth is a reduction over a 256 MiB float32 array (4 GiB on a GPU); the dot throughput a
 [256, 2048] x [2048, 4096] product (8192 cubed on a GPU), in float32 and in bf16 with float32 accumulation (the
-dot the model runs on bf16 weights). Both run on all of XLA's threads, as a step does. The figures are cached in `~/.cache/jaxdp/machine.json`, keyed by the CPU
-and the JAX version; other programs running at the same time lower them (the load average is recorded beside).
+dot the model runs on bf16 weights). Both run on all of XLA's threads, as a step does. The figures are cached in
+`~/.cache/jaxdp/machine.json`, keyed by the CPU and the JAX version; other programs running at the same time
+lower them (the load average is recorded beside).
 A benchmark reports a step as "N x the floor": its time over `step_floor(...)`.
 """
 
