@@ -119,16 +119,37 @@ def test_greedy_tokens_are_the_plain_engines_under_tp_and_ep(models, mesh_spec):
     check_same_greedy(runner_for(models, mesh_spec), [prompts(12, 3)])
 
 
-def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(models):
-    """--speculative-disable-by-batch-size 5 under dp=2 with 12 requests (up to 8 a rank): the steps of more than
-    5 requests verify nothing (shallow, compiled at start-up), and as requests finish the rest speculate again
-    from the drafts the MTP layer kept making; the tokens are the plain engine's all along."""
-    # (every shape compiled at start-up: a rank's rows never pass 32, so extend buckets 64 and 128 would be unused)
-    e, reqs = check_same_greedy(runner_for(models, "dp=2"), [prompts(12, 6)], warm=True, spec_off_above=5,
-                                extend_buckets=[16, 32])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # (CI: the default)
+def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(models, overlap):
+    """--speculative-disable-by-batch-size 5 under dp=2 with 12 requests (up to 8 a rank): while more than 5 run
+    the steps verify nothing (shallow while prompts are read, then a plain stretch: plain decode steps, queued with
+    the last one in flight unless --disable-overlap-schedule), and as requests finish the rest speculate again,
+    their MTP layer drafting anew; the tokens are the plain engine's all along, and nothing compiles while
+    serving."""
+    runner = runner_for(models, "dp=2")
+    spec_engine = Engine.__init__
+    queued_in_flight = []
+
+    def watched(self, *args, **kwargs):  # each plain step: was the last one still in flight when it was queued?
+        spec_engine(self, *args, **kwargs)
+        queue = self.pipeline._queue
+
+        def _queue(plans, shape, *rest):
+            if getattr(self.pipeline, "plain", False):  # (the plain engine has no stretches)
+                queued_in_flight.append(self.pipeline.inflight is not None)
+            return queue(plans, shape, *rest)
+        self.pipeline._queue = _queue
+
+    Engine.__init__ = watched
+    try:  # (every shape compiled at start-up: a rank's rows never pass 32, so extend buckets 64, 128 go unused)
+        e, reqs = check_same_greedy(runner, [prompts(12, 6)], warm=True, spec_off_above=5, extend_buckets=[16, 32],
+                                    overlap=overlap)
+    finally:
+        Engine.__init__ = spec_engine
     kinds = [r.kind for r in e.pipeline.stats.records]
-    assert kinds.count("spec-off") >= 3 and kinds.count("spec") >= 3, kinds
-    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind == "spec-off")  # (a request a row)
+    assert kinds.count("decode") >= 3 and kinds.count("spec") >= 3, kinds
+    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind in ("decode", "spec-off")), kinds
+    assert any(queued_in_flight) == overlap and len(queued_in_flight) >= 3, queued_in_flight
     assert any(r.spec_verify_ct > 0 for r in reqs)
     for s in e.schedulers:
         assert s.pool.free + s.cache.evictable() == s.pool.num_pages

@@ -113,8 +113,9 @@ class Buckets:
         """Every step shape a serving step may take (compiled at start-up)."""
         out = []
         if self.draft_tokens:  # every step verifies, samples and drafts: as a decode (only verifies), or an extend
-            rows = self.draft_tokens + 1
-            return [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
+            rows = self.draft_tokens + 1  # (with spec_off_above, the plain decode steps of the plain stretches too)
+            plain = [StepShape(True, b, b, n) for n in self.pages for b in self.decode] if self.spec_off_above else []
+            return plain + [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
                     for n in self.pages for b in self.decode] + [
                 StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
                 for n in self.pages for b in self.shallow_decode()] + [
@@ -143,6 +144,12 @@ class Buckets:
         to compile, and the steps of requests that do not ask are not changed."""
         t = self.extend[-1]
         return StepShape(False, t, self.extend_seqs(t), self.pages[-1], all_logits=True)
+
+    def plain_decode_shape(self, rows: list[int], agreement: Agreement) -> StepShape:
+        """Under speculation switched off above a batch size, the plain decode step of a plain stretch (a row a
+        request, no drafts; `jaxdp.engine.spec`)."""
+        b = self.decode[bisect.bisect_left(self.decode, max(rows))]
+        return StepShape(True, b, b, self.page_bucket(agreement.max_pages))
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)

@@ -51,6 +51,8 @@ class StepPipeline:
         self.stats = StepStats(len(schedulers))
         self.delayer = PrefillDelayer(cfg.prefill_delayer, len(schedulers)) if cfg.prefill_delayer else None
         self.inflight: InFlight | None = None
+        self.overlap = cfg.overlap  # the next step is queued before this one is booked (speculation turns it off)
+        self.last_agreement = None
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
         self.prompt_logprob_steps = 0  # steps that returned every row's logits (a request asked for prompt logprobs)
         self._steps = itertools.count()
@@ -71,7 +73,7 @@ class StepPipeline:
         self.nodes.receive(messages)
         if d:
             d.read(messages)
-        agreement = agree_on_step(proposals)
+        agreement = self.last_agreement = agree_on_step(proposals)
         agree_s = time.perf_counter() - ta
         if not agreement.run:
             if self.inflight is None:
@@ -101,7 +103,7 @@ class StepPipeline:
         previous, self.inflight = self.inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
-        if current is not None and not self.cfg.overlap:
+        if current is not None and not self.overlap:
             self._book(current, time.perf_counter())
             self.inflight = None
         self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before

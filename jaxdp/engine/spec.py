@@ -6,16 +6,21 @@ chunk also holds the pages its first drafts are written into); otherwise it veri
 piece per request, its last token and its D drafts at the next D positions, with pages held up to 2D positions
 ahead (the verify's rows, then the chained drafts after the longest acceptance). The ranks agree on rows as in
 any step (a verify counts D + 1 rows a request), so a rank with nothing to do runs the idle step beside the
-others. The overlap is off: the next verify needs this one's accepted tokens. Booking appends 1 to D + 1 tokens
-a request, checking stops at each; the request's length, not its pages, says which latents count, so the
+others. A verify runs without the overlap: the next verify needs this one's accepted tokens. Booking appends 1 to
+D + 1 tokens a request, checking stops at each; the request's length, not its pages, says which latents count, so the
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
 
-With --speculative-disable-by-batch-size N (vLLM's), a verify-only step of more than N requests over all ranks
-(the agreement's requests per rank, the same on every node) runs shallow: each verify keeps only its last token
-(the pipeline cuts the plans after the agreement) and the step is the plain decode step (no MTP layer): no draft
-is verified, counted or made, so a request's next verify after shallow steps offers none (one row, n_draft 0) and
-its MTP pass drafts again. A step of more than N requests that reads a prompt is shallow too: its rows as
-planned, the MTP pass writes their draft KV (the prompt's, which later drafts copy from), no chained drafts.
+With --speculative-disable-by-batch-size N (vLLM's), speculation is off while more than N requests run over all
+ranks. After a verify-only step of more than N requests in which no prompt waits anywhere (the agreement, the
+same on every node), the pipeline enters a plain stretch: the schedulers plan plain decode steps (a row a
+request, the persistent batch's markers for tokens in flight), run by the plain decode step with the overlap of
+the plain engine, and read no prompt. The stretch ends after a step of N requests or fewer, or one in which a
+prompt waits (`Scheduler.prompt_ready`): the step in flight is booked and the next step is a speculative one. No
+draft is made in a stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP
+pass drafts again. A step of more than N requests outside a stretch is shallow: a verify-only one keeps each
+verify's last token (the pipeline cuts the plans after the agreement; the plain decode step, no MTP layer), one
+that reads a prompt runs its rows as planned, the MTP pass writing their draft KV (the prompt's, which later
+drafts copy from), no chained drafts.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ log = logging.getLogger("jaxdp.engine")
 
 def check_speculative(cfg):
     """The engine config's speculative decoding, checked against what it cannot serve with (ValueError in one
-    sentence naming the flag); turns the overlap off (the next verify needs this one's tokens)."""
+    sentence naming the flag)."""
     spec = cfg.speculative
     if spec is None:
         return None
@@ -52,9 +57,8 @@ def check_speculative(cfg):
     if spec.disable_by_batch_size is not None:
         log.info("speculative decoding: off in steps of more than %d running requests "
                  "(--speculative-disable-by-batch-size)", spec.disable_by_batch_size)
-    if cfg.overlap:
-        log.info("speculative decoding: the overlap scheduler is off (each verify needs the last one's tokens)")
-        cfg.overlap = False
+    log.info("speculative decoding: verify steps run without the overlap (each needs the last one's tokens)%s",
+             "; plain stretches keep it" if cfg.overlap and spec.disable_by_batch_size is not None else "")
     return spec
 
 
@@ -65,6 +69,7 @@ class SpecScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.draft_tokens = draft_tokens
         self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
+        self.plain = False  # the pipeline's plain stretch: plain decode steps, no prompt read (module docstring)
         self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
         self.drafted = 0
         self.accepted = 0
@@ -74,6 +79,12 @@ class SpecScheduler(Scheduler):
         out["spec_accept_length"] = 1 + self.accepted / self.verify_steps if self.verify_steps else 0.0
         out["spec_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         return out
+
+    def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
+        if not self.plain:
+            return super().schedule(allow_new_prompt, mixed_chunk)
+        self._finishing = 0  # (a waiting prompt is proposed as `prompt_ready`; it ends the stretch)
+        return Scheduler._schedule_decode(self) if self.running else None
 
     def _schedule_decode(self) -> RankPlan | None:
         """Verify every running request that may still grow, each holding pages 2D positions ahead (retracting
@@ -100,6 +111,9 @@ class SpecScheduler(Scheduler):
 
     def commit(self, plan: RankPlan, step: int) -> None:
         if plan.kind != "verify":
+            if plan.kind == "decode":  # a plain stretch's: no drafts are made, the next verify offers none
+                for req in plan.reqs:
+                    req.drafts = []
             return super().commit(plan, step)
         plan.step = step
         plan.out_pos = np.asarray([len(r.output_ids) for r in plan.reqs], np.int64)
@@ -197,17 +211,46 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
 
 
 class SpecPipeline(StepPipeline):
-    """The step pipeline with speculative steps (`jaxdp.engine.pipeline`; the overlap is off)."""
+    """The step pipeline with speculative steps (`jaxdp.engine.pipeline`): verifies one at a time; the plain
+    stretches (module docstring) as the plain pipeline, with its overlap."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain = False  # this iteration belongs to a plain stretch
+        self.overlap = False
+
+    def step(self) -> bool:
+        plain = self.plain
+        if not plain and self.inflight is not None:  # a stretch ended: the next verify needs its last tokens
+            self._book(self.inflight, time.perf_counter())
+            self.inflight = None
+        for s in self.schedulers:
+            s.plain = plain
+        self.overlap = plain and self.cfg.overlap
+        busy = super().step()
+        self.plain = self._stretch_after(self.last_agreement)
+        return busy or plain != self.plain  # (a prompt that ended a stretch is read in the next pass, at once)
+
+    def _stretch_after(self, a) -> bool:
+        """Whether the next step belongs to a plain stretch, from this step's agreement (the same on every node)."""
+        off = self.cfg.speculative.disable_by_batch_size
+        return (off is not None and a is not None and a.run and a.use_decode_bucket and not a.any_extend
+                and not a.any_prompt_ready and sum(a.requests_per_rank) > off)
 
     def _shape_for(self, rows: list[int], agreement):
-        return self.buckets.shape_for(rows, agreement)  # (every step a speculative one)
+        if self.plain:
+            return self.buckets.plain_decode_shape(rows, agreement)
+        return self.buckets.shape_for(rows, agreement)  # (a speculative step, maybe shallow)
 
     def _proposals(self, plans: list[RankPlan | None]):  # (a verify after shallow steps is one row a request)
+        ready = [s.plain and s.prompt_ready for s in self.schedulers]
         return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
-                              largest_decode_requests=self.buckets.decode[-1])
+                              largest_decode_requests=self.buckets.decode[-1], ready_R=ready)
 
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:
+        if self.plain:
+            return super()._queue(plans, shape, rows, agreement, t0, agree_s)
         runner = self.runner
         if shape.shallow and shape.absorbed:  # speculation off for this step: each verify keeps its last token
             for plan in plans:
@@ -226,6 +269,8 @@ class SpecPipeline(StepPipeline):
                         dispatch_s=time.perf_counter() - t1, agree_s=agree_s, spec=(counts, drafts))
 
     def _book(self, f: InFlight, t_start: float) -> None:
+        if f.spec is None:  # a plain stretch's step
+            return super()._book(f, t_start)
         t0 = time.perf_counter()
         self.blocked = (t0, "waiting for a step that runs on every node")
         tokens, logprobs = self.runner.local_values(f.tokens), self.runner.local_values(f.logprobs)

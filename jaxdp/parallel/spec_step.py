@@ -52,8 +52,7 @@ from jaxdp.parallel import packing
 from jaxdp.parallel.packing import Layout, pack, unpack
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import lm_head_mode
-
-DRAFT_PREFIX = "mtp_"  # the draft KV's entries in the runner's pool
+from jaxdp.parallel.step import DRAFT_PREFIX
 
 
 def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):

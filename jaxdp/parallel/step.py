@@ -37,6 +37,8 @@ from jaxdp.parallel.packing import pack, packed_layout, unpack, width
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
 
+DRAFT_PREFIX = "mtp_"  # the draft KV's entries in the pool (speculative decoding's MTP layer, one layer)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -144,9 +146,9 @@ class StepRunner:
             entries |= {"dense_index": (cfg.num_dense_layers, *key), "moe_index": (cfg.num_moe_layers, *key)}
         if self.draft_graphdef is not None:  # the MTP layer's draft KV: one layer, in the same pages
             name = "moe" if mtp_layer_is_moe(cfg) else "dense"
-            entries[f"mtp_{name}"] = (1, cfg.kv_cache_dim, dtype)
+            entries[f"{DRAFT_PREFIX}{name}"] = (1, cfg.kv_cache_dim, dtype)
             if cfg.index_topk:
-                entries[f"mtp_{name}_index"] = (1, cfg.index_key_dim, dtype)
+                entries[f"{DRAFT_PREFIX}{name}_index"] = (1, cfg.index_key_dim, dtype)
         return entries
 
     @property
@@ -230,9 +232,10 @@ class StepRunner:
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
-            logits_BV, cache, rows_E = model(b["tokens_T"], b["valid_T"], attn, cache, b["logits_idx_B"],
-                                             comm, absorbed=shape.absorbed, decode_kernel=decode_kernel)
-            cache = {k: v[None] for k, v in cache.items()}
+            main = {k: v for k, v in cache.items() if not k.startswith(DRAFT_PREFIX)}  # (a draft KV passes through)
+            logits_BV, main, rows_E = model(b["tokens_T"], b["valid_T"], attn, main, b["logits_idx_B"],
+                                            comm, absorbed=shape.absorbed, decode_kernel=decode_kernel)
+            cache = {k: v[None] for k, v in (cache | main).items()}
             return logits_BV[None], cache, rows_E[None]
 
         batch_specs = {k: P("dp") for k in STEP_FIELDS}
