@@ -111,22 +111,25 @@ class Buckets:
 
     def shapes(self) -> list[StepShape]:
         """Every step shape a serving step may take (compiled at start-up)."""
-        out = []
         if self.draft_tokens:  # every step verifies, samples and drafts: as a decode (only verifies), or an extend
-            rows = self.draft_tokens + 1  # (with spec_off_above, the plain decode steps of the plain stretches too)
-            plain = [StepShape(True, b, b, n) for n in self.pages for b in self.decode] if self.spec_off_above else []
+            rows = self.draft_tokens + 1  # (with spec_off_above, the plain steps of the plain stretches too)
+            plain = self._plain_shapes() if self.spec_off_above is not None else []
             return plain + [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
-                    for n in self.pages for b in self.decode] + [
+                            for n in self.pages for b in self.decode] + [
                 StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
                 for n in self.pages for b in self.shallow_decode()] + [
                 StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens, shallow=shallow)
                 for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)
                 for shallow in ((False, True) if self.spec_off_above is not None else (False,))]
+        return self._plain_shapes() + [self.prompt_logprob_shape()]
+
+    def _plain_shapes(self) -> list[StepShape]:
+        out = []
         for n in self.pages:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
-        return out + [self.prompt_logprob_shape()]
+        return out
 
     def _spec_off(self, requests) -> bool:
         return self.spec_off_above is not None and sum(requests) > self.spec_off_above
@@ -145,15 +148,10 @@ class Buckets:
         t = self.extend[-1]
         return StepShape(False, t, self.extend_seqs(t), self.pages[-1], all_logits=True)
 
-    def plain_decode_shape(self, rows: list[int], agreement: Agreement) -> StepShape:
-        """Under speculation switched off above a batch size, the plain decode step of a plain stretch (a row a
-        request, no drafts; `jaxdp.engine.spec`)."""
-        b = self.decode[bisect.bisect_left(self.decode, max(rows))]
-        return StepShape(True, b, b, self.page_bucket(agreement.max_pages))
-
-    def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
+    def shape_for(self, rows: list[int], agreement: Agreement, plain: bool = False) -> StepShape:
+        """The compiled step of a batch. `plain`: under speculation, a plain stretch's step (`jaxdp.engine.spec`)."""
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
-        if self.draft_tokens:  # (a verify is up to draft_tokens + 1 rows a request: its last token, its drafts)
+        if self.draft_tokens and not plain:  # (a verify: up to draft_tokens + 1 rows a request, its token, drafts)
             requests = agreement.requests_per_rank
             if agreement.use_decode_bucket:
                 per = self.draft_tokens + 1

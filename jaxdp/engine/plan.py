@@ -57,20 +57,17 @@ class RankPlan:
 
 
 def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int, num_pages_RB: np.ndarray,
-                   top_R: list[bool] | None = None, largest_decode_requests: int | None = None,
-                   ready_R: list[bool] | None = None) -> list[Proposal]:
+                   top_R: list[bool] | None = None, largest_decode_requests: int | None = None) -> list[Proposal]:
     """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket", the
     most pages one of its sequences holds (num_pages_RB: the persistent batch's pages per row), whether a
     request of it asks for top logprobs (top_R), whether a prompt it reads asks for prompt logprobs, and its
     requests (a speculative step's request slots are bucketed by them, apart from its rows; a speculative decode
-    bucket holds largest_decode_requests of them, whatever their rows), and whether a prompt waits that it could
-    read (ready_R)."""
+    bucket holds largest_decode_requests of them, whatever their rows)."""
     fits = (lambda p: True) if largest_decode_requests is None else (lambda p: len(p.reqs) <= largest_decode_requests)
     return [Proposal(p.num_rows, p.kind == "extend", p.num_rows <= largest_decode_bucket and fits(p),
                      plan_pages(p, num_pages_RB[r]), bool(top_R and top_R[r]),
-                     any(q.prompt_logprobs_left for q in p.reqs[: len(p.pieces)]), len(p.reqs),
-                     bool(ready_R and ready_R[r]))
-            if p else Proposal(0, False, False, prompt_ready=bool(ready_R and ready_R[r]))
+                     any(q.prompt_logprobs_left for q in p.reqs[: len(p.pieces)]), len(p.reqs))
+            if p else Proposal(0, False, False)
             for r, p in enumerate(plans)]
 
 

@@ -99,6 +99,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     retractions: int = 0
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative decoding: the next verify's drafts
+    speculates: bool = True  # ... False once read in a plain stretch (no draft KV of its prompt): never drafts
     spec_verify_ct: int = 0  # verify steps this request took part in (SGLang's meta_info name)
     spec_accepted: int = 0  # draft tokens those verifies accepted
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -11,16 +11,15 @@ D + 1 tokens a request, checking stops at each; the request's length, not its pa
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
 
 With --speculative-disable-by-batch-size N (vLLM's), speculation is off while more than N requests run over all
-ranks. After a verify-only step of more than N requests in which no prompt waits anywhere (the agreement, the
-same on every node), the pipeline enters a plain stretch: the schedulers plan plain decode steps (a row a
-request, the persistent batch's markers for tokens in flight), run by the plain decode step with the overlap of
-the plain engine, and read no prompt. The stretch ends after a step of N requests or fewer, or one in which a
-prompt waits (`Scheduler.prompt_ready`): the step in flight is booked and the next step is a speculative one. No
-draft is made in a stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP
-pass drafts again. A step of more than N requests outside a stretch is shallow: a verify-only one keeps each
-verify's last token (the pipeline cuts the plans after the agreement; the plain decode step, no MTP layer), one
-that reads a prompt runs its rows as planned, the MTP pass writing their draft KV (the prompt's, which later
-drafts copy from), no chained drafts.
+ranks. After a step of more than N requests (the agreement, the same on every node) the pipeline runs a plain
+stretch: the schedulers plan as the plain engine's do (prompt chunks, decodes over the persistent batch with
+markers for tokens in flight), run by the plain steps with the plain engine's overlap. The stretch ends after a
+step of N requests or fewer: the step in flight is booked and the next step is a speculative one. No draft is
+made in a stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP pass drafts
+again; a request whose prompt a stretch read has no draft KV of its prompt and never drafts (`speculates`). The
+first step of more than N requests is shallow: a verify-only one keeps each verify's last token (the pipeline
+cuts the plans after the agreement; the plain decode step, no MTP layer), one that reads a prompt runs its rows
+as planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no chained drafts.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import numpy as np
 from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
 from jaxdp.engine.pipeline import StepPipeline
 from jaxdp.engine.plan import RankPlan, rank_proposals
+from jaxdp.engine.request import State
 from jaxdp.engine.rows import fill_sampling
 from jaxdp.engine.sampling import sampling_row
 from jaxdp.engine.scheduler import Scheduler
@@ -69,7 +69,7 @@ class SpecScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.draft_tokens = draft_tokens
         self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
-        self.plain = False  # the pipeline's plain stretch: plain decode steps, no prompt read (module docstring)
+        self.plain = False  # the pipeline's plain stretch: plan as the plain engine (module docstring)
         self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
         self.drafted = 0
         self.accepted = 0
@@ -80,15 +80,11 @@ class SpecScheduler(Scheduler):
         out["spec_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         return out
 
-    def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
-        if not self.plain:
-            return super().schedule(allow_new_prompt, mixed_chunk)
-        self._finishing = 0  # (a waiting prompt is proposed as `prompt_ready`; it ends the stretch)
-        return Scheduler._schedule_decode(self) if self.running else None
-
     def _schedule_decode(self) -> RankPlan | None:
         """Verify every running request that may still grow, each holding pages 2D positions ahead (retracting
-        the newest requests when the pool runs dry, as a decode does)."""
+        the newest requests when the pool runs dry, as a decode does); in a plain stretch, the plain decode."""
+        if self.plain:
+            return super()._schedule_decode()
         reach = 2 * self.draft_tokens
         for req in list(self.running.values()):
             if req.rid not in self.running:  # retracted below for an earlier one
@@ -111,9 +107,11 @@ class SpecScheduler(Scheduler):
 
     def commit(self, plan: RankPlan, step: int) -> None:
         if plan.kind != "verify":
-            if plan.kind == "decode":  # a plain stretch's: no drafts are made, the next verify offers none
+            if self.plain:  # a plain stretch's step: no drafts are made, the next verify offers none
                 for req in plan.reqs:
                     req.drafts = []
+                    if plan.kind == "extend" and req.state == State.WAITING:  # its prompt: no draft KV of it
+                        req.speculates = False
             return super().commit(plan, step)
         plan.step = step
         plan.out_pos = np.asarray([len(r.output_ids) for r in plan.reqs], np.int64)
@@ -143,7 +141,7 @@ class SpecScheduler(Scheduler):
                 if plan.out_pos[i] < 0:  # a prompt chunk that samples nothing
                     continue
                 del req.output_ids[plan.out_pos[i]:]  # its marker
-            req.drafts = [t for t in drafts_BD[i].tolist() if t >= 0]  # (none after a shallow step)
+            req.drafts = [t for t in drafts_BD[i].tolist() if t >= 0] if req.speculates else []  # (none: shallow)
             reason = self._append(req, tokens_BJ[i, :n].tolist(), logprobs_BJ[i, :n].tolist(), now)
             booked += n
             a = self.rows.a
@@ -229,23 +227,21 @@ class SpecPipeline(StepPipeline):
         self.overlap = plain and self.cfg.overlap
         busy = super().step()
         self.plain = self._stretch_after(self.last_agreement)
-        return busy or plain != self.plain  # (a prompt that ended a stretch is read in the next pass, at once)
+        return busy
 
     def _stretch_after(self, a) -> bool:
         """Whether the next step belongs to a plain stretch, from this step's agreement (the same on every node)."""
         off = self.cfg.speculative.disable_by_batch_size
-        return (off is not None and a is not None and a.run and a.use_decode_bucket and not a.any_extend
-                and not a.any_prompt_ready and sum(a.requests_per_rank) > off)
+        return off is not None and a is not None and a.run and sum(a.requests_per_rank) > off
 
     def _shape_for(self, rows: list[int], agreement):
-        if self.plain:
-            return self.buckets.plain_decode_shape(rows, agreement)
-        return self.buckets.shape_for(rows, agreement)  # (a speculative step, maybe shallow)
+        return self.buckets.shape_for(rows, agreement, plain=self.plain)  # (else a speculative step, maybe shallow)
 
     def _proposals(self, plans: list[RankPlan | None]):  # (a verify after shallow steps is one row a request)
-        ready = [s.plain and s.prompt_ready for s in self.schedulers]
+        if self.plain:
+            return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
         return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
-                              largest_decode_requests=self.buckets.decode[-1], ready_R=ready)
+                              largest_decode_requests=self.buckets.decode[-1])
 
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:

@@ -89,7 +89,6 @@ class Proposal:
     top: bool = False  # a request of its asks for top logprobs (computed over every node's logits, so together)
     prompt_logprobs: bool = False  # a prompt it reads asks for its logprobs (the step returns every row's logits)
     requests: int = 0  # the requests (sequences) of its batch: a speculative step's request slots
-    prompt_ready: bool = False  # a prompt waits that it could read (under speculation: ends a plain stretch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,6 @@ class Agreement:
     any_top: bool = False  # OR over ranks: the step computes the top logprobs
     any_prompt_logprobs: bool = False  # OR over ranks: the extend step returns the logits of every row
     requests_per_rank: tuple[int, ...] = ()  # each rank's requests (a speculative step's slots: MAX over ranks)
-    any_prompt_ready: bool = False  # OR over ranks: a prompt waits somewhere
 
     @property
     def max_requests(self) -> int:
@@ -130,7 +128,7 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
     return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
                      any(p.top for p in busy), any(p.prompt_logprobs for p in busy),
-                     tuple(p.requests for p in proposals), any(p.prompt_ready for p in proposals))
+                     tuple(p.requests for p in proposals))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------
