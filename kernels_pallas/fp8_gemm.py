@@ -137,8 +137,7 @@ def _layer_call(kernel, out_shape, grid, names, layer, col_scale, x, w_stack, sc
     scaled = scales is not None
     if not scaled:
         scales, col_scale = jnp.zeros((1,) * w_stack.ndim, jnp.float32), jnp.zeros((w_stack.shape[-1],), jnp.int32)
-    words = w16.needs_words(w_stack.shape, w_stack.dtype) if words is None else words
-    w_stack = w16.as_words(w_stack) if words else w_stack
+    w_stack, words = w16.operand(w_stack, words)
     whole = pl.no_block_spec
     return pl.pallas_call(
         functools.partial(kernel, scaled=scaled, words=words),
@@ -327,8 +326,7 @@ def _grouped_kernel(layer_ref, cols_ref, expert_ref, start_ref, end_ref, count_r
 def _grouped_call(x_TK, w_LEKN, scale_LEKbS, col_scale_N, group_sizes_E, layer, num_valid_rows, *, block_m,
                   block_n, interpret, num_warps, num_stages, words):
     n = w_LEKN.shape[3]
-    words = w16.needs_words(w_LEKN.shape, w_LEKN.dtype) if words is None else words
-    w_LEKN = w16.as_words(w_LEKN) if words else w_LEKN
+    w_LEKN, words = w16.operand(w_LEKN, words)
     kernel = functools.partial(_grouped_kernel, block_m=block_m, block_n=block_n,
                                num_k_blocks=x_TK.shape[1] // BLOCK_K, words=words)
     return grouped_call(kernel, x_TK, n, group_sizes_E, num_valid_rows,

@@ -170,10 +170,8 @@ def _grouped_kernel(
 )
 def _grouped_call(x_TK, packed_LENK2, scales_LENK16, global_scale_LE, group_sizes_E, layer, num_valid_rows, *,
                   block_m, block_n, block_k, interpret, num_warps, num_stages, words):
-    packed_words, scales_words = (w16.needs_words(a.shape, a.dtype) if words is None else words
-                                  for a in (packed_LENK2, scales_LENK16))
-    packed_LENK2 = w16.as_words(packed_LENK2) if packed_words else packed_LENK2
-    scales_LENK16 = w16.as_words(scales_LENK16.astype(jnp.float8_e4m3fn)) if scales_words else scales_LENK16
+    packed_LENK2, packed_words = w16.operand(packed_LENK2, words)
+    scales_LENK16, scales_words = w16.operand(scales_LENK16.astype(jnp.float8_e4m3fn), words)
     kernel = functools.partial(_grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                                num_k_blocks=x_TK.shape[1] // block_k, packed_words=packed_words,
                                scales_words=scales_words)

@@ -15,6 +15,8 @@ its low or high half (`load`). The same DRAM bytes move; only the operands that 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -23,10 +25,7 @@ LIMIT = 2**31  # elements a 32-bit signed offset reaches
 
 def needs_words(shape: tuple[int, ...], dtype) -> bool:
     """Whether an operand of this shape and dtype gets 32-bit offsets that overflow (see the module's text)."""
-    size = 1
-    for d in shape:
-        size *= d
-    return jnp.dtype(dtype).itemsize == 1 and LIMIT < size <= 2**32
+    return jnp.dtype(dtype).itemsize == 1 and LIMIT < math.prod(shape) <= 2**32
 
 
 def as_words(x: jax.Array) -> jax.Array:
@@ -36,6 +35,12 @@ def as_words(x: jax.Array) -> jax.Array:
                          f"16-bit words (Pallas' 32-bit offsets cannot reach past 2 GiB of one-byte elements)")
     pairs = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def operand(x: jax.Array, words: bool | None) -> tuple[jax.Array, bool]:
+    """An operand as a kernel takes it, and whether as words: `words` None decides by `needs_words`."""
+    words = needs_words(x.shape, x.dtype) if words is None else words
+    return (as_words(x) if words else x), words
 
 
 def load(ref, index: tuple, dtype, words: bool) -> jax.Array:

@@ -232,7 +232,7 @@ class SpecPipeline(StepPipeline):
     def _stretch_after(self, a) -> bool:
         """Whether the next step belongs to a plain stretch, from this step's agreement (the same on every node)."""
         off = self.cfg.speculative.disable_by_batch_size
-        return off is not None and a is not None and a.run and sum(a.requests_per_rank) > off
+        return off is not None and a.run and sum(a.requests_per_rank) > off
 
     def _shape_for(self, rows: list[int], agreement):
         return self.buckets.shape_for(rows, agreement, plain=self.plain)  # (else a speculative step, maybe shallow)
