@@ -77,14 +77,14 @@ def runner_for(models, mesh_spec: str, num_pages: int = 128) -> StepRunner:
                       draft=mtp)
 
 
-def check_same_greedy(runner, batches, ranks=None, warm=False, **cfg):
+def check_same_greedy(runner, batches, ranks=None, warm=False, params=GREEDY, **cfg):
     """Each batch of prompts through a plain engine, then through a speculating one on the same runner: the
     same tokens. Returns the speculating engine and its requests. `warm`: the speculating engine compiles its
     steps at start-up and no step compiles while serving (otherwise both compile what they use, on first use)."""
     outs = []
     for spec in (False, True):
         e = engine(runner, spec, disable_cuda_graph=not (spec and warm), **cfg)
-        reqs = [r for b, batch in enumerate(batches) for r in e.generate(batch, GREEDY, ranks=ranks and ranks[b])]
+        reqs = [r for b, batch in enumerate(batches) for r in e.generate(batch, params, ranks=ranks and ranks[b])]
         outs.append([r.output_ids for r in reqs])
     assert outs[0] == outs[1]
     if warm:
@@ -121,11 +121,11 @@ def test_greedy_tokens_are_the_plain_engines_under_tp_and_ep(models, mesh_spec):
 
 @pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # (CI: the default)
 def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(models, overlap):
-    """--speculative-disable-by-batch-size 5 under dp=2 with 12 requests (up to 8 a rank): while more than 5 run
-    the steps verify nothing (shallow while prompts are read, then a plain stretch: plain decode steps, queued with
-    the last one in flight unless --disable-overlap-schedule), and as requests finish the rest speculate again,
-    their MTP layer drafting anew; the tokens are the plain engine's all along, and nothing compiles while
-    serving."""
+    """--speculative-disable-by-batch-size 5 under dp=2 with 12 requests (up to 8 a rank): the first step reads
+    prompts speculatively; while more than 5 are held a plain stretch runs (the other prompts read plainly, plain
+    decode steps, queued with the last one in flight unless --disable-overlap-schedule), and as requests finish the
+    first ones (the longest) speculate again, their MTP layer drafting anew; the tokens are the plain engine's all
+    along, and nothing compiles while serving."""
     runner = runner_for(models, "dp=2")
     spec_engine = Engine.__init__
     queued_in_flight = []
@@ -142,17 +142,47 @@ def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(mod
 
     Engine.__init__ = watched
     try:  # (every shape compiled at start-up: a rank's rows never pass 32, so extend buckets 64, 128 go unused)
+        long = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.0)
         e, reqs = check_same_greedy(runner, [prompts(12, 6)], warm=True, spec_off_above=5, extend_buckets=[16, 32],
-                                    overlap=overlap)
+                                    overlap=overlap, params=[long] * 4 + [GREEDY] * 8)
     finally:
         Engine.__init__ = spec_engine
     kinds = [r.kind for r in e.pipeline.stats.records]
     assert kinds.count("decode") >= 3 and kinds.count("spec") >= 3, kinds
-    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind in ("decode", "spec-off")), kinds
+    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind == "spec-off"), kinds
     assert any(queued_in_flight) == overlap and len(queued_in_flight) >= 3, queued_in_flight
-    assert any(r.spec_verify_ct > 0 for r in reqs)
+    assert any(r.spec_verify_ct > 0 for r in reqs[:4]) and all(r.spec_verify_ct == 0 for r in reqs[6:])
     for s in e.schedulers:
         assert s.pool.free + s.cache.evictable() == s.pool.num_pages
+
+
+def test_a_stretch_goes_on_while_no_request_drafts_and_a_new_request_still_speculates(models):
+    """Off above 5 under dp=2: 8 short requests start a stretch, 4 long ones arrive in it (read plainly, they never
+    draft); once the short ones are done the 4 run on in a quiet stretch (plain decode steps of 4 requests, not
+    verifies that draft nothing), and a request arriving then waits a step, is read speculatively and drafts.
+    Every token is the plain engine's."""
+    runner = runner_for(models, "dp=2")
+    short, long = (SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0) for n in (12, 48))
+    outs = []
+    for spec in (False, True):
+        e = engine(runner, spec, spec_off_above=5 if spec else None)
+        submit = [e.submit(e.make_request(p, sp)) for p, sp in ((p, short) for p in prompts(8, 7))]
+        e.run_until_idle(max_steps=2)
+        late = [e.submit(e.make_request(p, long)) for p in prompts(4, 8)]
+        while not all(r.finished for r in submit):
+            e.step()
+        e.run_until_idle(max_steps=4)
+        last = e.submit(e.make_request(prompts(1, 9)[0], GREEDY))
+        e.run_until_idle()
+        reqs = [*submit, *late, last]
+        assert all(r.finished for r in reqs)
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]
+    assert all(r.spec_verify_ct == 0 for r in late) and last.spec_verify_ct > 0
+    quiet = [r for r in e.pipeline.stats.records if r.kind == "decode" and sum(r.rows) <= 5]
+    assert len(quiet) >= 10, [(r.kind, r.rows) for r in e.pipeline.stats.records]
+    draftless = [r for r in e.pipeline.stats.records if r.kind == "spec" and sum(r.rows) == 4]
+    assert len(draftless) <= 1, [(r.kind, r.rows) for r in e.pipeline.stats.records]  # (the first: not yet known)
 
 
 def test_retraction_and_a_small_pool_keep_the_greedy_tokens(models):

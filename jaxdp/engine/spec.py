@@ -10,20 +10,25 @@ others. A verify runs without the overlap: the next verify needs this one's acce
 D + 1 tokens a request, checking stops at each; the request's length, not its pages, says which latents count, so the
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
 
-With --speculative-disable-by-batch-size N (vLLM's), speculation is off while more than N requests run over all
-ranks. After a step of more than N requests (the agreement, the same on every node) the pipeline runs a plain
-stretch: the schedulers plan as the plain engine's do (prompt chunks, decodes over the persistent batch with
-markers for tokens in flight), run by the plain steps with the plain engine's overlap. The stretch ends after a
-step of N requests or fewer: the step in flight is booked and the next step is a speculative one. No draft is
-made in a stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP pass drafts
-again; a request whose prompt a stretch read has no draft KV of its prompt and never drafts (`speculates`). The
-first step of more than N requests is shallow: a verify-only one keeps each verify's last token (the pipeline
-cuts the plans after the agreement; the plain decode step, no MTP layer), one that reads a prompt runs its rows
-as planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no chained drafts.
+With --speculative-disable-by-batch-size N (vLLM's), speculation is off while the ranks hold more than N requests
+(running or waiting to be read, as vLLM counts them). After a step whose agreement shows more than N held (the
+agreement, the same on every node) the pipeline runs a plain stretch: the schedulers plan as the plain engine's do
+(prompt chunks, decodes over the persistent batch with markers for tokens in flight), run by the plain steps with
+the plain engine's overlap. A request whose prompt a stretch read has no draft KV of its prompt and never drafts
+(`speculates`), so a stretch also goes on while no request drafts or would (the ranks' `drafting`: a request held
+that speculates); in such a quiet stretch (N held or fewer) a new request waits one step and is read
+speculatively. A stretch ends after a step with N held or fewer of which one drafts or would: the step in flight
+is booked and the next step is a speculative one. No draft is made in a stretch, so a request's first verify
+after it offers none (one row, n_draft 0) and its MTP pass drafts again. A speculative step of more than N
+requests (the first, decided before its agreement) is shallow: a verify-only one keeps each verify's last token
+(the pipeline cuts the plans after the agreement; the plain decode step, no MTP layer), one that reads a prompt
+runs its rows as planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no
+chained drafts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -70,6 +75,7 @@ class SpecScheduler(Scheduler):
         self.draft_tokens = draft_tokens
         self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
         self.plain = False  # the pipeline's plain stretch: plan as the plain engine (module docstring)
+        self.quiet = False  # ... a quiet one: a new request that would speculate waits to be read speculatively
         self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
         self.drafted = 0
         self.accepted = 0
@@ -79,6 +85,16 @@ class SpecScheduler(Scheduler):
         out["spec_accept_length"] = 1 + self.accepted / self.verify_steps if self.verify_steps else 0.0
         out["spec_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         return out
+
+    @property
+    def drafting(self) -> bool:
+        """A request of this rank drafts or would: one that speculates, running or waiting to be read."""
+        return any(r.speculates for r in self.running.values()) or any(r.speculates for r in self.waiting)
+
+    def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
+        if self.quiet and allow_new_prompt and any(r.speculates for r in self.waiting):
+            allow_new_prompt = False  # (its proposal says `drafting`: the next step reads it, speculatively)
+        return super().schedule(allow_new_prompt, mixed_chunk)
 
     def _schedule_decode(self) -> RankPlan | None:
         """Verify every running request that may still grow, each holding pages 2D positions ahead (retracting
@@ -215,6 +231,7 @@ class SpecPipeline(StepPipeline):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.plain = False  # this iteration belongs to a plain stretch
+        self.quiet = False  # ... a quiet one (N requests or fewer, none drafting)
         self.overlap = False
 
     def step(self) -> bool:
@@ -223,25 +240,34 @@ class SpecPipeline(StepPipeline):
             self._book(self.inflight, time.perf_counter())
             self.inflight = None
         for s in self.schedulers:
-            s.plain = plain
+            s.plain, s.quiet = plain, plain and self.quiet
         self.overlap = plain and self.cfg.overlap
         busy = super().step()
-        self.plain = self._stretch_after(self.last_agreement)
+        self.plain, self.quiet = self._stretch_after(self.last_agreement)
         return busy
 
-    def _stretch_after(self, a) -> bool:
-        """Whether the next step belongs to a plain stretch, from this step's agreement (the same on every node)."""
+    def _stretch_after(self, a) -> tuple[bool, bool]:
+        """Whether the next step belongs to a plain stretch, and to a quiet one, from this step's agreement (the
+        same on every node)."""
         off = self.cfg.speculative.disable_by_batch_size
-        return off is not None and a.run and sum(a.requests_per_rank) > off
+        if off is None or not a.run:
+            return False, False
+        many = a.held > off
+        return many or not a.any_drafting, not many
 
     def _shape_for(self, rows: list[int], agreement):
         return self.buckets.shape_for(rows, agreement, plain=self.plain)  # (else a speculative step, maybe shallow)
 
     def _proposals(self, plans: list[RankPlan | None]):  # (a verify after shallow steps is one row a request)
         if self.plain:
-            return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
-        return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
-                              largest_decode_requests=self.buckets.decode[-1])
+            out = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
+        else:
+            out = rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
+                                 largest_decode_requests=self.buckets.decode[-1])
+        if self.cfg.speculative.disable_by_batch_size is None:  # (no stretches: every request speculates)
+            return out
+        return [dataclasses.replace(p, held=len(s.running) + len(s.waiting), drafting=s.drafting)
+                for p, s in zip(out, self.schedulers, strict=True)]
 
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:

@@ -89,6 +89,8 @@ class Proposal:
     top: bool = False  # a request of its asks for top logprobs (computed over every node's logits, so together)
     prompt_logprobs: bool = False  # a prompt it reads asks for its logprobs (the step returns every row's logits)
     requests: int = 0  # the requests (sequences) of its batch: a speculative step's request slots
+    held: int = 0  # speculative decoding: the requests the rank holds, running or waiting
+    drafting: bool = False  # ... one of them drafts or would (it speculates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,8 @@ class Agreement:
     any_top: bool = False  # OR over ranks: the step computes the top logprobs
     any_prompt_logprobs: bool = False  # OR over ranks: the extend step returns the logits of every row
     requests_per_rank: tuple[int, ...] = ()  # each rank's requests (a speculative step's slots: MAX over ranks)
+    held: int = 0  # SUM over ranks: the requests held (speculation's switch: jaxdp.engine.spec)
+    any_drafting: bool = False  # OR over ranks: a request drafts or would
 
     @property
     def max_requests(self) -> int:
@@ -128,7 +132,8 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     idle = tuple(i for i, r in enumerate(rows) if r == 0) if run else ()
     return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
                      any(p.top for p in busy), any(p.prompt_logprobs for p in busy),
-                     tuple(p.requests for p in proposals))
+                     tuple(p.requests for p in proposals),
+                     sum(p.held for p in proposals), any(p.drafting for p in proposals))
 
 
 # ---- 4. the LM head ----------------------------------------------------------------------------
