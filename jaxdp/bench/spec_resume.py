@@ -1,9 +1,9 @@
 """`python -m jaxdp.bench.spec_resume`: acceptance after speculation resumes (docs/speculative.md).
 
 The default model offline (dp=1), N held-out long-skill problems at once, greedy: speculating all along, then
-switched off above K running requests (`--speculative-disable-by-batch-size K`: shallow steps while more run,
+switched off above K requests held (`--speculative-disable-by-batch-size K`: a plain stretch while more are held,
 verifies again as the batch shrinks). Prints each run's accept length and step kinds, whether the tokens are the
-same, and the accept length of the requests that speculated again after shallow steps against the same requests
+same, and the accept length of the requests that speculated again after the stretch against the same requests
 speculating all along; writes JSON. Not in CI."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(name, {key: v for key, v in runs[name].items() if key not in ("tokens", "per_request")}, flush=True)
         engine.shutdown()
     always, off = runs["always"], runs[f"off above {k}"]
-    # the requests that verified after shallow steps, against the same requests speculating all along
+    # the requests that verified after the stretch, against the same requests speculating all along
     resumed = [i for i, (v, _) in enumerate(off["per_request"]) if v > 0]
 
     def accept(run):

@@ -54,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... shallow (not drafting) in a step of more requests (all ranks)
+    spec_off_above: int | None = None  # ... plain stretches above; a prompt step of more requests: shallow
 
     @property
     def largest_decode_rows(self) -> int:
@@ -116,8 +116,6 @@ class Buckets:
             plain = self._plain_shapes() if self.spec_off_above is not None else []
             return plain + [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
                             for n in self.pages for b in self.decode] + [
-                StepShape(True, b, b, n, draft_tokens=self.draft_tokens, shallow=True)
-                for n in self.pages for b in self.shallow_decode()] + [
                 StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens, shallow=shallow)
                 for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)
                 for shallow in ((False, True) if self.spec_off_above is not None else (False,))]
@@ -134,13 +132,6 @@ class Buckets:
     def _spec_off(self, requests) -> bool:
         return self.spec_off_above is not None and sum(requests) > self.spec_off_above
 
-    def shallow_decode(self) -> list[int]:
-        """The decode buckets a shallow step may take: a verify of more than spec_off_above requests over dp
-        ranks has more than spec_off_above / dp on its busiest rank."""
-        if not self.draft_tokens or self.spec_off_above is None:
-            return []
-        return [b for b in self.decode if b * self.dp > self.spec_off_above]
-
     def prompt_logprob_shape(self) -> StepShape:
         """The extend step that returns the logits of every row (a step where some request asks for prompt
         logprobs): the largest extend bucket, padded (MAX_LEN), with the widest page table, so it adds one shape
@@ -156,8 +147,6 @@ class Buckets:
             if agreement.use_decode_bucket:
                 per = self.draft_tokens + 1
                 b = self.decode[bisect.bisect_left(self.decode, agreement.max_requests)]
-                if self._spec_off(requests):
-                    return StepShape(True, b, b, pages_per_seq, draft_tokens=self.draft_tokens, shallow=True)
                 return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
             shape = self._extend_shape(rows, busiest, pages_per_seq)
             return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, agreement.max_requests),

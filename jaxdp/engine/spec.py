@@ -19,11 +19,10 @@ the plain engine's overlap. A request whose prompt a stretch read has no draft K
 that speculates); in such a quiet stretch (N held or fewer) a new request waits one step and is read
 speculatively. A stretch ends after a step with N held or fewer of which one drafts or would: the step in flight
 is booked and the next step is a speculative one. No draft is made in a stretch, so a request's first verify
-after it offers none (one row, n_draft 0) and its MTP pass drafts again. A speculative step of more than N
-requests (the first, decided before its agreement) is shallow: a verify-only one keeps each verify's last token
-(the pipeline cuts the plans after the agreement; the plain decode step, no MTP layer), one that reads a prompt
-runs its rows as planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no
-chained drafts.
+after it offers none (one row, n_draft 0) and its MTP pass drafts again. A speculative step that reads the
+prompts of more than N requests (the first of a burst, decided before its agreement) is shallow: its rows run as
+planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no chained drafts. (A
+verify never has more than N requests: the step before it held them all.)
 """
 
 from __future__ import annotations
@@ -146,7 +145,7 @@ class SpecScheduler(Scheduler):
             piece, n = plan.pieces[i], int(counts_B[i])
             if verify:
                 req.computed = piece.start + n  # the last token and the accepted drafts
-                if len(piece.tokens) > 1:  # (a shallow step verifies nothing)
+                if len(piece.tokens) > 1:  # (a verify after a stretch offers no drafts)
                     req.spec_verify_ct += 1
                     req.spec_accepted += n - 1
                     self.verify_steps += 1
@@ -206,7 +205,7 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
         verify, row = plan.kind == "verify", 0
         for b, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
             m, end = len(piece.tokens), piece.start + len(piece.tokens)
-            n_draft = m - 1 if verify else 0  # (D, or 0 in a shallow step)
+            n_draft = m - 1 if verify else 0  # (D, or 0 after a stretch or a shallow step)
             out["first_row_R"][r, b], out["last_row_R"][r, b], out["n_draft_R"][r, b] = row, row + m - 1, n_draft
             out["req_T"][r, row: row + m] = b
             if verify:
@@ -256,9 +255,9 @@ class SpecPipeline(StepPipeline):
         return many or not a.any_drafting, not many
 
     def _shape_for(self, rows: list[int], agreement):
-        return self.buckets.shape_for(rows, agreement, plain=self.plain)  # (else a speculative step, maybe shallow)
+        return self.buckets.shape_for(rows, agreement, plain=self.plain)
 
-    def _proposals(self, plans: list[RankPlan | None]):  # (a verify after shallow steps is one row a request)
+    def _proposals(self, plans: list[RankPlan | None]):  # (a verify after a stretch is one row a request)
         if self.plain:
             out = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
         else:
@@ -274,11 +273,6 @@ class SpecPipeline(StepPipeline):
         if self.plain:
             return super()._queue(plans, shape, rows, agreement, t0, agree_s)
         runner = self.runner
-        if shape.shallow and shape.absorbed:  # speculation off for this step: each verify keeps its last token
-            for plan in plans:
-                if plan is not None:
-                    plan.pieces = [Piece(p.tokens[:1], p.start, p.pages) for p in plan.pieces]
-            rows = list(agreement.requests_per_rank)  # (a row a request)
         out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)

@@ -15,15 +15,11 @@ last token and its D draft tokens at the next D positions). Per rank, the step:
    draft KV of the accepted positions, then D - 1 one-row steps chained on the draft's own normed hidden state
    (SGLang's choice), each writing the draft KV of its position (`ahead_slots_BA`, pages the scheduler holds).
 
-A shallow step (speculation switched off for a batch above --speculative-disable-by-batch-size) makes no drafts
-(-1), so a request's next verify offers none (n_draft 0: one row, its last token) and that verify's MTP pass
-drafts again. In the decode form it is the plain decode step: one row a request, its last token, nothing to
-verify, the token sampled as without speculation, no MTP layer (it costs what a plain decode step costs); the
-draft KV of those positions stays unwritten: the tokens stay exact (the target decides), only the drafts that
-attend to those positions may be accepted less often. In the extend form (a prompt read somewhere) the rows stay
-as planned (a prompt chunk samples its first token, a verify checks the drafts it still offers: none after a
-shallow step) and the MTP pass still writes the draft KV of every row, the prompt's above all (drafts read it to
-copy from), but the chained steps do not run.
+A shallow step (a prompt step of more requests than --speculative-disable-by-batch-size, the first of a burst:
+`jaxdp.engine.spec`) makes no drafts (-1), so a request's next verify offers none (n_draft 0: one row, its last
+token) and that verify's MTP pass drafts again. Its rows stay as planned (a prompt chunk samples its first token,
+a verify checks the drafts it offers) and the MTP pass still writes the draft KV of every row, the prompt's above
+all (drafts read it to copy from), but the chained steps do not run.
 
 Rows a verify rejected leave latents past the request's accepted length, in its own pages: the next verify
 starts at the first of them and writes them again before anything reads them (attention reads only positions
@@ -90,8 +86,7 @@ def build_spec_step(runner, shape):
     the absorbed decode form; otherwise the rows are pieces as in an extend step (a prompt chunk somewhere)."""
     lay, cfg = runner.layout, runner.cfg
     D, T, R, absorbed = shape.draft_tokens, shape.num_rows, shape.num_requests, shape.absorbed
-    skip_mtp = shape.shallow and absorbed  # the plain decode step
-    J = 1 if skip_mtp else D + 1  # logits rows a request
+    J = D + 1  # logits rows a request
     gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
     chain_gather = GatherSpec("max_len", lay.dp, lay.tp)
     lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
@@ -109,20 +104,17 @@ def build_spec_step(runner, shape):
         model = nnx.merge(graphdef, state)
         attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
         first, last, n_draft = s["first_row_R"], s["last_row_R"], s["n_draft_R"]
-        # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times (a shallow step's one row)
+        # the logits rows: a verify's D + 1 rows; a prompt chunk's last row, D + 1 times
         lead_R = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
         j = jnp.arange(J)
         rows_RJ = first[:, None] + jnp.minimum(lead_R[:, None] + j[None], (last - first)[:, None])
         logits_LV, main, rows_E, *hidden = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
                                                  absorbed=absorbed, decode_kernel=decode_kernel,
-                                                 return_hidden=not skip_mtp)
+                                                 return_hidden=True)
         logits_RJV = logits_LV.reshape(R, J, -1)
         tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"][:, : J - 1], n_draft,
                                                      smp["temperature"], smp["top_p"], smp["top_k"], smp["min_p"],
                                                      smp["keys"])
-        no_drafts = jnp.full((R, D), -1, jnp.int32)
-        if skip_mtp:
-            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
         next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
         accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
@@ -140,7 +132,8 @@ def build_spec_step(runner, shape):
         d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden[0], mtp_valid_T, attn, draft_kv, at_R, comm,
                                                  embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
-        if shape.shallow:  # (the extend form: the draft KV written, no chain, no drafts)
+        if shape.shallow:  # (the draft KV written, no chain, no drafts)
+            no_drafts = jnp.full((R, D), -1, jnp.int32)
             return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one

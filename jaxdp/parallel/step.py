@@ -50,9 +50,8 @@ class StepShape:
     sum_rows: int = 0  # SUM_LEN buffer rows
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
     draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
-    shallow: bool = False  # ... switched off for this step (a batch above --speculative-disable-by-batch-size):
-    # no drafts made; in the decode form one row a request, nothing verified, no MTP layer; in the extend form
-    # the MTP pass writes the draft KV, no chained steps
+    shallow: bool = False  # ... a prompt step of more requests than --speculative-disable-by-batch-size: no
+    # drafts made (the MTP pass writes the draft KV, no chained steps)
 
     @property
     def num_logits(self) -> int:
@@ -61,9 +60,9 @@ class StepShape:
     @property
     def num_requests(self) -> int:
         """A speculative step's requests per rank: its sequences, or in the absorbed form (a verify of every
-        row as a sequence of its own) its rows over draft_tokens + 1 (one row each in a shallow step)."""
+        row as a sequence of its own) its rows over draft_tokens + 1."""
         if self.draft_tokens and self.absorbed:
-            return self.num_rows if self.shallow else self.num_rows // (self.draft_tokens + 1)
+            return self.num_rows // (self.draft_tokens + 1)
         return self.num_seqs
 
     @property
