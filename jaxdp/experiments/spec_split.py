@@ -39,7 +39,9 @@ def instrument(engine) -> list[dict]:
 
     for s in pipe.schedulers:
         timed(s, "schedule", "plan")
-        timed(s, "book_spec" if hasattr(s, "book_spec") else "book", "book")
+        for name in ("book", "book_spec"):  # (a speculating engine books its plain stretches' steps by `book`)
+            if hasattr(s, name):
+                timed(s, name, "book")
     queue, book, step = pipe._queue, pipe._book, pipe.step
 
     def queue_w(plans, shape, rows, agreement, t0, agree_s):
