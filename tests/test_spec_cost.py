@@ -1,7 +1,6 @@
 """What a speculative step costs, counted in XLA's FLOPs of the compiled step (independent of the machine's load):
 a speculative prompt step's request slots follow the requests of the step (the agreement's requests per rank),
-not --max-running-requests; a shallow one (a burst of prompts above --speculative-disable-by-batch-size) runs no
-chained drafts."""
+not --max-running-requests."""
 
 
 import pytest
@@ -34,16 +33,6 @@ def flops(compiled) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-def test_a_shallow_prompt_step_runs_no_chained_drafts(runner):
-    """A prompt step of 64 rows and 16 request slots a rank: the shallow one (the first of a burst above the
-    threshold) skips the D - 1 chained draft steps over the request slots but keeps the MTP pass over the rows
-    (the prompt's draft KV): it costs less than the speculative step and more than the plain extend step."""
-    full, shallow = (flops(runner.lower(StepShape(False, 64, 16, PAGES, draft_tokens=D, shallow=s)).compile())
-                     for s in (False, True))
-    plain = flops(runner.lower(StepShape(False, 64, 16, PAGES)).compile())
-    assert plain < shallow < full * 0.9, (plain, shallow, full)
-
-
 def proposals(rows: list[int], requests: list[int], extend: bool) -> list[Proposal]:
     return [Proposal(n, extend and n > 0, not extend, PAGES if n else 0, requests=q)
             for n, q in zip(rows, requests, strict=True)]
@@ -68,17 +57,19 @@ def test_a_speculative_prompt_step_does_not_grow_with_max_running_requests(runne
 
 
 def test_speculative_buckets_follow_the_requests_of_the_agreement():
-    """Decode buckets by requests (a verify after a stretch is one row, its drafts none), a prompt step shallow
-    above the threshold summed over ranks, and the extend steps' slot ladder compiled at start-up."""
+    """Decode buckets by requests (a verify after a stretch is one row, its drafts none), the extend steps' slot
+    ladder, and with a threshold the plain steps of the stretches beside them, all compiled at start-up."""
     b = Buckets.make(16, 64, 2, draft_tokens=D, spec_off_above=6).with_pages(PAGES, 8)
     # 5 requests on rank 0, 3 of them without drafts (1 + 2 x 4 + 3 x 1 = 12 rows), 1 on rank 1: bucket 8, not 4
-    shape = b.shape_for([12, 4], agree_on_step(proposals([12, 4], [5, 1], extend=False)))
-    assert (shape.absorbed, shape.shallow, shape.num_requests, shape.num_rows) == (True, False, 8, 32)
-    shape = b.shape_for([12, 8], agree_on_step(proposals([12, 8], [5, 2], extend=False)))  # (never > 6: held)
-    assert not shape.shallow and (shape.num_requests, shape.num_rows) == (8, 32)
-    shape = b.shape_for([40, 8], agree_on_step(proposals([40, 8], [5, 2], extend=True)))  # a prompt read: no drafts
-    assert (shape.absorbed, shape.shallow, shape.num_rows, shape.num_seqs) == (False, True, 64, 16)
-    assert shape in b.shapes()
+    agreement = agree_on_step(proposals([12, 4], [5, 1], extend=False))
+    shape = b.shape_for([12, 4], agreement)
+    assert (shape.absorbed, shape.num_requests, shape.num_rows) == (True, 8, 32) and shape in b.shapes()
+    shape = b.shape_for([40, 8], agree_on_step(proposals([40, 8], [5, 2], extend=True)))  # a prompt read
+    assert (shape.absorbed, shape.num_rows, shape.num_seqs) == (False, 64, 16) and shape in b.shapes()
+    plain = b.shape_for([12, 4], agreement, plain=True)  # a stretch's decode step: a row a request, 12 on rank 0
+    assert (plain.absorbed, plain.draft_tokens, plain.num_rows) == (True, 0, 12) and plain in b.shapes()
+    always = Buckets.make(16, 64, 2, draft_tokens=D).with_pages(PAGES, 8).shapes()
+    assert set(b.shapes()) - set(always) == {s for s in b.shapes() if not s.draft_tokens}  # (only the plain ones)
     assert b.slot_buckets(64) == [4, 16] and b.slot_buckets(16) == [4, 16] and b.slot_buckets(8) == [4, 8]
     assert Buckets.make(256, 64, 2, draft_tokens=D).slot_buckets(1024) == [4, 16, 64, 256]
     spec_extend = [s for s in b.shapes() if not s.absorbed]

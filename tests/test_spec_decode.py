@@ -149,7 +149,6 @@ def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(mod
         Engine.__init__ = spec_engine
     kinds = [r.kind for r in e.pipeline.stats.records]
     assert kinds.count("decode") >= 3 and kinds.count("spec") >= 3, kinds
-    assert all(sum(r.rows) > 5 for r in e.pipeline.stats.records if r.kind == "spec-off"), kinds
     assert any(queued_in_flight) == overlap and len(queued_in_flight) >= 3, queued_in_flight
     assert any(r.spec_verify_ct > 0 for r in reqs[:4]) and all(r.spec_verify_ct == 0 for r in reqs[6:])
     for s in e.schedulers:

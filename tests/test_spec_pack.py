@@ -46,7 +46,7 @@ def test_a_plain_steps_inputs_come_back_as_they_were(shape):
 
 
 @pytest.mark.parametrize("shape", [StepShape(True, 8, 8, 3, draft_tokens=3),
-                                   StepShape(False, 32, 4, 5, draft_tokens=3, shallow=True)])
+                                   StepShape(False, 32, 4, 5, draft_tokens=3)])
 def test_packed_inputs_come_back_as_they_were(shape):
     dp = 2
     arrays = empty_step(dp, shape.num_rows, shape.num_seqs, shape.pages_per_seq, 99)

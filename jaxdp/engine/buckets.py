@@ -54,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... plain stretches above; a prompt step of more requests: shallow
+    spec_off_above: int | None = None  # ... plain stretches above (jaxdp.engine.spec): the plain shapes too
 
     @property
     def largest_decode_rows(self) -> int:
@@ -116,9 +116,8 @@ class Buckets:
             plain = self._plain_shapes() if self.spec_off_above is not None else []
             return plain + [StepShape(True, b * rows, b * rows, n, draft_tokens=self.draft_tokens)
                             for n in self.pages for b in self.decode] + [
-                StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens, shallow=shallow)
-                for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)
-                for shallow in ((False, True) if self.spec_off_above is not None else (False,))]
+                StepShape(False, t, b, n, m, s, draft_tokens=self.draft_tokens)
+                for n in self.pages for t in self.extend for m, s in self.extend_modes(t) for b in self.slot_buckets(t)]
         return self._plain_shapes() + [self.prompt_logprob_shape()]
 
     def _plain_shapes(self) -> list[StepShape]:
@@ -128,9 +127,6 @@ class Buckets:
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
         return out
-
-    def _spec_off(self, requests) -> bool:
-        return self.spec_off_above is not None and sum(requests) > self.spec_off_above
 
     def prompt_logprob_shape(self) -> StepShape:
         """The extend step that returns the logits of every row (a step where some request asks for prompt
@@ -143,14 +139,13 @@ class Buckets:
         """The compiled step of a batch. `plain`: under speculation, a plain stretch's step (`jaxdp.engine.spec`)."""
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
         if self.draft_tokens and not plain:  # (a verify: up to draft_tokens + 1 rows a request, its token, drafts)
-            requests = agreement.requests_per_rank
             if agreement.use_decode_bucket:
                 per = self.draft_tokens + 1
                 b = self.decode[bisect.bisect_left(self.decode, agreement.max_requests)]
                 return StepShape(True, b * per, b * per, pages_per_seq, draft_tokens=self.draft_tokens)
             shape = self._extend_shape(rows, busiest, pages_per_seq)
             return dataclasses.replace(shape, num_seqs=self.slot_bucket(shape.num_rows, agreement.max_requests),
-                                       draft_tokens=self.draft_tokens, shallow=self._spec_off(requests))
+                                       draft_tokens=self.draft_tokens)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
             return StepShape(True, b, b, pages_per_seq)

@@ -19,10 +19,9 @@ the plain engine's overlap. A request whose prompt a stretch read has no draft K
 that speculates); in such a quiet stretch (N held or fewer) a new request waits one step and is read
 speculatively. A stretch ends after a step with N held or fewer of which one drafts or would: the step in flight
 is booked and the next step is a speculative one. No draft is made in a stretch, so a request's first verify
-after it offers none (one row, n_draft 0) and its MTP pass drafts again. A speculative step that reads the
-prompts of more than N requests (the first of a burst, decided before its agreement) is shallow: its rows run as
-planned, the MTP pass writing their draft KV (the prompt's, which later drafts copy from), no chained drafts. (A
-verify never has more than N requests: the step before it held them all.)
+after it offers none (one row, n_draft 0) and its MTP pass drafts again. A verify never has more than N
+requests (the step before it held them all); the one speculative step that may (decided before the agreement that
+shows a burst) reads prompts, and its requests speculate.
 """
 
 from __future__ import annotations
@@ -156,7 +155,7 @@ class SpecScheduler(Scheduler):
                 if plan.out_pos[i] < 0:  # a prompt chunk that samples nothing
                     continue
                 del req.output_ids[plan.out_pos[i]:]  # its marker
-            req.drafts = [t for t in drafts_BD[i].tolist() if t >= 0] if req.speculates else []  # (none: shallow)
+            req.drafts = [t for t in drafts_BD[i].tolist() if t >= 0] if req.speculates else []
             reason = self._append(req, tokens_BJ[i, :n].tolist(), logprobs_BJ[i, :n].tolist(), now)
             booked += n
             a = self.rows.a
@@ -205,7 +204,7 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
         verify, row = plan.kind == "verify", 0
         for b, (req, piece) in enumerate(zip(plan.reqs, plan.pieces, strict=True)):
             m, end = len(piece.tokens), piece.start + len(piece.tokens)
-            n_draft = m - 1 if verify else 0  # (D, or 0 after a stretch or a shallow step)
+            n_draft = m - 1 if verify else 0  # (D, or 0 after a stretch)
             out["first_row_R"][r, b], out["last_row_R"][r, b], out["n_draft_R"][r, b] = row, row + m - 1, n_draft
             out["req_T"][r, row: row + m] = b
             if verify:

@@ -1,11 +1,11 @@
 """`python -m jaxdp.experiments.spec_split`: where a speculative iteration's wall time goes (docs/speculative.md).
 
 The default model offline, greedy long-skill problems, one engine per case: the plain engine (the overlap on) and
-the speculating one (MTP, SGLang's defaults), and with --speculative-disable-by-batch-size 1 (every step of more
-than one request shallow). Each decode iteration of the pipeline is split into: plan (the ranks' schedulers), agree,
-arrays (the step's host arrays), dispatch (queueing the step and its sampling), wait (reading a step's tokens back:
-the device's time the host did not hide), book (tokens to requests); ms per iteration and per token. Prompt
-iterations are left out. Not in CI: it times this machine."""
+the speculating one (MTP, SGLang's defaults), and with --speculative-disable-by-batch-size 1 (plain stretches
+while more than one request is held). Each decode iteration of the pipeline is split into: plan (the ranks'
+schedulers), agree, arrays (the step's host arrays), dispatch (queueing the step and its sampling), wait (reading
+a step's tokens back: the device's time the host did not hide), book (tokens to requests); ms per iteration and
+per token. Prompt iterations are left out. Not in CI: it times this machine."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def instrument(engine) -> list[dict]:
 
     def queue_w(plans, shape, rows, agreement, t0, agree_s):
         cur["kinds"] = {p.kind for p in plans if p is not None}
-        cur["shallow"] = bool(getattr(shape, "shallow", False))
+        cur["plain"] = not getattr(shape, "draft_tokens", 0)
         f = queue(plans, shape, rows, agreement, t0, agree_s)
         cur["agree"] = agree_s
         cur["arrays"] = f.host_s - cur.get("plan", 0.0) - agree_s
@@ -78,7 +78,7 @@ def summarize(iters: list[dict], prompt: bool = False) -> dict:
     dec = [i for i in iters if i.get("kinds") and (i["kinds"] <= {"decode", "verify"}) != prompt]
     if not dec:
         return {}
-    out = {"iterations": len(dec), "shallow": sum(i["shallow"] for i in dec),
+    out = {"iterations": len(dec), "plain_steps": sum(i["plain"] for i in dec),
            "seconds": float(sum(i["wall"] for i in dec))}
     for p in PARTS[:-1]:
         out[p] = 1e3 * float(np.mean([i.get(p, 0.0) for i in dec]))

@@ -15,12 +15,6 @@ last token and its D draft tokens at the next D positions). Per rank, the step:
    draft KV of the accepted positions, then D - 1 one-row steps chained on the draft's own normed hidden state
    (SGLang's choice), each writing the draft KV of its position (`ahead_slots_BA`, pages the scheduler holds).
 
-A shallow step (a prompt step of more requests than --speculative-disable-by-batch-size, the first of a burst:
-`jaxdp.engine.spec`) makes no drafts (-1), so a request's next verify offers none (n_draft 0: one row, its last
-token) and that verify's MTP pass drafts again. Its rows stay as planned (a prompt chunk samples its first token,
-a verify checks the drafts it offers) and the MTP pass still writes the draft KV of every row, the prompt's above
-all (drafts read it to copy from), but the chained steps do not run.
-
 Rows a verify rejected leave latents past the request's accepted length, in its own pages: the next verify
 starts at the first of them and writes them again before anything reads them (attention reads only positions
 up to its own row), so they are given back simply by the request's length not covering them. Ranks with no
@@ -132,9 +126,6 @@ def build_spec_step(runner, shape):
         d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden[0], mtp_valid_T, attn, draft_kv, at_R, comm,
                                                  embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
-        if shape.shallow:  # (the draft KV written, no chain, no drafts)
-            no_drafts = jnp.full((R, D), -1, jnp.int32)
-            return _outputs(tokens_RJ, accepted_R, logprobs_RJ, no_drafts, main, draft_kv, rows_E)
         h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one
         chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged)

@@ -50,8 +50,6 @@ class StepShape:
     sum_rows: int = 0  # SUM_LEN buffer rows
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
     draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
-    shallow: bool = False  # ... a prompt step of more requests than --speculative-disable-by-batch-size: no
-    # drafts made (the MTP pass writes the draft KV, no chained steps)
 
     @property
     def num_logits(self) -> int:
@@ -68,7 +66,7 @@ class StepShape:
     @property
     def kind(self) -> str:
         if self.draft_tokens:
-            return "spec-off" if self.shallow else "spec"
+            return "spec"
         return "decode" if self.absorbed else "extend"
 
 
