@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
                    help="rows a verify reads per request: the steps + 1 (4)")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="vLLM's: a step of more than N running requests (all ranks) does not speculate; the MTP "
-                        "layer still reads its tokens, so speculation resumes as the batch shrinks (default: never)")
+                   help="vLLM's: speculation is off while more than N requests are held (running or waiting, all "
+                        "ranks); it resumes as they finish (default: never)")
     g = ap.add_argument_group("compiled steps (CUDA graphs)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="BS",
                    help="largest decode bucket per rank (SGLang's list up to it; default: the per-rank batch)")

@@ -64,7 +64,7 @@ def one_of_each() -> list:
     return [m.Submit(0, sent), m.Abort(1, "r1"), m.Ask(4, 0, "rank_states"), m.Ask(5, 1, "flush_cache"), m.Shutdown(),
             m.Ready([facts()]), m.StepDone(0, [update], [record], 9, 1, None, m.Counters(12, 3, {"delay": 2})),
             m.States(4, {0: {"num_reqs": 2}}), m.Flushed(5, [flush]), m.Flushed(6, None), m.CallFailed(7, "boom"),
-            node, ([Proposal(3, True, False, 2, True, True)], node), node.rooms[0]]
+            node, ([Proposal(3, True, False, 2, True, True, 4, held=5, drafting=True)], node), node.rooms[0]]
 
 
 def test_every_message_type_survives_the_codec_whole():

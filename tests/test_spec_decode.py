@@ -182,6 +182,12 @@ def test_a_stretch_goes_on_while_no_request_drafts_and_a_new_request_still_specu
     assert len(quiet) >= 10, [(r.kind, r.rows) for r in e.pipeline.stats.records]
     draftless = [r for r in e.pipeline.stats.records if r.kind == "spec" and sum(r.rows) == 4]
     assert len(draftless) <= 1, [(r.kind, r.rows) for r in e.pipeline.stats.records]  # (the first: not yet known)
+    # a quiet stretch whose requests all finished as its last step was booked: the request that arrives then is
+    # held back a pass in which nothing runs, and run_until_idle must not stop there
+    e.pipeline.plain = e.pipeline.quiet = True
+    again = e.submit(e.make_request(prompts(1, 10)[0], GREEDY))
+    e.run_until_idle()
+    assert again.finished and again.spec_verify_ct > 0
 
 
 def test_retraction_and_a_small_pool_keep_the_greedy_tokens(models):

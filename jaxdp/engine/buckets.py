@@ -54,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... plain stretches above (jaxdp.engine.spec): the plain shapes too
+    spec_off_above: int | None = None  # ... plain stretches (jaxdp.engine.spec): the plain shapes too
 
     @property
     def largest_decode_rows(self) -> int:

@@ -50,7 +50,7 @@ class SpeculativeConfig:
     num_steps: int = 3  # draft steps a verify checks (SGLang's DeepSeek default)
     eagle_topk: int = 1  # one chain (trees are not built)
     num_draft_tokens: int = 4  # rows a verify reads per request: num_steps + 1 with a chain
-    disable_by_batch_size: int | None = None  # vLLM's: no speculation in a step of more running requests
+    disable_by_batch_size: int | None = None  # vLLM's: no speculation while more requests are held
 
     def __post_init__(self):
         if self.algorithm not in SPECULATIVE_ALGORITHMS:

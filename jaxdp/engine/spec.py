@@ -17,11 +17,13 @@ agreement, the same on every node) the pipeline runs a plain stretch: the schedu
 the plain engine's overlap. A request whose prompt a stretch read has no draft KV of its prompt and never drafts
 (`speculates`), so a stretch also goes on while no request drafts or would (the ranks' `drafting`: a request held
 that speculates); in such a quiet stretch (N held or fewer) a new request waits one step and is read
-speculatively. A stretch ends after a step with N held or fewer of which one drafts or would: the step in flight
-is booked and the next step is a speculative one. No draft is made in a stretch, so a request's first verify
-after it offers none (one row, n_draft 0) and its MTP pass drafts again. A verify never has more than N
-requests (the step before it held them all); the one speculative step that may (decided before the agreement that
-shows a burst) reads prompts, and its requests speculate.
+speculatively (if N or fewer are still held then). A stretch ends after a step with N held or fewer of which one
+drafts or would: the step in flight is booked and the next step is a speculative one. No draft is made in a
+stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP pass drafts again. A
+verify never has more than N requests (the step before it held them all); the one speculative step that may
+(decided before the agreement that shows a burst) reads prompts, and its requests speculate. The prefix cache
+does not know which pages' draft KV was written: a request that speculates and reuses a prefix read in a
+stretch drafts from stale draft KV there (its tokens stay exact; only acceptance may drop).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def check_speculative(cfg):
         raise ValueError("--disaggregation-mode cannot serve with --speculative-algorithm yet (the draft KV is not "
                          "handed over); leave one of them out")
     if spec.disable_by_batch_size is not None:
-        log.info("speculative decoding: off in steps of more than %d running requests "
+        log.info("speculative decoding: off while more than %d requests are held, running or waiting "
                  "(--speculative-disable-by-batch-size)", spec.disable_by_batch_size)
     log.info("speculative decoding: verify steps run without the overlap (each needs the last one's tokens)%s",
              "; plain stretches keep it" if cfg.overlap and spec.disable_by_batch_size is not None else "")
@@ -74,6 +76,7 @@ class SpecScheduler(Scheduler):
         self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
         self.plain = False  # the pipeline's plain stretch: plan as the plain engine (module docstring)
         self.quiet = False  # ... a quiet one: a new request that would speculate waits to be read speculatively
+        self.held_prompt = False  # this rank's last plan held such a request back (the next pass reads it)
         self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
         self.drafted = 0
         self.accepted = 0
@@ -90,7 +93,8 @@ class SpecScheduler(Scheduler):
         return any(r.speculates for r in self.running.values()) or any(r.speculates for r in self.waiting)
 
     def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
-        if self.quiet and allow_new_prompt and any(r.speculates for r in self.waiting):
+        self.held_prompt = self.quiet and allow_new_prompt and any(r.speculates for r in self.waiting)
+        if self.held_prompt:
             allow_new_prompt = False  # (its proposal says `drafting`: the next step reads it, speculatively)
         return super().schedule(allow_new_prompt, mixed_chunk)
 
@@ -242,7 +246,7 @@ class SpecPipeline(StepPipeline):
         self.overlap = plain and self.cfg.overlap
         busy = super().step()
         self.plain, self.quiet = self._stretch_after(self.last_agreement)
-        return busy
+        return busy or any(s.held_prompt for s in self.schedulers)  # (a request held back: the next pass reads it)
 
     def _stretch_after(self, a) -> tuple[bool, bool]:
         """Whether the next step belongs to a plain stretch, and to a quiet one, from this step's agreement (the
