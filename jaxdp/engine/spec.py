@@ -266,10 +266,13 @@ class SpecPipeline(StepPipeline):
         else:
             out = rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
                                  largest_decode_requests=self.buckets.decode[-1])
-        if self.cfg.speculative.disable_by_batch_size is None:  # (no stretches: every request speculates)
+        off = self.cfg.speculative.disable_by_batch_size
+        if off is None:  # (no stretches: every request speculates)
             return out
-        return [dataclasses.replace(p, held=len(s.running) + len(s.waiting), drafting=s.drafting)
-                for p, s in zip(out, self.schedulers, strict=True)]
+        # (a rank that alone holds more than N makes the next step a stretch whatever drafts: its requests unscanned)
+        held = [len(s.running) + len(s.waiting) for s in self.schedulers]
+        return [dataclasses.replace(p, held=h, drafting=h <= off and s.drafting)
+                for p, h, s in zip(out, held, self.schedulers, strict=True)]
 
     def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
                agree_s: float) -> InFlight:

@@ -102,9 +102,9 @@ def build_spec_step(runner, shape):
         lead_R = last - first - n_draft  # the rows before the first one a verify may reject (a prompt: all but one)
         j = jnp.arange(J)
         rows_RJ = first[:, None] + jnp.minimum(lead_R[:, None] + j[None], (last - first)[:, None])
-        logits_LV, main, rows_E, *hidden = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1), comm,
-                                                 absorbed=absorbed, decode_kernel=decode_kernel,
-                                                 return_hidden=True)
+        logits_LV, main, rows_E, hidden_TD = model(b["tokens_T"], b["valid_T"], attn, main, rows_RJ.reshape(-1),
+                                                   comm, absorbed=absorbed, decode_kernel=decode_kernel,
+                                                   return_hidden=True)
         logits_RJV = logits_LV.reshape(R, J, -1)
         tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"][:, : J - 1], n_draft,
                                                      smp["temperature"], smp["top_p"], smp["top_k"], smp["min_p"],
@@ -123,7 +123,7 @@ def build_spec_step(runner, shape):
         drafter = nnx.merge(draft_graphdef, draft_state)
         embed, head = model.embed_VD[...], model.lm_head_weight()
         at_R = first + accrow_R
-        d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden[0], mtp_valid_T, attn, draft_kv, at_R, comm,
+        d_logits_RV, h_TD, draft_kv, _ = drafter(mtp_tokens_T, hidden_TD, mtp_valid_T, attn, draft_kv, at_R, comm,
                                                  embed, head, absorbed=absorbed, decode_kernel=decode_kernel)
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
         h_RD = drafter.shared_norm(h_TD[at_R])
