@@ -2,7 +2,7 @@
 
 A rank's step is either a list of sequence pieces (prompt chunks: each piece has the tokens it adds, the
 position of its first token and the pages that hold its context; `fill_pieces`) or rows of the persistent
-batch of running requests (one token each; `jaxdp.engine.rows`). Padding tokens point at sequence B (none)
+batch of running requests (one token each; `jaxdp.engine.sched.rows`). Padding tokens point at sequence B (none)
 and at a cache slot past the end (their writes are dropped); padding sequences have length 0 and sample
 greedily.
 """
@@ -35,7 +35,7 @@ STEP_SPEC = (StepArray("tokens_T", "T", np.int32, 0), StepArray("valid_T", "T", 
              StepArray("positions_T", "T", np.int32, 0), StepArray("seq_T", "T", np.int32, "B"),
              StepArray("slots_T", "T", np.int32, "slot"), StepArray("page_table_BN", "BN", np.int32, 0),
              StepArray("seq_lens_B", "B", np.int32, 0), StepArray("logits_idx_B", "L", np.int32, 0))
-# what the sampler reads (`jaxdp.engine.sampling`); a padding sequence samples greedily
+# what the sampler reads (`jaxdp.engine.step.sampling`); a padding sequence samples greedily
 SAMPLING_SPEC = (StepArray("temperature", "B", np.float32, 0.0), StepArray("top_p", "B", np.float32, 1.0),
                  StepArray("top_k", "B", np.int32, -1), StepArray("min_p", "B", np.float32, 0.0),
                  StepArray("keys", "BK", np.uint32, 0))

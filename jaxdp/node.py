@@ -16,8 +16,8 @@ def run_node(args, engine) -> int:
     import uvicorn
     from fastapi import FastAPI, Response
 
-    from jaxdp.engine.hosts import PeerFailure
-    from jaxdp.engine.supervise import exit_now
+    from jaxdp.engine.nodes.hosts import PeerFailure
+    from jaxdp.engine.nodes.supervise import exit_now
 
     app = FastAPI(title=f"jaxdp node {args.node_rank}")
 

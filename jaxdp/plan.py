@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxdp.planner.plan import main
+from jaxdp.planner.capacity import main
 
 if __name__ == "__main__":
     sys.exit(main())

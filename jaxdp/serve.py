@@ -43,7 +43,7 @@ log = logging.getLogger("jaxdp.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxdp.backends import MOE_RUNNER_BACKENDS
-    from jaxdp.engine.controller import METHODS
+    from jaxdp.engine.sched.controller import METHODS
     from jaxdp.layout import add_layout_args
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -194,7 +194,7 @@ def build_backend(config: ServeConfig, layout, tokenizer, dist=None):
 
     from jaxdp.api.replicas import ReplicaSet
     from jaxdp.engine import Engine
-    from jaxdp.engine.hosts import HostExchange, parse_dist_addr, world_devices
+    from jaxdp.engine.nodes.hosts import HostExchange, parse_dist_addr, world_devices
     from jaxdp.engine.setup import build_runners
 
     devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
@@ -259,13 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.nnodes > 1 and args.node_rank > 0:
-        from jaxdp.engine.supervise import NODE_CHILD_ENV, supervise_node
+        from jaxdp.engine.nodes.supervise import NODE_CHILD_ENV, supervise_node
 
         if not os.environ.get(NODE_CHILD_ENV):
             return supervise_node(["-m", "jaxdp.serve", *argv], args.node_rank)
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
-    from jaxdp.engine.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count
+    from jaxdp.engine.nodes.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
 
     dist = DistConfig(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout, args.dist_init_timeout)
@@ -313,12 +313,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_node(args, backend.engines[0])
     if args.engine_child:
-        from jaxdp.engine.process import serve_engines
+        from jaxdp.engine.ipc.process import serve_engines
 
         return serve_engines(backend.engines, args.engine_child)
     code = run_server(args, layout, backend, tokenizer)
     if dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
-        from jaxdp.engine.supervise import exit_now
+        from jaxdp.engine.nodes.supervise import exit_now
 
         time.sleep(1.0)  # the other nodes passed the "stopped" barrier; let them exit before the runtime goes
         exit_now(code)
@@ -337,10 +337,10 @@ def engine_in_child(args) -> bool:
 
 
 def start_engine_process(args, argv: list[str]):
-    """A child (`jaxdp.engine.process`) builds and runs the engines with the same flags; this process serves
+    """A child (`jaxdp.engine.ipc.process`) builds and runs the engines with the same flags; this process serves
     HTTP over them. Returns (backend, tokenizer); exits with the child's status if it fails."""
     from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.engine.remote import EngineProcess, EngineProcessError
+    from jaxdp.engine.ipc.remote import EngineProcess, EngineProcessError
 
     tokenizer = resolve_model(args)  # (it finds the embedded model's path, which the child is told)
     child_argv = [a for a in argv if a != "--engine-process"] + ["--model-path", args.model_path]

@@ -42,7 +42,7 @@ def engine_config(args, num_pages: int | None = None):
     """The engine's options from the flags, checked (a UserError names the flag). `num_pages` unset: the
     runner's (each replica's pool is sized from the memory it has, `pool_pages`)."""
     from jaxdp.engine import EngineConfig
-    from jaxdp.engine.delayer import DelayerConfig
+    from jaxdp.engine.sched.delayer import DelayerConfig
     from jaxdp.parallel.accounting import decode_buckets
 
     buckets = args.cuda_graph_bs
@@ -152,7 +152,7 @@ def serve_config(args, layout) -> ServeConfig:
                          None if args.index_key_dtype == "auto" else args.index_key_dtype,
                          draft=engine.speculative is not None)
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it
-        from jaxdp.engine.spec import check_speculative
+        from jaxdp.engine.step.spec import check_speculative
         from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 
         try:

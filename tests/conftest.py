@@ -17,10 +17,10 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def blocked_prompt_path():
-    """Every prompt step in blocks (`jaxdp.model.prefill.attend_blocked`), however small: the test steps are
+    """Every prompt step in blocks (`jaxdp.model.mla_prompt.attend_blocked`), however small: the test steps are
     small enough to run in one piece otherwise (`DENSE_MAX_SCORES`), so the modules that compare against
     transformers and the single device take this fixture to check the form real sizes run."""
-    from jaxdp.model import prefill
+    from jaxdp.model import mla_prompt as prefill
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prefill, "DENSE_MAX_SCORES", -1)

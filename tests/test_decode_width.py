@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxdp.model.mla import decode_widths, gather_context, mla_decode_xla
-from jaxdp.model.prefill import attend_latents
+from jaxdp.model.mla_prompt import attend_latents
 
 B, H, L, R, S, N = 3, 4, 16, 8, 4, 64  # 64 pages of 4 tokens: widths 16, 32, 64 pages
 KW = dict(softmax_scale=0.3, kv_lora_rank=L)

@@ -14,7 +14,7 @@ import pytest
 from jaxdp.bench.launch import free_port
 from jaxdp.engine import Engine
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions
-from jaxdp.engine.request import BadRequest, Bootstrap, SamplingParams
+from jaxdp.engine.sched.request import BadRequest, Bootstrap, SamplingParams
 from jaxdp.engine.setup import build_runners
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import default_model_path

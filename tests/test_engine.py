@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
-from jaxdp.engine.stats import compiles_on_this_thread, compiles_total
+from jaxdp.engine.step.step_stats import compiles_on_this_thread, compiles_total
 from jaxdp.one_batch import run_prompts
 
 pytestmark = pytest.mark.usefixtures("blocked_prompt_path")  # the form real sizes run (conftest)
@@ -215,7 +215,7 @@ def test_retraction_keeps_outputs_and_frees_everything(overlap):
 
 
 def test_stop_strings_through_the_tokenizer(engine):
-    from jaxdp.engine.request import Request, stop_string_check
+    from jaxdp.engine.sched.request import Request, stop_string_check
     from jaxdp.model.loader import default_model_path
     from jaxdp.tokenizer import Tokenizer
 
@@ -261,7 +261,7 @@ def test_greedy_outputs_equal_one_batch_reference_with_cache_chunks_retraction_a
 
 
 def test_page_buckets_grow_by_four_up_to_the_context():
-    from jaxdp.engine.buckets import page_buckets
+    from jaxdp.engine.step.buckets import page_buckets
 
     assert page_buckets(2560, 64) == [64, 256, 1024, 2560]  # DeepSeek-V3's context in pages of 64
     assert page_buckets(6, 16) == [6]  # a context under the smallest bucket: one width, as before
@@ -271,7 +271,7 @@ def test_page_buckets_grow_by_four_up_to_the_context():
 def test_page_table_width_follows_the_longest_sequence_and_tokens_do_not_change(monkeypatch):
     """Each step's page table is as wide as its longest sequence needs (a page bucket), not the whole
     context: the same greedy tokens as one full-width table, and short steps run the narrow tables."""
-    import jaxdp.engine.buckets as buckets_mod
+    import jaxdp.engine.step.buckets as buckets_mod
     cfg = small_config(num_pages=48, context_length=128, max_running_requests=8, chunked_prefill_size=32,
                        decode_buckets=[4], extend_buckets=[16])  # few buckets: two engines compile them all
     ps = [list(range(1, 3 + 9 * i)) for i in range(6)]  # 2 .. 47 tokens: 1 to 13 pages with the output

@@ -1,5 +1,5 @@
 """`--engine-process` (the default on one node): the engine runs in a child process behind the same server
-(`jaxdp.engine.process` there, `jaxdp.engine.remote` here). The tokens are the in-process engine's; refusals, aborts
+(`engine.ipc.process` there, `engine.ipc.remote` here). The tokens are the in-process engine's; refusals, aborts
 and the admin endpoints answer as before; a dead engine process ends every request in flight with a 503 and fails
 /health, never a hang; a start-up error is the child's one sentence and exit status; SIGTERM ends both processes.
 (`python -m pytest -m slow tests/test_reliability.py tests/test_fuzz_server.py` runs those modules again with

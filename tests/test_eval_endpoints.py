@@ -167,7 +167,7 @@ def test_the_engine_process_stand_in_asks_afresh_after_a_flush():
     may have asked just before) must not leave the pre-flush figures standing."""
     from types import SimpleNamespace
 
-    from jaxdp.engine.remote import RemoteEngine
+    from jaxdp.engine.ipc.remote import RemoteEngine
 
     answers = iter([{0: {"num_used_tokens": 32}}, {0: {"num_used_tokens": 0}}])
     calls = []
@@ -189,9 +189,9 @@ def test_the_engine_process_stand_in_asks_afresh_after_a_flush():
 def test_another_nodes_flush_answer_carries_its_figures():
     from types import SimpleNamespace
 
-    from jaxdp.engine.nodes import NodeFlush, NodeLink, flush_ranks
-    from jaxdp.engine.pool import PagePool, PrefixCache
-    from jaxdp.engine.streams import Result
+    from jaxdp.engine.ipc.streams import Result
+    from jaxdp.engine.nodes.link import NodeFlush, NodeLink, flush_ranks
+    from jaxdp.engine.sched.pool import PagePool, PrefixCache
 
     pool = PagePool(8, 4)
     cache = PrefixCache(pool, True)

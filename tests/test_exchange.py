@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from jaxdp.engine.hosts import HostExchange, PeerFailure, StoreGather, ZmqGather
-from jaxdp.engine.messages import NodeFlush, NodeMessage, encode, frame_reader
-from jaxdp.engine.updates import Update
+from jaxdp.engine.ipc.messages import NodeFlush, NodeMessage, encode, frame_reader
+from jaxdp.engine.ipc.updates import Update
+from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, StoreGather, ZmqGather
 from jaxdp.parallel.places import Proposal
 
 
@@ -144,7 +144,7 @@ class _Boom:
 
 
 def test_an_exchange_frame_that_is_not_the_exchanges_is_refused_not_run():
-    """The exchange reads typed frames (`jaxdp.engine.messages`): a good one arrives whole, and a pickled frame
+    """The exchange reads typed frames (`jaxdp.engine.ipc.messages`): a good one arrives whole, and a pickled frame
     (which would import and call os.system), an unknown field's wrong type or a short proposal list is a
     PeerFailure in one sentence, and nothing in it runs."""
 

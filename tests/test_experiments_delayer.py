@@ -1,12 +1,12 @@
-"""The prefill delayer's rule (jaxdp/engine/delayer.py) on the agreement's numbers: all ranks ready, some,
+"""The prefill delayer's rule (jaxdp/engine/sched/delayer.py) on the agreement's numbers: all ranks ready, some,
 the watermark, the limit, and several nodes reaching the same decision from the numbers on the exchange."""
 
 from dataclasses import dataclass
 
 import pytest
 
-from jaxdp.engine.delayer import DelayerConfig, PrefillDelayer, RankSignal, decide, rank_signal
-from jaxdp.engine.messages import NodeMessage
+from jaxdp.engine.ipc.messages import NodeMessage
+from jaxdp.engine.sched.delayer import DelayerConfig, PrefillDelayer, RankSignal, decide, rank_signal
 
 R, N = RankSignal(True, False), RankSignal(False, False)  # a prompt ready / none
 LOW = RankSignal(True, True)  # a prompt ready, token usage under the watermark

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
-from jaxdp.engine.delayer import DelayerConfig, PrefillDelayer
+from jaxdp.engine.sched.delayer import DelayerConfig, PrefillDelayer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from jaxdp.planner.plan import main
+from jaxdp.planner.capacity import main
 from jaxdp.planner.xla_target import plugin_installed
 
 needs_plugin = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The messages on jaxdp's sockets (`jaxdp.engine.messages`): no module pickles, every message type survives the
+"""The messages on jaxdp's sockets (`jaxdp.engine.ipc.messages`): no module pickles, every message type survives the
 codec whole, and a frame that is not the expected message is refused in one sentence, by the codec and by both
 ends of the engine process's sockets (no hang, nothing guessed)."""
 
@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from jaxdp.engine import messages as m
-from jaxdp.engine.buckets import Buckets
-from jaxdp.engine.delayer import DelayerConfig
+from jaxdp.engine.ipc import messages as m
+from jaxdp.engine.ipc.updates import PromptLogprobs, SentRequest, Update
 from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.request import SamplingParams
-from jaxdp.engine.scheduler import SchedulerConfig
-from jaxdp.engine.stats import StepRecord
-from jaxdp.engine.updates import PromptLogprobs, SentRequest, Update
+from jaxdp.engine.sched.delayer import DelayerConfig
+from jaxdp.engine.sched.request import SamplingParams
+from jaxdp.engine.sched.scheduler import SchedulerConfig
+from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.step_stats import StepRecord
 from jaxdp.parallel.places import Proposal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +100,8 @@ def test_a_malformed_or_unknown_message_is_refused_in_one_sentence():
 def test_the_server_fails_every_request_on_a_malformed_event_instead_of_hanging():
     import zmq
 
-    from jaxdp.engine.remote import EngineProcess
-    from jaxdp.engine.streams import Result
+    from jaxdp.engine.ipc.remote import EngineProcess
+    from jaxdp.engine.ipc.streams import Result
 
     ctx = zmq.Context()
     link = object.__new__(EngineProcess)
@@ -129,7 +129,7 @@ def test_the_server_fails_every_request_on_a_malformed_event_instead_of_hanging(
 def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, caplog):
     import zmq
 
-    from jaxdp.engine.process import serve_engines
+    from jaxdp.engine.ipc.process import serve_engines
 
     ctx = zmq.Context()
     commands, events = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -156,8 +156,8 @@ def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, ca
 def test_the_engine_and_the_engine_process_stand_in_are_engine_clients():
     from jaxdp.bench.engine import HostOnlyRunner
     from jaxdp.engine import Engine
-    from jaxdp.engine.client import EngineClient
-    from jaxdp.engine.remote import RemoteEngine
+    from jaxdp.engine.ipc.client import EngineClient
+    from jaxdp.engine.ipc.remote import RemoteEngine
 
     cfg = EngineConfig(max_running_requests=4, chunked_prefill_size=16, decode_buckets=[1, 2], extend_buckets=[8])
     engine = Engine(HostOnlyRunner("tiny", "dp=2", 16, 4), "dp=2", cfg)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxdp.layout import Layout  # noqa: E402
-from jaxdp.model import mla, prefill  # noqa: E402
+from jaxdp.model import mla, mla_prompt  # noqa: E402
 from jaxdp.model.loader import load_checkpoint  # noqa: E402
 from jaxdp.one_batch import run_prompts  # noqa: E402
 from jaxdp.parallel.step import StepRunner  # noqa: E402
@@ -66,9 +66,9 @@ def hf_logits(model, tokens):
 @pytest.mark.parametrize("blocked", [False, True], ids=["small-steps-in-one-piece", "blocked"])
 def test_prompt_and_decode_logits_match_transformers(hf_dir, blocked, monkeypatch):
     if blocked:  # the prompt path real sizes run (the test's steps are small enough for one piece otherwise)
-        monkeypatch.setattr(prefill, "DENSE_MAX_SCORES", -1)
+        monkeypatch.setattr(mla_prompt, "DENSE_MAX_SCORES", -1)
     traced = []  # which form the prompt steps took
-    monkeypatch.setattr(mla, "attend_blocked", lambda *a, **k: traced.append(1) or prefill.attend_blocked(*a, **k))
+    monkeypatch.setattr(mla, "attend_blocked", lambda *a, **k: traced.append(1) or mla_prompt.attend_blocked(*a, **k))
     path, hf = hf_dir
     with jax.default_matmul_precision("highest"):
         cfg, model = load_checkpoint(path, jnp.float32)

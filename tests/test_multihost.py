@@ -28,7 +28,7 @@ import openai
 import pytest
 from servers import Server, free_port
 
-from jaxdp.engine.hosts import DistError, parse_dist_addr
+from jaxdp.engine.nodes.hosts import DistError, parse_dist_addr
 from jaxdp.model.loader import default_model_path
 
 pytestmark = pytest.mark.skipif(not (default_model_path() / "config.json").exists(),

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from jaxdp.planner.capacity import main
 from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory
-from jaxdp.planner.plan import main
 
 GiB = 2**30
 ARTICLE = ["--model", "glm-5", "--gpus", "4", "--gpu", "B300", "--gpu-memory", "269GiB", "--mesh", "dp=4",

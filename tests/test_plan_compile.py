@@ -10,7 +10,7 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.planner.plan import main
+from jaxdp.planner.capacity import main
 
 MID = {"model_type": "deepseek_v3", "vocab_size": 16384, "hidden_size": 2048, "intermediate_size": 4096,
        "moe_intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,

@@ -1,4 +1,4 @@
-"""The blocked prompt path (jaxdp.model.prefill) against dense attention written out in full."""
+"""The blocked prompt path (jaxdp.model.mla_prompt) against dense attention written out in full."""
 
 import json
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.model.prefill import attend_blocked, attend_dense, attend_selected, attend_split
+from jaxdp.model.mla_prompt import attend_blocked, attend_dense, attend_selected, attend_split
 
 L, R, N, V, H, S = 16, 8, 12, 10, 3, 4
 SCALE = 0.3

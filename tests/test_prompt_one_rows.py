@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxdp.config import get_config
 from jaxdp.model import mla as mla_module
-from jaxdp.model import prefill
+from jaxdp.model import mla_prompt as prefill
 from jaxdp.model.mla import MLA, AttnBatch
 
 S, PAGES = 4, 12

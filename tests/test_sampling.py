@@ -1,11 +1,11 @@
-"""Sampling on the device (jaxdp.engine.sampling): the filters against a numpy reference, and the batch's
+"""Sampling on the device (jaxdp.engine.step.sampling): the filters against a numpy reference, and the batch's
 branches (no sort, a partial sort, a full one) drawing the same tokens."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.sampling import PARTIAL_TOP_K, _keep, _sample_row, sample_tokens
+from jaxdp.engine.step.sampling import PARTIAL_TOP_K, _keep, _sample_row, sample_tokens
 
 V = 600  # over PARTIAL_TOP_K, so the partial branch sorts only part of the vocabulary
 

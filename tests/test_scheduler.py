@@ -11,7 +11,7 @@ import pytest
 
 from jaxdp.bench.engine import HostOnlyRunner
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
-from jaxdp.engine.sampling import sample_tokens, sampling_row
+from jaxdp.engine.step.sampling import sample_tokens, sampling_row
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
@@ -65,7 +65,7 @@ def test_a_request_that_cannot_fit_now_does_not_block_those_behind_it():
 def test_a_step_passes_over_a_bounded_number_of_requests_that_cannot_fit_now():
     """A queue of requests that cannot fit now costs a bounded scan per step: past PASS_OVER_LIMIT of them, a
     request that would fit waits for a later step (they all run in the end)."""
-    from jaxdp.engine.scheduler import PASS_OVER_LIMIT
+    from jaxdp.engine.sched.scheduler import PASS_OVER_LIMIT
 
     def queue(skipped: int):
         eng = host_engine(num_pages=10, chunked_prefill_size=64, extend_buckets=[8, 16, 32],
@@ -139,7 +139,7 @@ def test_sampling_rows_hold_any_value_the_api_lets_through():
 
 def test_the_controller_ledger_forgets_refused_finished_and_abandoned_requests():
     from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.engine.controller import UNSUBMITTED_S
+    from jaxdp.engine.sched.controller import UNSUBMITTED_S
 
     eng = host_engine()
     b = ReplicaSet([eng], "total_tokens")
@@ -162,7 +162,7 @@ def test_the_controller_ledger_forgets_refused_finished_and_abandoned_requests()
 
 def test_extend_buckets_for_a_chunk_under_eight_rows():
     """A per-rank chunk and batch below the smallest default bucket (8) still get a bucket that holds them."""
-    from jaxdp.engine.buckets import Buckets
+    from jaxdp.engine.step.buckets import Buckets
 
     assert Buckets.make(max_running=2, chunk=4, dp=2).extend == [4]
     assert Buckets.make(max_running=64, chunk=256, dp=8).extend[:2] == [8, 16]

@@ -1,4 +1,4 @@
-"""Speculative decoding (MTP, topk 1) in the engine (`jaxdp.engine.spec`, `jaxdp.parallel.spec_step`): greedy
+"""Speculative decoding (MTP, topk 1) in the engine (`jaxdp.engine.step.spec`, `jaxdp.parallel.spec_step`): greedy
 outputs identical with and without speculation, under DP attention with idle and unequal ranks, tensor
 parallelism, expert parallelism, prefix-cache hits, chunked prompts and retraction; no compile while serving;
 sampled requests reproducible by seed; what cannot be served refused in one sentence.
@@ -20,9 +20,9 @@ import pytest
 from flax import nnx
 
 from jaxdp.config import get_config
-from jaxdp.engine.engine import Engine
+from jaxdp.engine.loop import Engine
 from jaxdp.engine.options import EngineConfig, SpeculativeConfig
-from jaxdp.engine.request import BadRequest, SamplingParams
+from jaxdp.engine.sched.request import BadRequest, SamplingParams
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mtp import MTPLayer

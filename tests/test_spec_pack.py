@@ -5,7 +5,7 @@ sequences (B) and requests (R) differ, and a plain step's (`StepRunner.run`)."""
 import numpy as np
 import pytest
 
-import jaxdp.engine.engine  # noqa: F401  (the engine first, as the package loads: spec_step imports it back)
+import jaxdp.engine.loop  # noqa: F401  (the engine first, as the package loads: spec_step imports it back)
 from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_SPEC, empty_spec, empty_step
 from jaxdp.parallel.packing import pack, unpack
 from jaxdp.parallel.spec_step import packed_layout

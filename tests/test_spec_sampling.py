@@ -1,4 +1,4 @@
-"""Speculative sampling (`jaxdp.engine.spec_sampling`): greedy rows keep exactly the target's greedy tokens,
+"""Speculative sampling (`jaxdp.engine.step.spec_sampling`): greedy rows keep exactly the target's greedy tokens,
 and sampled rows' tokens follow the target's distribution (chi-square over 20,000 draws)."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxdp.engine.spec_sampling import verify_tokens
+from jaxdp.engine.step.spec_sampling import verify_tokens
 
 N = 20_000
 
@@ -106,7 +106,7 @@ def test_greedy_rows_keep_the_greedy_tokens():
 def test_fewer_drafts_offered_than_positions(n_draft):
     """A row offering n_draft < K drafts (a prompt's first token: 0) accepts at most n_draft, and the token after
     the offered ones follows the target there (no draft subtracted from it)."""
-    from jaxdp.engine.spec_sampling import verify_row
+    from jaxdp.engine.step.spec_sampling import verify_row
 
     rng = np.random.default_rng(4)
     V, K = 8, 2
@@ -125,7 +125,7 @@ def test_fewer_drafts_offered_than_positions(n_draft):
 def test_filtered_probs_are_what_a_row_samples_from():
     """`filtered_probs` (what speculative sampling accepts against) is the distribution `sample_tokens` draws
     from: temperature, top-k, top-p and min-p applied the same way (chi-square over the sampler's draws)."""
-    from jaxdp.engine.sampling import filtered_probs, sample_tokens
+    from jaxdp.engine.step.sampling import filtered_probs, sample_tokens
 
     rng = np.random.default_rng(6)
     V = 16

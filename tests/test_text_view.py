@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from jaxdp.api.common import TextView
-from jaxdp.engine.request import Request, SamplingParams, State
+from jaxdp.engine.sched.request import Request, SamplingParams, State
 from jaxdp.model.loader import default_model_path
 from jaxdp.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ from jaxdp.api.openai_api import router as openai_router
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.api.tokenize import router as tokenize_router
 from jaxdp.engine import BadRequest, Engine
-from jaxdp.engine.engine import EngineFailed
+from jaxdp.engine.loop import EngineFailed
 
 log = logging.getLogger("jaxdp.serve")
 

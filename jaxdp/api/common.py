@@ -12,7 +12,7 @@ import orjson
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from jaxdp.engine.request import Request
+from jaxdp.engine.sched.request import Request
 
 
 class ApiError(Exception):

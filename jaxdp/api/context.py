@@ -27,7 +27,7 @@ from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.config import UnsupportedConfigError
 from jaxdp.engine import BadRequest, Request, SamplingParams
-from jaxdp.engine.request import Bootstrap, State
+from jaxdp.engine.sched.request import Bootstrap, State
 
 log = logging.getLogger("jaxdp.serve")
 

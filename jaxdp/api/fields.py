@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxdp.api.common import ApiError
-from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS, SamplingParams
+from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 MAX_N = 16  # choices per request (n)
 MAX_PROMPTS = 256  # prompts in one batched request
@@ -262,7 +262,7 @@ def echo_max_tokens(body: dict) -> int | None:
 
 def logprob_start_len(body: dict, prompt_logprobs: bool) -> int:
     """SGLang's logprob_start_len: the first prompt position whose logprob is returned (-1: none). The check
-    against the prompt's length is the engine's (`jaxdp.engine.request.new_request`)."""
+    against the prompt's length is the engine's (`jaxdp.engine.sched.request.new_request`)."""
     start = LOGPROBS["logprob_start_len"].check(body, "logprob_start_len", -1)
     if start >= 0 and not prompt_logprobs:
         raise ApiError("logprob_start_len needs return_logprob: true", param="logprob_start_len")

@@ -1,14 +1,14 @@
 """Logprobs as each API shows them: OpenAI completions (`echo`: the prompt's tokens first, the first one's logprob
 null), vLLM's `prompt_logprobs`, and SGLang's meta_info (`input_token_logprobs`, `input_top_logprobs`,
 `output_token_logprobs`, `output_top_logprobs`, `input_token_ids_logprobs`, `output_token_ids_logprobs`).
-The numbers are the engine's (`jaxdp.engine.logprobs`); this module only lays them out."""
+The numbers are the engine's (`jaxdp.engine.step.prompt_logprobs`); this module only lays them out."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from jaxdp.api.common import done_ids
-from jaxdp.engine.request import Request
+from jaxdp.engine.sched.request import Request
 
 
 def token_text(tokenizer, token: int) -> str:

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxdp.api.sglang_metrics import SglangMetrics
-from jaxdp.disagg.stats import metric_families as kv_metric_families
+from jaxdp.disagg.kv_stats import metric_families as kv_metric_families
 from jaxdp.engine import Request
-from jaxdp.engine.stats import StepRecord, compiles_total
+from jaxdp.engine.step.step_stats import StepRecord, compiles_total
 
 P = "jaxdp:"
 RANK = ["dp_rank"]
@@ -176,7 +176,7 @@ class _StateCollector:
 
 def _delayer_metrics(engines):
     """--enable-prefill-delayer: the passes a prompt was held back, and how each pass with a prompt ended."""
-    from jaxdp.engine.delayer import OUTCOMES
+    from jaxdp.engine.sched.delayer import OUTCOMES
 
     waits = CounterMetricFamily(P + "prefill_delayer_wait_passes", "Passes in which the prefill delayer held "
                                 "new prompts back", labels=["replica"])

@@ -3,7 +3,7 @@ each an Engine on its own contiguous sub-mesh with its own pools and schedulers,
 
 Ranks are numbered globally (replica r's local rank j is rank offset_r + j), which is what
 `routed_dp_rank`, /get_load and the metrics' `dp_rank` label mean. The server has one controller, here, over
-all ranks, and its ledger is the only record of the load assigned (see `jaxdp.engine.controller`); the
+all ranks, and its ledger is the only record of the load assigned (see `jaxdp.engine.sched.controller`); the
 engines get their ranks pinned. `total_tokens` weighs each rank's tokens against its pool: an
 unequal small replica (the guide's two-L4 story) gets a share of the work in proportion to what it can
 hold, instead of half of it (round_robin) or a queue it cannot drain.
@@ -18,10 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from jaxdp.engine import Request, SamplingParams
-from jaxdp.engine.client import EngineClient, prefill_rank
-from jaxdp.engine.controller import Controller
-from jaxdp.engine.nodes import NodeFlush
-from jaxdp.engine.request import Bootstrap
+from jaxdp.engine.ipc.client import EngineClient, prefill_rank
+from jaxdp.engine.nodes.link import NodeFlush
+from jaxdp.engine.sched.controller import Controller
+from jaxdp.engine.sched.request import Bootstrap
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from jaxdp.disagg.stats import metric_families as kv_metric_families
+from jaxdp.disagg.kv_stats import metric_families as kv_metric_families
 from jaxdp.engine import Request
 
 S = "sglang:"
@@ -86,5 +86,5 @@ class SglangMetrics:
                 for s in states:
                     g.add_metric([self.model_name, str(s["dp_rank"])], float(s.get(name, 0.0)))
                 yield g
-        # prefill/decode disaggregation: its queues, transfers and failures (jaxdp.disagg.stats)
+        # prefill/decode disaggregation: its queues, transfers and failures (jaxdp.disagg.kv_stats)
         yield from kv_metric_families(S, states, LABELS, lambda s: [self.model_name, str(s["dp_rank"])])

@@ -77,7 +77,7 @@ class GlooGather:
 
 def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str, transport: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    from jaxdp.engine.hosts import DistConfig, HostExchange, init_distributed, parse_dist_addr
+    from jaxdp.engine.nodes.hosts import DistConfig, HostExchange, init_distributed, parse_dist_addr
     from jaxdp.parallel.places import Proposal
 
     init_distributed(DistConfig(nodes, node, addr, timeout_s=60, init_timeout_s=120))

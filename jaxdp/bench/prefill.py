@@ -4,8 +4,8 @@ One layer's prompt attention (latent 512, rope 64, nope 128, value 128; `--heads
 DeepSeek-V3's 128 heads under tp=8) over a random paged cache, in three steps of the shapes a server runs:
 a fresh prompt, a chunk after a long cached prefix, and a prompt with decoders riding along as one-row
 sequences (what every other rank's decoders become in a prompt step). `dense` is the form the prompt path had
-(`prefill.attend_dense`: every row against every sequence's whole page table, [T, H, B, C] scores), `blocked`
-is the one it has (`prefill.attend_blocked`). Each figure is the median of `--repeats` calls after one
+(`mla_prompt.attend_dense`: every row against every sequence's whole page table, [T, H, B, C] scores), `blocked`
+is the one it has (`mla_prompt.attend_blocked`). Each figure is the median of `--repeats` calls after one
 warm-up, the two taking turns; beside the times, XLA's temporary bytes for each (`memory_analysis`), and for
 the full-size case (8k rows, 128 heads, 8 sequences, a 64k page table) the bytes alone: dense cannot run there.
 Prints a table and writes JSON.
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.model.prefill import attend_blocked, attend_dense
+from jaxdp.model.mla_prompt import attend_blocked, attend_dense
 
 L, R, N, V = 512, 64, 128, 128
 PAGE = 64

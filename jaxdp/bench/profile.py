@@ -151,7 +151,7 @@ def profile_step(runner, shape: StepShape, context: int, reps: int, top: int = 0
     scale = ms["step"] / max(ms["XLA thread time"], 1e-9)
     ms |= {p: t * scale for p, t in thread_ms.items()}
     ms["host: build the step's arrays"] = build_ms
-    from jaxdp.engine.sampling import sample_tokens
+    from jaxdp.engine.step.sampling import sample_tokens
 
     B = shape.num_seqs
     samp = (np.ones((1, B), np.float32), np.ones((1, B), np.float32), np.full((1, B), -1, np.int32),

@@ -63,7 +63,7 @@ class Arrived:
 class PrefillSide:
     """`publish`: where a room's outcome goes (`publish(room, outcome)`). None (one node, or node 0 of several):
     this process's bootstrap endpoint, started here on `bootstrap_port`; on the other nodes of a prefill server,
-    the engine carries it to node 0's endpoint in the node exchange (`jaxdp.engine.disagg`). Either way the
+    the engine carries it to node 0's endpoint in the node exchange (`jaxdp.engine.step.pd_sides`). Either way the
     outcome names this process's transfer server, which offers the KV of the ranks whose pages are here."""
 
     def __init__(self, fmt: KVFormat, dp: int, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",

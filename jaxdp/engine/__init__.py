@@ -5,9 +5,9 @@ The names below load on first use (PEP 562), so that a tool which needs one subm
 
 import importlib
 
-_NAMES = {"Engine": "jaxdp.engine.engine", "EngineConfig": "jaxdp.engine.options",
-          "BadRequest": "jaxdp.engine.request", "Request": "jaxdp.engine.request",
-          "SamplingParams": "jaxdp.engine.request"}
+_NAMES = {"Engine": "jaxdp.engine.loop", "EngineConfig": "jaxdp.engine.options",
+          "BadRequest": "jaxdp.engine.sched.request", "Request": "jaxdp.engine.sched.request",
+          "SamplingParams": "jaxdp.engine.sched.request"}
 
 __all__ = sorted(_NAMES)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdp.engine.delayer import DelayerConfig
+from jaxdp.engine.sched.delayer import DelayerConfig
 
 DEFAULT_PAGE_SIZE, DEFAULT_NUM_PAGES = 16, 256
 
@@ -44,7 +44,7 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang's names for a draft model;
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding with the model's MTP layer (SGLang's --speculative-* flags; `jaxdp.engine.spec`)."""
+    """Speculative decoding with the model's MTP layer (SGLang's --speculative-* flags; `jaxdp.engine.step.spec`)."""
 
     algorithm: str = "EAGLE"  # EAGLE | NEXTN: the checkpoint's MTP layer drafts (SGLang treats NEXTN as EAGLE)
     num_steps: int = 3  # draft steps a verify checks (SGLang's DeepSeek default)
@@ -86,10 +86,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     overlap: bool = True  # plan and queue step N+1 before reading step N's tokens back
-    enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/mixed.py)
-    prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/delayer.py)
-    disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/disagg.py)
-    speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/spec.py)
+    enable_mixed_chunk: bool = False  # a prompt step carries the rank's own decoders (jaxdp/engine/sched/mixed.py)
+    prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/sched/delayer.py)
+    disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/step/pd_sides.py)
+    speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/step/spec.py)
 
     @property
     def pool_page_size(self) -> int:

@@ -14,14 +14,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_spec, empty_step
-from jaxdp.engine.logprobs import prompt_logprobs
-from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS
-from jaxdp.engine.sampling import sample_tokens, top_logprobs
+from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS
+from jaxdp.engine.step.prompt_logprobs import prompt_logprobs
+from jaxdp.engine.step.sampling import sample_tokens, top_logprobs
 from jaxdp.parallel.step import StepRunner
 
 if TYPE_CHECKING:
-    from jaxdp.engine.buckets import Buckets
     from jaxdp.engine.options import ModelOptions
+    from jaxdp.engine.step.buckets import Buckets
 
 log = logging.getLogger("jaxdp.setup")
 
@@ -58,7 +58,7 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
         if sample is sample_tokens:  # (a stand-in runner has no real logits)
             chosen = runner.put(np.zeros((dp, shape.num_seqs, MAX_LOGPROB_TOKEN_IDS), np.int32))
             jax.block_until_ready(top_logprobs(logits, chosen))
-            if shape.all_logits:  # the every-row variant's reduction (jaxdp.engine.logprobs)
+            if shape.all_logits:  # the every-row variant's reduction (jaxdp.engine.step.prompt_logprobs)
                 T = shape.num_rows
                 rows = runner.put(np.zeros((dp, T, vocab), np.float32))
                 asks = (np.zeros((dp, shape.num_seqs), np.int32), np.zeros((dp, T), np.int32),

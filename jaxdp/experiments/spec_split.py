@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="benchmarks/results/experiments/spec_split.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    from jaxdp.engine.engine import Engine
+    from jaxdp.engine.loop import Engine
     from jaxdp.engine.options import EngineConfig, SpeculativeConfig
-    from jaxdp.engine.request import SamplingParams
+    from jaxdp.engine.sched.request import SamplingParams
     from jaxdp.model.loader import default_model_path
     from jaxdp.tokenizer import Tokenizer
     from jaxdp.training.data import LONG, sample_problem

@@ -5,7 +5,7 @@ roped shared key (qk_rope_head_dim), `K = kv_lora_rank + rope`. All heads read i
 
 Three paths:
 - `extend` (reading prompts): the latent of the context is expanded into per-head keys and values with
-  W_UK / W_UV (kv_b_proj), then ordinary attention, in blocks of keys and rows (`jaxdp.model.prefill`);
+  W_UK / W_UV (kv_b_proj), then ordinary attention, in blocks of keys and rows (`jaxdp.model.mla_prompt`);
 - `decode`: the absorbed form. q_nope is projected into latent space (q . W_UK), attention runs over the
   latent cache directly, W_UV is applied to the result;
 - no cache (`kv_PSK=None`, training): each sequence's context is its own rows of the step, expanded as
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model import prefill
+from jaxdp.model import mla_prompt
 from jaxdp.model.fp8 import StackedWeight, weight
 from jaxdp.model.fp8 import einsum as weight_einsum
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
-from jaxdp.model.prefill import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
+from jaxdp.model.mla_prompt import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
 
 ONE_ROW_BLOCK = 16  # a prompt step's one-row sequences (decoders riding along) attended at once
 
@@ -204,30 +204,30 @@ class MLA(nnx.Module):
     def attend_expanded(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, sel_TK=None,
                         kv_TK=None, decode_kernel=None) -> jax.Array:
         """Prompt path: each row over its own sequence's cached context, causally (expanded per head):
-        - a small step in one piece (`prefill.attend_dense`: every sequence's whole page table; it compiles
+        - a small step in one piece (`mla_prompt.attend_dense`: every sequence's whole page table; it compiles
           faster than loops);
         - a step whose rows fit one [T, H, T] piece: its own rows (kv_TK, the entries it just wrote) in one
-          piece and the context cached before it in blocks (`prefill.attend_split`), so a fresh prompt costs
+          piece and the context cached before it in blocks (`mla_prompt.attend_split`), so a fresh prompt costs
           its own rows, whatever the page table's width and the sequences the step is padded to;
-        - any other in blocks (`prefill.attend_blocked`).
+        - any other in blocks (`mla_prompt.attend_blocked`).
         In the last two, the sequences with one row in the step (decoders: a mixed chunk's, or other ranks'
         relabeled as one-token extends beside a prompt) are attended as a decode step attends them, ONE_ROW_BLOCK
         at a time in the absorbed form (`attend_one_rows`), and the loops over sequences skip them: there each
         would run a loop of its own, with its own W_UK / W_UV products.
-        With a DSA selection, over the selected latents in the absorbed form (`prefill.attend_selected`)."""
+        With a DSA selection, over the selected latents in the absorbed form (`mla_prompt.attend_selected`)."""
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
         if sel_TK is None:
             (T, H, N), R = q_nope_THN.shape, q_rope_THR.shape[-1]
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
-            form = prefill.prompt_form(T, H, batch.page_table_BN.size * kv_PSK.shape[1], cfg.kv_lora_rank, N, R,
+            form = mla_prompt.prompt_form(T, H, batch.page_table_BN.size * kv_PSK.shape[1], cfg.kv_lora_rank, N, R,
                                        w_kv_b_LHX.shape[-1] - N, own_rows=kv_TK is not None)
             if form == "dense":
                 return attend_dense(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX, **kw)
             one = one_row_sequences(batch)
             if form == "split":
-                o_THV = prefill.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, skip_T=one.T, **kw)
+                o_THV = mla_prompt.attend_split(q_nope_THN, q_rope_THR, kv_TK, *args, w_kv_b_LHX, skip_T=one.T, **kw)
             else:
                 o_THV = attend_blocked(q_nope_THN, q_rope_THR, *args, w_kv_b_LHX,
                                        see_T=jnp.where(one.T, -1, batch.positions_T), **kw)

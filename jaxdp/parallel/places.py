@@ -104,7 +104,7 @@ class Agreement:
     any_top: bool = False  # OR over ranks: the step computes the top logprobs
     any_prompt_logprobs: bool = False  # OR over ranks: the extend step returns the logits of every row
     requests_per_rank: tuple[int, ...] = ()  # each rank's requests (a speculative step's slots: MAX over ranks)
-    held: int = 0  # SUM over ranks: the requests held (speculation's switch: jaxdp.engine.spec)
+    held: int = 0  # SUM over ranks: the requests held (speculation's switch: jaxdp.engine.step.spec)
     any_drafting: bool = False  # OR over ranks: a request drafts or would
 
     @property
@@ -114,7 +114,7 @@ class Agreement:
 
 class LocalExchange:
     """How ranks learn each other's proposals. On one host every rank's scheduler lives in this process,
-    so the exchange is the list itself. Across hosts `jaxdp.engine.hosts.HostExchange` posts this node's
+    so the exchange is the list itself. Across hosts `jaxdp.engine.nodes.hosts.HostExchange` posts this node's
     ranks' proposals (and a small message riding along) to the distributed runtime and reads the other
     nodes', behind the same method; the schedulers do not change."""
 

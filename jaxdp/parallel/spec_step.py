@@ -6,7 +6,7 @@ last token and its D draft tokens at the next D positions). Per rank, the step:
 1. runs the target model over the rows (the expanded MLA path, the places of `jaxdp.parallel.places` as in
    every step), writing their latents, and takes the logits of D + 1 rows per sequence (a verify's every row;
    a prompt's last row) and the final normed hidden state of every row;
-2. accepts (`jaxdp.engine.spec_sampling.verify_row`): a verify keeps its leading drafts the target agrees
+2. accepts (`jaxdp.engine.step.spec_sampling.verify_row`): a verify keeps its leading drafts the target agrees
    with (greedy: equal to its argmax; sampling: rejection sampling against the request's own filtered
    distribution) and adds the target's next token; a prompt that ends in this chunk only samples its first
    token. The tokens a request gets are distributed as without speculation (greedy: identical);
@@ -35,8 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, spec_sizes, step_sizes
-from jaxdp.engine.sampling import filtered_probs
-from jaxdp.engine.spec_sampling import verify_row
+from jaxdp.engine.step.sampling import filtered_probs
+from jaxdp.engine.step.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
 from jaxdp.parallel import packing
 from jaxdp.parallel.packing import Layout, pack, unpack

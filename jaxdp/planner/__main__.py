@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxdp.planner.plan import main
+from jaxdp.planner.capacity import main
 
 sys.exit(main())

@@ -88,10 +88,10 @@ def abstract_draft(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
 def step_shapes(layout: Any, case: CompileCase) -> list:
     """The largest decode bucket, and the largest extend bucket in MAX_LEN and (with dp > 1) SUM_LEN. Speculating
     (`case.draft_tokens` D), every step the server runs is a speculative one (`jaxdp.parallel.spec_step`), shaped
-    as `jaxdp.engine.buckets.Buckets.shapes` shapes them: the decode bucket's requests verifying only (D + 1 rows
+    as `jaxdp.engine.step.buckets.Buckets.shapes` shapes them: the decode bucket's requests verifying only (D + 1 rows
     each, the absorbed form) and the largest extend bucket (the extend form: a prompt chunk beside the other
     requests' verifies, as many requests as the decode bucket holds), in the gather mode the engine gives it."""
-    from jaxdp.engine.buckets import Buckets
+    from jaxdp.engine.step.buckets import Buckets
     from jaxdp.parallel.step import StepShape
 
     pages = -(-max(case.context, case.extend_rows) // case.page_size)

@@ -65,7 +65,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         return merged
     from jaxdp.model.indexer import query_block
     from jaxdp.model.mla import ONE_ROW_BLOCK
-    from jaxdp.model.prefill import KEY_BLOCK
+    from jaxdp.model.mla_prompt import KEY_BLOCK
     from kernels_pallas.mla_decode import default_num_splits
     from kernels_pallas.nvfp4_moe import _fit_block
 
@@ -102,7 +102,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
         # the prompt's expansion of the latents by kv_b_proj [L, H * (N + V)]: the context's keys at once (B x C,
-        # `prefill.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
+        # `mla_prompt.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
         contexts = {"dense": {shape.num_seqs * shape.pages_per_seq * page_size}, "split": {shape.num_rows},
                     "blocked": set()}[path]
         if path != "dense":
@@ -129,8 +129,8 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
 
 def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
     """Which of MLA's attention forms the step runs (`jaxdp.model.mla.MLA.attend_expanded`): "decode" (absorbed),
-    "selected" (a DSA selection), "dense", "split" or "blocked" (`jaxdp.model.prefill`)."""
-    from jaxdp.model import prefill
+    "selected" (a DSA selection), "dense", "split" or "blocked" (`jaxdp.model.mla_prompt`)."""
+    from jaxdp.model import mla_prompt
     from jaxdp.model.indexer import selection_size
 
     capacity = shape.pages_per_seq * page_size
@@ -138,7 +138,7 @@ def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
         return "decode"
     if selection_size(cfg, capacity):
         return "selected"
-    return prefill.prompt_form(shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity,
+    return mla_prompt.prompt_form(shape.num_rows, cfg.num_heads // layout.tp, shape.num_seqs * capacity,
                                cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
 
 
@@ -147,10 +147,10 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     """The per-head GEMM of MLA's absorbed products with kv_b_proj [L, H, N + V] (`fp8_head_matmul`): q_nope . W_UK
     (contracting N, L wide out) and W_UV after attention (contracting L, V wide out), with the rows of the
     decode step or of a prompt step's selected attention (DSA), or the prompt's absorbed windows of one or a few
-    rows (`prefill.attend_blocked`, also inside `attend_split`) and its one-row sequences in blocks
+    rows (`mla_prompt.attend_blocked`, also inside `attend_split`) and its one-row sequences in blocks
     (`MLA.attend_one_rows`); none in `attend_dense`."""
     from jaxdp.model.mla import ONE_ROW_BLOCK
-    from jaxdp.model.prefill import ABSORBED_BLOCK
+    from jaxdp.model.mla_prompt import ABSORBED_BLOCK
     from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
     from kernels_pallas.nvfp4_moe import _fit_block
 

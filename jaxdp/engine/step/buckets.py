@@ -54,7 +54,7 @@ class Buckets:
     max_len_rows: int
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
-    spec_off_above: int | None = None  # ... plain stretches (jaxdp.engine.spec): the plain shapes too
+    spec_off_above: int | None = None  # ... plain stretches (jaxdp.engine.step.spec): the plain shapes too
 
     @property
     def largest_decode_rows(self) -> int:
@@ -136,7 +136,7 @@ class Buckets:
         return StepShape(False, t, self.extend_seqs(t), self.pages[-1], all_logits=True)
 
     def shape_for(self, rows: list[int], agreement: Agreement, plain: bool = False) -> StepShape:
-        """The compiled step of a batch. `plain`: under speculation, a plain stretch's step (`jaxdp.engine.spec`)."""
+        """The compiled step of a batch. `plain`: under speculation, a plain stretch's step (`step.spec`)."""
         busiest, pages_per_seq = max(rows), self.page_bucket(agreement.max_pages)
         if self.draft_tokens and not plain:  # (a verify: up to draft_tokens + 1 rows a request, its token, drafts)
             if agreement.use_decode_bucket:

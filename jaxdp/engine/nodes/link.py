@@ -1,6 +1,6 @@
 """An engine's side of the other nodes: the one interface (`Nodes`) its loop and step pipeline talk to, so that
 neither has a branch for several nodes. `OneNode` is the single-node case (every rank is here, the exchange is
-the list itself); `NodeLink` is the case of several (see `jaxdp.engine.hosts`): what rides on the exchange.
+the list itself); `NodeLink` is the case of several (see `jaxdp.engine.nodes.hosts`): what rides on the exchange.
 
 Node 0 (HTTP, controller) keeps a stand-in `Request` for each request it sends to another node's rank; the
 message it posts each iteration carries those new requests and their aborts. Every other node adds what it
@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jaxdp.engine import updates as updates_mod
-from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped, first_line
-from jaxdp.engine.messages import NodeFlush, NodeMessage
-from jaxdp.engine.request import Request
-from jaxdp.engine.scheduler import Scheduler
+from jaxdp.engine.ipc import updates as updates_mod
+from jaxdp.engine.ipc.messages import NodeFlush, NodeMessage
+from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, PeerStopped, first_line
+from jaxdp.engine.sched.request import Request
+from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.threads import start_thread
 from jaxdp.parallel.places import Proposal
 
@@ -41,7 +41,7 @@ class EngineSide(Protocol):
     tokenizer: Any
     failed: str | None
     blocked: tuple[float, str] | None
-    disagg: Any  # prefill/decode disaggregation's side (`jaxdp.engine.disagg`), or None
+    disagg: Any  # prefill/decode disaggregation's side (`jaxdp.engine.step.pd_sides`), or None
 
     @property
     def is_running(self) -> bool: ...

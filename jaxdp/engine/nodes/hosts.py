@@ -7,7 +7,7 @@ ranks and feeds their rows to the same compiled step (multi-controller SPMD: eac
 devices' shards, the collectives run across processes; gloo on the CPU).
 
 Each loop iteration the nodes trade one frame each (`HostExchange.exchange`, typed messages of
-`jaxdp.engine.messages`, over ZeroMQ sockets whose addresses are traded once through a JAX collective): their
+`jaxdp.engine.ipc.messages`, over ZeroMQ sockets whose addresses are traded once through a JAX collective): their
 ranks' proposals (the agreement's few integers per rank), so every node reaches the same bucket and mode;
 riding on it, node 0's new requests and aborts for other nodes' ranks and admin commands (a cache flush), and
 from the other nodes their requests' new tokens, their ranks' states and their answers to those commands.
@@ -183,7 +183,7 @@ class CollectiveAddressBook:
             import numpy as np
             from jax.experimental import multihost_utils
 
-            from jaxdp.engine.messages import Reader, encode
+            from jaxdp.engine.ipc.messages import Reader, encode
 
             data = encode(self._posted)
             if len(data) > self.WIDTH - 4:
@@ -346,9 +346,9 @@ class StoreGather:
 
 
 def load_frame(read, raw: bytes, node: int):
-    """Another node's frame of the exchange, read by `read` (`jaxdp.engine.messages.frame_reader`); anything
+    """Another node's frame of the exchange, read by `read` (`jaxdp.engine.ipc.messages.frame_reader`); anything
     else is a PeerFailure in one sentence."""
-    from jaxdp.engine.messages import WireError
+    from jaxdp.engine.ipc.messages import WireError
 
     try:
         return read(raw)
@@ -359,7 +359,7 @@ def load_frame(read, raw: bytes, node: int):
 
 class HostExchange:
     """The agreement's exchange across nodes: every iteration each node sends the others its own ranks'
-    proposals and a message (one frame of `jaxdp.engine.messages`' codec), and receives theirs; all return the
+    proposals and a message (one frame of `jaxdp.engine.ipc.messages`' codec), and receives theirs; all return the
     same full list of proposals and all messages. Every node sends messages of one type, and reads the others'
     as that type (a `NodeMessage` in the engine). `gather` moves the bytes (default: `ZmqGather`, its sockets'
     addresses traded once through `client`, a key-value store, by default `CollectiveAddressBook`;
@@ -391,7 +391,7 @@ class HostExchange:
         return range(node * self.per_node, (node + 1) * self.per_node)
 
     def exchange(self, proposals: list, message, timeout_s: float | None = None) -> tuple[list, list]:
-        from jaxdp.engine.messages import encode, frame_reader
+        from jaxdp.engine.ipc.messages import encode, frame_reader
 
         mine = self.local_ranks()
         read = self._readers.get(type(message))
@@ -415,7 +415,7 @@ class HostExchange:
     def barrier(self, name: str, timeout_s: float) -> None:
         """Wait for every node (after start-up compiles, which take different times on different nodes): one
         round of the exchange, with `timeout_s` to wait, in which every node names the same barrier."""
-        from jaxdp.engine.messages import Reader, encode
+        from jaxdp.engine.ipc.messages import Reader, encode
 
         self._name_reader = self._name_reader or Reader(str)
         try:

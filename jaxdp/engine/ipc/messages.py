@@ -1,6 +1,6 @@
 """Every message that crosses a socket, as typed structs, and the one codec that carries them (msgspec's
-MessagePack): the engine process's sockets (`jaxdp.engine.process`, `.remote`) and the node exchange
-(`jaxdp.engine.hosts`, `.nodes`). A message is read into its declared type or refused: a frame that is not
+MessagePack): the engine process's sockets (`jaxdp.engine.ipc.process`, `.remote`) and the node exchange
+(`jaxdp.engine.nodes.hosts`, `.nodes`). A message is read into its declared type or refused: a frame that is not
 MessagePack, names an unknown kind, or has a field of the wrong type is a `WireError` in one sentence (the
 caller says which peer sent it), never a half-read message, and nothing in a frame is ever imported or run.
 
@@ -18,11 +18,11 @@ from typing import Any, Literal
 import msgspec
 
 from jaxdp.config import ModelConfig
-from jaxdp.engine.buckets import Buckets
+from jaxdp.engine.ipc.updates import SentRequest, Update
 from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.scheduler import SchedulerConfig
-from jaxdp.engine.stats import StepRecord
-from jaxdp.engine.updates import SentRequest, Update
+from jaxdp.engine.sched.scheduler import SchedulerConfig
+from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.step_stats import StepRecord
 from jaxdp.layout import Layout
 from jaxdp.parallel.places import Proposal
 
@@ -133,7 +133,7 @@ class NodeMessage(msgspec.Struct, omit_defaults=True):
     flushed: list[tuple[int, NodeFlush]] = []
     states: dict[int, RankState] | None = None
     rooms: list[RoomOutcome] = []  # prefill/decode disaggregation: its ranks' rooms, for node 0's bootstrap endpoint
-    # every node: the prefill delayer's numbers of its ranks (`jaxdp.engine.delayer`), when it is on
+    # every node: the prefill delayer's numbers of its ranks (`jaxdp.engine.sched.delayer`), when it is on
     prefill_delayer: list[tuple[bool, bool]] | None = None  # (prompt ready, under the watermark) per rank
 
 

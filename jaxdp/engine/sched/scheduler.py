@@ -16,12 +16,12 @@ from collections import deque
 import numpy as np
 
 from jaxdp.batch import Piece
-from jaxdp.engine.mixed import add_decoders, decoders_to_carry
-from jaxdp.engine.plan import RankPlan
-from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import BadRequest, Request, State
-from jaxdp.engine.rows import RankRows
-from jaxdp.engine.sampling import sampling_row
+from jaxdp.engine.sched.mixed import add_decoders, decoders_to_carry
+from jaxdp.engine.sched.pool import PagePool, PrefixCache
+from jaxdp.engine.sched.rank_plan import RankPlan
+from jaxdp.engine.sched.request import BadRequest, Request, State
+from jaxdp.engine.sched.rows import RankRows
+from jaxdp.engine.step.sampling import sampling_row
 
 log = logging.getLogger("jaxdp.scheduler")
 
@@ -45,7 +45,7 @@ def output_limit(cfg: SchedulerConfig, req: Request) -> int:
 def check_admission(cfg: SchedulerConfig, num_pages: int, page_size: int, req: Request) -> None:
     """Refuse at once what a rank can never serve: the prompt past the context (capped by the pool), or the
     prompt's pages and its output's reservation past the whole pool. The one admission rule: a rank's, and an
-    engine client's before it sends a request (`jaxdp.engine.client`)."""
+    engine client's before it sends a request (`jaxdp.engine.ipc.client`)."""
     n, ctx = len(req.prompt_ids), cfg.context_len
     if n + 1 > ctx:
         raise BadRequest(f"the prompt has {n} tokens but a rank holds at most {ctx} (context length / KV "
@@ -70,7 +70,7 @@ class Scheduler:
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
         self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
         self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
-        # prefill/decode disaggregation (jaxdp.engine.disagg sets one of the two hooks):
+        # prefill/decode disaggregation (jaxdp.engine.step.pd_sides sets one of the two hooks):
         self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
         self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
         self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
@@ -146,7 +146,7 @@ class Scheduler:
     def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
         """The rank's next batch: prompt chunks first, else a decode of every running request.
         `allow_new_prompt`: False while the prefill delayer holds new prompts back (a prompt already being
-        read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/mixed.py)."""
+        read goes on). `mixed_chunk`: a prompt step carries this rank's decoders too (jaxdp/engine/sched/mixed.py)."""
         self._finishing = 0
         if self.kv_waiting:
             self._allocate_for_kv()

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxdp.engine.plan import RankPlan
-    from jaxdp.engine.pool import PagePool
-    from jaxdp.engine.rows import RankRows
+    from jaxdp.engine.sched.pool import PagePool
+    from jaxdp.engine.sched.rank_plan import RankPlan
+    from jaxdp.engine.sched.rows import RankRows
 
 
 def decoders_to_carry(rows: RankRows, chunk_size: int) -> np.ndarray:

@@ -35,13 +35,13 @@ import time
 import numpy as np
 
 from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
-from jaxdp.engine.pipeline import StepPipeline
-from jaxdp.engine.plan import RankPlan, rank_proposals
-from jaxdp.engine.request import State
-from jaxdp.engine.rows import fill_sampling
-from jaxdp.engine.sampling import sampling_row
-from jaxdp.engine.scheduler import Scheduler
-from jaxdp.engine.stats import InFlight
+from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
+from jaxdp.engine.sched.request import State
+from jaxdp.engine.sched.rows import fill_sampling
+from jaxdp.engine.sched.scheduler import Scheduler
+from jaxdp.engine.step.pipeline import StepPipeline
+from jaxdp.engine.step.sampling import sampling_row
+from jaxdp.engine.step.step_stats import InFlight
 from jaxdp.parallel.spec_step import run_spec_step
 
 log = logging.getLogger("jaxdp.engine")
@@ -227,7 +227,7 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
 
 
 class SpecPipeline(StepPipeline):
-    """The step pipeline with speculative steps (`jaxdp.engine.pipeline`): verifies one at a time; the plain
+    """The step pipeline with speculative steps (`jaxdp.engine.step.pipeline`): verifies one at a time; the plain
     stretches (module docstring) as the plain pipeline, with its overlap."""
 
     def __init__(self, *args, **kwargs):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.request import Request, SamplingParams
+from jaxdp.engine.sched.request import Request, SamplingParams
 
 _MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
@@ -46,7 +46,7 @@ def _keep(scaled_V, top_p, top_k, min_p, mode: str):
 
 def filtered_probs(logits_V, temperature, top_p, top_k, min_p):
     """The distribution a row samples from (temperature, then min-p, top-k and top-p), as probabilities over
-    the vocabulary: what speculative sampling accepts drafts against (`jaxdp.engine.spec_sampling`). A greedy
+    the vocabulary: what speculative sampling accepts drafts against (`jaxdp.engine.step.spec_sampling`). A greedy
     row (temperature 0) gets its scaled distribution too; the caller takes its argmax instead."""
     scaled = logits_V.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
     masked = jnp.where(_keep(scaled, top_p, top_k, min_p, "sorted"), scaled, -jnp.inf)

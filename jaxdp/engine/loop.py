@@ -1,17 +1,17 @@
 """`jaxdp.Engine`: the schedulers of all DP ranks of this host, driven by one loop, over one StepRunner.
 
-The engine is an `EngineClient` (`jaxdp.engine.client`): requests are made and checked here (`make_request`),
+The engine is an `EngineClient` (`jaxdp.engine.ipc.client`): requests are made and checked here (`make_request`),
 queued from any thread (`submit`, `abort`, `stream`) into an inbox, and the loop takes them in before each
-iteration of the step pipeline (`jaxdp.engine.pipeline.StepPipeline`: plan, agree, queue, book). This module
+iteration of the step pipeline (`jaxdp.engine.step.pipeline.StepPipeline`: plan, agree, queue, book). This module
 is the loop: the inbox, the thread, the failures that end the engine; the pipeline is the step.
 
 Use it offline (`generate`, or `step` / `run_until_idle`) or from a server (`start`, then `submit` / `stream`
 from other threads).
 
-Across several nodes (`hosts`, see `jaxdp.engine.hosts` and `.nodes`) every node runs an Engine over the mesh;
+Across several nodes (`hosts`, see `jaxdp.engine.nodes.hosts` and `.nodes`) every node runs an Engine over the mesh;
 its loop schedules only its own ranks, the agreement's exchange carries the other nodes' proposals, and node 0
 (the one with the HTTP server) keeps a stand-in for each request it sent to another node, which the exchange
-keeps up to date with that node's tokens. All of that is behind `jaxdp.engine.nodes.Nodes`: on one node
+keeps up to date with that node's tokens. All of that is behind `jaxdp.engine.nodes.link.Nodes`: on one node
 (`OneNode`) neither the loop nor the pipeline has a branch for it.
 """
 
@@ -25,25 +25,25 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from jaxdp.engine.buckets import Buckets
-from jaxdp.engine.client import ClientBase, EngineFailed
-from jaxdp.engine.disagg import make_disagg
-from jaxdp.engine.hosts import HostExchange, PeerFailure, PeerStopped
-from jaxdp.engine.messages import EngineFacts, NodeFlush
-from jaxdp.engine.nodes import NodeLink, Nodes, OneNode
+from jaxdp.engine.ipc.client import ClientBase, EngineFailed
+from jaxdp.engine.ipc.messages import EngineFacts, NodeFlush
+from jaxdp.engine.ipc.streams import Result, Wakeups
+from jaxdp.engine.ipc.updates import end as end_request
+from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, PeerStopped
+from jaxdp.engine.nodes.link import NodeLink, Nodes, OneNode
 from jaxdp.engine.options import EngineConfig, ModelOptions
-from jaxdp.engine.pipeline import StepPipeline
-from jaxdp.engine.pool import PagePool, PrefixCache
-from jaxdp.engine.request import Request, SamplingParams
-from jaxdp.engine.rows import RankRows, RowArrays
-from jaxdp.engine.scheduler import Scheduler, SchedulerConfig
+from jaxdp.engine.sched.pool import PagePool, PrefixCache
+from jaxdp.engine.sched.request import Request, SamplingParams
+from jaxdp.engine.sched.rows import RankRows, RowArrays
+from jaxdp.engine.sched.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
 from jaxdp.engine.setup import model_options as model_options_of
-from jaxdp.engine.spec import SpecPipeline, SpecScheduler, check_speculative
-from jaxdp.engine.stats import compiles_total
-from jaxdp.engine.streams import Result, Wakeups
+from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.pd_sides import make_disagg
+from jaxdp.engine.step.pipeline import StepPipeline
+from jaxdp.engine.step.spec import SpecPipeline, SpecScheduler, check_speculative
+from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.engine.threads import start_thread
-from jaxdp.engine.updates import end as end_request
 from jaxdp.parallel.step import StepRunner
 
 __all__ = ["Engine", "EngineFailed"]

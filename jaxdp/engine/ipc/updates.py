@@ -3,7 +3,7 @@
 The process that runs a request reports, after a step, each changed request as one `Update`; the process
 that holds a stand-in `Request` for it (node 0 for another node's ranks, the HTTP process for an engine in a
 process of its own) applies them, so its streams, metrics and controller see the request as a local one. A
-request travels the other way as a `SentRequest`. Both are typed messages of `jaxdp.engine.messages`' codec;
+request travels the other way as a `SentRequest`. Both are typed messages of `jaxdp.engine.ipc.messages`' codec;
 this module alone makes and reads them.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from jaxdp.engine.request import Bootstrap, Request, SamplingParams, State, stop_string_check
+from jaxdp.engine.sched.request import Bootstrap, Request, SamplingParams, State, stop_string_check
 
 Pairs = list[tuple[int, float]]  # (token id, logprob) per alternative
 

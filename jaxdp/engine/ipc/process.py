@@ -5,18 +5,18 @@ manager); vLLM's engine core is a process of its own too. Then the HTTP side tak
 interpreter lock from the loop that feeds the devices. Here the server's process spawns this one with the
 same flags; it builds the engines exactly as the server would (every start-up error is the same one sentence
 and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a local
-path, typed messages of `jaxdp.engine.messages` (one codec, no pickle):
+path, typed messages of `jaxdp.engine.ipc.messages` (one codec, no pickle):
 
 - in, `Command`s: `Submit` (an engine, a request), `Abort`, `Ask` for the rare questions (the ranks' figures, a
   prefix-cache flush), `Shutdown`;
 - out, `Event`s: `Ready` (each engine's `EngineFacts`) once; after every step of an engine `StepDone` (its
-  requests' `Update`s from `jaxdp.engine.updates`, its new step records, counters, failure), one message a
+  requests' `Update`s from `jaxdp.engine.ipc.updates`, its new step records, counters, failure), one message a
   step however many requests ran; `States`, `Flushed` or `CallFailed` to answer a question.
 
 A command that is not one of these ends this process with one line saying so (the server then fails its
 requests with a 503), never a guess at what it meant.
 
-The server's side (`jaxdp.engine.remote`) applies the updates to its stand-in requests and wakes the
+The server's side (`jaxdp.engine.ipc.remote`) applies the updates to its stand-in requests and wakes the
 streams. This process ends when told to, or when the server's process is gone.
 """
 
@@ -29,9 +29,9 @@ import signal
 import threading
 import time
 
-from jaxdp.engine import messages as msg
-from jaxdp.engine import updates
-from jaxdp.engine.stats import compiles_total
+from jaxdp.engine.ipc import messages as msg
+from jaxdp.engine.ipc import updates
+from jaxdp.engine.step.step_stats import compiles_total
 
 log = logging.getLogger("jaxdp.serve")
 

@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from jaxdp.engine.request import Request
+from jaxdp.engine.sched.request import Request
 
 
 class Wakeups:

@@ -1,11 +1,11 @@
-"""The engine in a process of its own (`--engine-process`): the server's side. See `jaxdp.engine.process`.
+"""The engine in a process of its own (`--engine-process`): the server's side. See `jaxdp.engine.ipc.process`.
 
 `EngineProcess` spawns `python -m jaxdp.serve <the same flags> --engine-child ADDRS`, waits until it is ready
 (or repeats its start-up error's exit status), and runs one thread that reads everything the child sends.
 `RemoteEngine` is what the server holds for each of the child's engines: an `EngineClient` as `jaxdp.Engine` is
 (requests are made and checked here with the engine's own admission rule, on the facts the child sent; streams,
 the controller and metrics see stand-in requests), so `ReplicaSet`, the endpoints and the monitor do not know
-where the engine runs. The sockets carry typed messages of `jaxdp.engine.messages`; a message from the child
+where the engine runs. The sockets carry typed messages of `jaxdp.engine.ipc.messages`; a message from the child
 that is not one of them fails the server as the child's death does: every request in flight ends with a 503
 error and /health fails.
 """
@@ -21,12 +21,12 @@ import tempfile
 import threading
 import time
 
-from jaxdp.engine import messages as msg
-from jaxdp.engine import updates
-from jaxdp.engine.client import ClientBase, DelayerCounters, EngineFailed
-from jaxdp.engine.request import Request
-from jaxdp.engine.stats import StepStats
-from jaxdp.engine.streams import Result, Wakeups
+from jaxdp.engine.ipc import messages as msg
+from jaxdp.engine.ipc import updates
+from jaxdp.engine.ipc.client import ClientBase, DelayerCounters, EngineFailed
+from jaxdp.engine.ipc.streams import Result, Wakeups
+from jaxdp.engine.sched.request import Request
+from jaxdp.engine.step.step_stats import StepStats
 from jaxdp.engine.threads import start_thread
 
 log = logging.getLogger("jaxdp.serve")

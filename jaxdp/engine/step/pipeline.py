@@ -11,7 +11,7 @@ With `overlap`, step N+1 is planned and queued before step N's tokens are read b
 is still in flight carry a marker (-1-j: the j-th token step N sampled on this rank) that the step resolves on
 the device, and step N is booked while N+1 runs. A step that fails on one node is retried in parts until the
 request that fails it is alone (`_isolate`); across nodes every node must run every step, so the failure goes
-to the loop (`jaxdp.engine.engine`), which fails the engine.
+to the loop (`jaxdp.engine.loop`), which fails the engine.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import time
 import numpy as np
 
 from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS
-from jaxdp.engine.buckets import Buckets
-from jaxdp.engine.delayer import PrefillDelayer
-from jaxdp.engine.hosts import first_line
-from jaxdp.engine.logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
-from jaxdp.engine.nodes import Nodes
+from jaxdp.engine.nodes.hosts import first_line
+from jaxdp.engine.nodes.link import Nodes
 from jaxdp.engine.options import EngineConfig
-from jaxdp.engine.plan import RankPlan, rank_proposals
-from jaxdp.engine.rows import RowArrays, plan_arrays
-from jaxdp.engine.sampling import book_top_logprobs, sample_tokens, top_logprobs
-from jaxdp.engine.scheduler import Scheduler
-from jaxdp.engine.stats import InFlight, StepStats, compiles_on_this_thread
+from jaxdp.engine.sched.delayer import PrefillDelayer
+from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
+from jaxdp.engine.sched.rows import RowArrays, plan_arrays
+from jaxdp.engine.sched.scheduler import Scheduler
+from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.prompt_logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
+from jaxdp.engine.step.sampling import book_top_logprobs, sample_tokens, top_logprobs
+from jaxdp.engine.step.step_stats import InFlight, StepStats, compiles_on_this_thread
 from jaxdp.parallel.places import agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxdp.engine.request import BadRequest, Request
+from jaxdp.engine.sched.request import BadRequest, Request
 
 METHODS = ("round_robin", "total_tokens", "total_requests")
 UNSUBMITTED_S = 30.0

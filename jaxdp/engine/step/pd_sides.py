@@ -26,11 +26,11 @@ import msgspec
 
 from jaxdp.disagg.handoff import DecodeSide, HandoffError, PrefillSide, model_fingerprint
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
-from jaxdp.disagg.stats import RankKV
-from jaxdp.engine.messages import RoomOutcome
+from jaxdp.disagg.kv_stats import RankKV
+from jaxdp.engine.ipc.messages import RoomOutcome
 from jaxdp.engine.options import DisaggConfig
-from jaxdp.engine.request import Request
-from jaxdp.engine.scheduler import Scheduler
+from jaxdp.engine.sched.request import Request
+from jaxdp.engine.sched.scheduler import Scheduler
 
 log = logging.getLogger("jaxdp.engine")
 

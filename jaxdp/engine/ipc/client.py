@@ -1,13 +1,13 @@
 """The one interface of an engine to its users: `EngineClient`.
 
 The server (`jaxdp.api.replicas.ReplicaSet`, the endpoints, the monitor, the metrics) holds EngineClients and
-never knows where the engine runs: `jaxdp.Engine` in this process, or `jaxdp.engine.remote.RemoteEngine`, the
+never knows where the engine runs: `jaxdp.Engine` in this process, or `jaxdp.engine.ipc.remote.RemoteEngine`, the
 stand-in for an engine in a process of its own. Both are built on `ClientBase`: what an engine says of itself
 once (`EngineFacts`, the same message the engine process sends when it is ready) and the one way a request is
-made and checked against the engine's admission rule (`jaxdp.engine.scheduler.check_admission` on the
+made and checked against the engine's admission rule (`jaxdp.engine.sched.scheduler.check_admission` on the
 scheduler's config and the runner's pool), so a request is refused in the server's process exactly as the
 engine would refuse it. (Node 0's stand-ins for the other nodes' ranks sit inside an Engine, behind
-`jaxdp.engine.nodes.Nodes`.)
+`jaxdp.engine.nodes.link.Nodes`.)
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from jaxdp.engine.controller import Controller
-from jaxdp.engine.delayer import PrefillDelayer
-from jaxdp.engine.messages import EngineFacts, NodeFlush
-from jaxdp.engine.request import BadRequest, Bootstrap, Request, SamplingParams, new_request
-from jaxdp.engine.scheduler import check_admission
-from jaxdp.engine.stats import StepStats
+from jaxdp.engine.ipc.messages import EngineFacts, NodeFlush
+from jaxdp.engine.sched.controller import Controller
+from jaxdp.engine.sched.delayer import PrefillDelayer
+from jaxdp.engine.sched.request import BadRequest, Bootstrap, Request, SamplingParams, new_request
+from jaxdp.engine.sched.scheduler import check_admission
+from jaxdp.engine.step.step_stats import StepStats
 
 
 class EngineFailed(Exception):
@@ -33,7 +33,7 @@ class EngineFailed(Exception):
 
 @dataclasses.dataclass
 class DelayerCounters:
-    """The prefill delayer's counters as /metrics reads them (`jaxdp.engine.delayer.PrefillDelayer` has them)."""
+    """The prefill delayer's counters as /metrics reads them (`jaxdp.engine.sched.delayer.PrefillDelayer` has them)."""
 
     wait_passes: int = 0
     outcomes: collections.Counter = dataclasses.field(default_factory=collections.Counter)

@@ -97,7 +97,7 @@ class PrefillDelayer:
 
     def post(self, message, schedulers: Sequence) -> None:
         """Add this node's ranks' numbers (their schedulers, in rank order) to its message of the exchange (a
-        `jaxdp.engine.messages.NodeMessage`)."""
+        `jaxdp.engine.ipc.messages.NodeMessage`)."""
         message.prefill_delayer = self.signals([s.prompt_ready for s in schedulers],
                                                [s.token_usage for s in schedulers])
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.plan import RankPlan
-from jaxdp.engine.request import MAX_LOGPROB_TOKEN_IDS, Request
-from jaxdp.engine.sampling import top_logprobs
+from jaxdp.engine.sched.rank_plan import RankPlan
+from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, Request
+from jaxdp.engine.step.sampling import top_logprobs
 
 
 @jax.jit

@@ -13,7 +13,7 @@ Chen et al. 2023), as vLLM's rejection sampler and SGLang's `tree_speculative_sa
   then acceptance is p_j(d_j) and the residual is p_n without d_n.
 
 The target distribution p is the request's own: temperature, top-k, top-p and min-p applied as in normal
-sampling (`jaxdp.engine.sampling.filtered_probs`), so a request samples from the same distribution with
+sampling (`jaxdp.engine.step.sampling.filtered_probs`), so a request samples from the same distribution with
 or without speculation. A greedy row (temperature 0) accepts exactly the draft tokens equal to the target's
 argmax and then takes the argmax: its tokens are the greedy tokens without speculation.
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxdp.batch import empty_step, fill_pieces
-from jaxdp.engine.request import Request
+from jaxdp.engine.sched.request import Request
 
 if TYPE_CHECKING:
-    from jaxdp.engine.plan import RankPlan
+    from jaxdp.engine.sched.rank_plan import RankPlan
     from jaxdp.parallel.step import StepShape
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")

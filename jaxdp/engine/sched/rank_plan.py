@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from jaxdp.batch import Piece
-from jaxdp.engine.request import Request
+from jaxdp.engine.sched.request import Request
 from jaxdp.parallel.places import Proposal
 
 
@@ -19,7 +19,7 @@ class RankPlan:
     queued (markers for the tokens in flight, prompt progress, requests that start decoding), `book` takes
     its tokens back. A plan that is never committed (its step failed) changes nothing but page ownership."""
 
-    kind: str  # "extend" | "decode" | "verify" (speculative decoding: jaxdp.engine.spec)
+    kind: str  # "extend" | "decode" | "verify" (speculative decoding: jaxdp.engine.step.spec)
     reqs: list[Request]  # those of the pieces, then those of the rows
     pieces: list[Piece] = dataclasses.field(default_factory=list)  # extend: one per prompt read
     rows: np.ndarray | None = None  # rows of the persistent batch that decode (in an extend: a mixed chunk's)
