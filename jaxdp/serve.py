@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxdp.cache import cache_dir
 from jaxdp.serve_config import (  # noqa: F401  (the flags' checks, re-exported where callers look for them)
     ServeConfig,
     UserError,
@@ -152,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decode buckets per rank, explicitly")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="compile each step shape on first use instead of all at start-up")
-    g.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/jaxdp/xla"), metavar="DIR",
-                   help="JAX's persistent compilation cache ('' to disable)")
+    g.add_argument("--compilation-cache-dir", default=str(cache_dir() / "xla"), metavar="DIR",
+                   help="JAX's persistent compilation cache ('' to disable; default: under JAXDP_CACHE, else "
+                        "~/.cache/jaxdp)")
     g = ap.add_argument_group("several nodes (one model world; serve/README.md)")
     g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes the mesh spans (default 1)")
     g.add_argument("--node-rank", type=int, default=0, metavar="K",
