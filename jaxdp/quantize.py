@@ -16,6 +16,7 @@ import logging
 import sys
 
 from jaxdp.model.converted import save_converted
+from jaxdp.model.loader import load_model
 from jaxdp.model.quant import QUANTIZATIONS, expert_quantization
 
 log = logging.getLogger("jaxdp.quantize")
@@ -30,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from jaxdp.model.loader import load_model
-
     try:
         cfg, model = load_model(args.model_path, args.dtype, seed=args.seed, quantization=args.quantization)
     except (ValueError, FileNotFoundError) as e:

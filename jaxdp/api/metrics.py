@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxdp.api.sglang_metrics import SglangMetrics
 from jaxdp.disagg.kv_stats import metric_families as kv_metric_families
 from jaxdp.engine import Request
+from jaxdp.engine.sched.delayer import OUTCOMES
 from jaxdp.engine.step.step_stats import StepRecord, compiles_total
 
 P = "jaxdp:"
@@ -176,8 +177,6 @@ class _StateCollector:
 
 def _delayer_metrics(engines):
     """--enable-prefill-delayer: the passes a prompt was held back, and how each pass with a prompt ended."""
-    from jaxdp.engine.sched.delayer import OUTCOMES
-
     waits = CounterMetricFamily(P + "prefill_delayer_wait_passes", "Passes in which the prefill delayer held "
                                 "new prompts back", labels=["replica"])
     outcomes = CounterMetricFamily(P + "prefill_delayer_outcomes", "Passes with a prompt on some rank, by the "
