@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 
 from jaxdp.batch import Piece
+from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.mixed import add_decoders, decoders_to_carry
 from jaxdp.engine.sched.pool import PagePool, PrefixCache
 from jaxdp.engine.sched.rank_plan import RankPlan
@@ -69,7 +70,7 @@ class Scheduler:
         self.retracted_total = 0
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
         self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
-        self._eos = np.asarray(cfg.eos_token_ids or [-1], np.int64)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
         # prefill/decode disaggregation (jaxdp.engine.step.pd_sides sets one of the two hooks):
         self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
         self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
@@ -235,11 +236,8 @@ class Scheduler:
         req.first_token_at = now
         p = req.params
         # (a request the first token ends never joins `running`: finish would take it out of a row it never had)
-        if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids or (
-                req.stop_check is not None and req.stop_check(req)):
-            self.finish(req, "stop", now)
-        elif self.limit(req) <= 1:
-            self.finish(req, "length", now)
+        if (reason := finish_reason(req, int(token), 1, self.limit(req), self.eos_token_ids)) is not None:
+            self.finish(req, reason, now)
         else:
             req.state = State.RUNNING
             self.running[req.rid] = req
@@ -324,7 +322,6 @@ class Scheduler:
         m = len(plan.reqs)
         tokens = tokens[:m]
         self.rows.booked(plan.sampled_rows, plan.step, tokens)
-        eos = np.isin(tokens, self._eos)
         toks, lps = tokens.tolist(), logprobs[:m].tolist() if logprobs is not None else None
         out_pos, ends = plan.out_pos.tolist(), plan.ends.tolist()
         done = []
@@ -337,17 +334,12 @@ class Scheduler:
             if pos < 0:  # a prompt chunk
                 continue
             tok = req.output_ids[pos] = toks[i]
-            p = req.params
-            if p.return_logprob and lps is not None:
+            if req.params.return_logprob and lps is not None:
                 req.output_logprobs.append(lps[i])
             if req.first_token_at is None:
                 req.first_token_at = now
-            if (eos[i] and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids) or (
-                    req.stop_check is not None and req.stop_check(req)):
-                reason = "stop"
-            elif pos + 1 >= self.limit(req):
-                reason = "length"
-            else:
+            reason = finish_reason(req, tok, pos + 1, self.limit(req), self.eos_token_ids)
+            if reason is None:
                 if req.on_update:
                     req.on_update(req)
                 continue

@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
+from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
 from jaxdp.engine.sched.request import State
 from jaxdp.engine.sched.rows import fill_sampling
@@ -180,11 +181,8 @@ class SpecScheduler(Scheduler):
                 req.output_logprobs.append(lp)
             if req.first_token_at is None:
                 req.first_token_at = now
-            if (tok in self._eos and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids) or (
-                    req.stop_check is not None and req.stop_check(req)):
-                return "stop"
-            if len(req.output_ids) >= self.limit(req):
-                return "length"
+            if (reason := finish_reason(req, tok, len(req.output_ids), self.limit(req), self.eos_token_ids)):
+                return reason
         return None
 
 

@@ -1,0 +1,28 @@
+"""Why a request finishes: the one stop rule every place that books a token asks (`finish_reason`).
+
+A request stops ("stop") at an end-of-sequence token unless it ignores them, at one of its stop token ids, or once
+its text holds one of its stop strings; else it ends ("length") at its output limit. Further conditions (a
+min_tokens floor under which nothing stops it, a stop regex, a grammar's end) belong here, beside these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from jaxdp.engine.sched.request import Request
+
+
+def finish_reason(req: Request, token: int, n_out: int, limit: int, eos_token_ids: Container[int]) -> str | None:
+    """Why `req` finishes at `token`, its `n_out`-th output token (already in `req.output_ids`, which a stop
+    string's check reads), given its output `limit` and the model's end-of-sequence ids: "stop", "length", or None
+    while it goes on."""
+    p = req.params
+    if token in eos_token_ids and not p.ignore_eos:
+        return "stop"
+    if token in p.stop_token_ids:
+        return "stop"
+    if req.stop_check is not None and req.stop_check(req):
+        return "stop"
+    if n_out >= limit:
+        return "length"
+    return None
