@@ -22,7 +22,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
 from jaxdp.api.common import ApiError, TextView, sse, watch_disconnect
-from jaxdp.api.fields import check_length, parse_json
+from jaxdp.api.fields import check_fields, check_length, parse_json
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.config import UnsupportedConfigError
@@ -67,7 +67,7 @@ class ServerContext:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     live: set[Job] = dataclasses.field(default_factory=set)  # submitted and not yet ended (the event loop's)
     draining: bool = False  # a shutdown is under way: new requests get a 503
-    warned: set[str] = dataclasses.field(default_factory=set)  # deprecations already logged once
+    warned: set[str] = dataclasses.field(default_factory=set)  # deprecations, unknown fields: logged once
 
     @property
     def vocab_size(self) -> int:
@@ -98,7 +98,7 @@ class ServerContext:
 
     async def encode_chat(self, messages: list[dict[str, str]], rank: int | None = None) -> list[int]:
         self._need_tokenizer("chat messages")
-        self.check_text_length(sum(len(m["content"]) for m in messages), "the conversation", rank)
+        self.check_text_length(sum(len(text) for m in messages for text in m.values()), "the conversation", rank)
 
         def render() -> list[int]:
             try:
@@ -202,6 +202,17 @@ async def read_json(http: HttpRequest) -> dict[str, Any]:
     """The body as a JSON object (parsed off the event loop when it is large)."""
     raw = await http.body()
     return parse_json(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json, raw)
+
+
+def checked_fields(ctx: ServerContext, body: dict, table: str, *, where: str = "") -> None:
+    """Refuse what `body` asks and this server does not serve (the field table, `jaxdp.api.field_table`); a
+    field the table does not list is served without it, and logged once per name (vLLM's habit)."""
+    for name in check_fields(body, table, where=where):
+        key = f"{table} {name}"[:200]
+        if key not in ctx.warned and len(ctx.warned) < 1000:  # (a client cannot grow the set without bound)
+            ctx.warned.add(key)
+            log.warning("%s: the field %r is not one this server knows; it was ignored (docs/api.md lists the "
+                        "fields it takes)", table, f"{where}{name}"[:100])
 
 
 def pinned_rank(body: dict, http: HttpRequest) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxdp.api.common import ApiError
+from jaxdp.api.field_table import TABLES, Status
 from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 MAX_N = 16  # choices per request (n)
@@ -65,6 +66,26 @@ def _check_unicode(value: Any) -> None:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(x for x in v if isinstance(x, str | list | dict))
+
+
+def check_fields(body: dict, table: str, *, where: str = "") -> list[str]:
+    """Check `body` against its endpoint's (or object's) row of the field table (`jaxdp.api.field_table`): a
+    field jaxdp does not serve, carrying a value that would change the output, is refused in one sentence
+    naming it. Returns the keys the table does not list (a table that refuses them has raised already), for the
+    caller to log."""
+    fields, strict = TABLES[table]
+    unknown = []
+    for name, value in body.items():
+        f = fields.get(name)
+        if f is None:
+            unknown.append(name)
+        elif f.status is Status.REFUSED and not f.is_neutral(value):
+            raise ApiError(f"{where}{name} is not supported by this server yet; leave it out or send {f.where}",
+                           param=name)
+    if strict and unknown:
+        raise ApiError(f"{where}{unknown[0][:60]} is not a field this server knows; leave it out (docs/api.md "
+                       "lists the fields it takes)", param=unknown[0][:60])
+    return unknown
 
 
 def _shown(value: Any) -> str:
@@ -194,6 +215,10 @@ def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: st
     """SamplingParams from SGLang-style names; `max_new` is the default when the body gives none. The
     upper bound of max_new_tokens is the context length, which check_length applies once the rank is known."""
     stop_ids = field(sp, "stop_token_ids", list, where=where) or []
+    seed = SAMPLING["seed"].check(sp, "seed", None, where=where)
+    sglang_seed = SAMPLING["seed"].check(sp, "sampling_seed", None, where=where)  # SGLang's name of it
+    if seed is not None and sglang_seed is not None and seed != sglang_seed:
+        raise ApiError(f"{where}seed and {where}sampling_seed differ; send one of them", param="seed")
     return SamplingParams(
         max_new_tokens=SAMPLING["max_new_tokens"].check(sp, "max_new_tokens", max_new, where=where,
                                                          param="max_tokens"),
@@ -201,7 +226,7 @@ def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: st
         top_p=SAMPLING["top_p"].check(sp, "top_p", 1.0, where=where),
         top_k=SAMPLING["top_k"].check(sp, "top_k", -1, where=where),
         min_p=SAMPLING["min_p"].check(sp, "min_p", 0.0, where=where),
-        seed=SAMPLING["seed"].check(sp, "seed", None, where=where),
+        seed=seed if seed is not None else sglang_seed,
         stop=stop_strings(sp, where=where),
         stop_token_ids=int_list(stop_ids, "stop_token_ids", vocab_size, max_len=MAX_STOP_TOKEN_IDS, where=where),
         ignore_eos=field(sp, "ignore_eos", bool, False, where=where),

@@ -9,7 +9,9 @@ and `token_ids_logprob`, and a rank pin: `routed_dp_rank`, the deprecated `data_
 `X-Data-Parallel-Rank` header. It answers {"text", "output_ids", "meta_info"} (a list for a batch); with
 `stream`, one `data:` line per update with the cumulative text and meta_info, then `data: [DONE]`.
 /abort_request takes SGLang's body {"rid": "...", "abort_all": false}; the aborted request answers what it
-has generated with finish_reason abort. Every field is checked in `jaxdp.api.fields`.
+has generated with finish_reason abort. Every field is checked in `jaxdp.api.fields`; what SGLang takes and
+jaxdp does not serve (penalties, constrained decoding, images, LoRA, ...) is refused by the field table
+(`jaxdp.api.field_table`, docs/api.md), and so is a sampling_params key it does not list.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jaxdp.api.context import (
     Job,
     ServerContext,
     bootstraps,
+    checked_fields,
     complete_jobs,
     event_stream,
     job_error,
@@ -84,6 +87,8 @@ def _params(ctx: ServerContext, body: dict, count: int) -> tuple[list[SamplingPa
     sps = sp if isinstance(sp, list) else [sp] * count
     if len(sps) != count or not all(isinstance(s, dict) for s in sps):
         raise ApiError("sampling_params must be an object (or one object per prompt)", param="sampling_params")
+    for s in sps:
+        checked_fields(ctx, s, "sampling_params", where="sampling_params.")
     params = [sampling_params(s, max_new=128, vocab_size=ctx.vocab_size, where="sampling_params.") for s in sps]
     n = check_n(sps[0], count)
     skip = field(sps[0], "skip_special_tokens", bool, True, where="sampling_params.")
@@ -111,6 +116,7 @@ def result(ctx: ServerContext, job: Job, with_logprobs: bool) -> dict[str, Any]:
 async def generate(http: HttpRequest):
     ctx: ServerContext = http.app.state.ctx
     body = await read_json(http)
+    checked_fields(ctx, body, "/generate")
     rank = pinned_rank(body, http)
     stream = field(body, "stream", bool, False)
     with_logprobs = field(body, "return_logprob", bool, False)

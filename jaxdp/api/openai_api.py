@@ -6,7 +6,9 @@ tokens and logprobs first; `max_tokens: 0` with it) and vLLM's `prompt_logprobs`
 `stream` with `stream_options.include_usage` (a last chunk with `usage` and empty `choices`), and SGLang's extras
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `routed_dp_rank`. Completions take a prompt as text,
 token ids, or a batch of either. Without a tokenizer the text fields are empty and each choice carries
-`token_ids`.
+`token_ids`. Every other field of OpenAI's schemas is in the field table (`jaxdp.api.field_table`, docs/api.md):
+accepted without effect (`user`, `metadata`, ...), or refused unless neutral (`tools`, `response_format`,
+`logit_bias`, the penalties, ...); chat messages with tool calls or the tool role are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jaxdp.api.context import (
     Job,
     ServerContext,
     bootstraps,
+    checked_fields,
     complete_jobs,
     event_stream,
     job_error,
@@ -30,6 +33,7 @@ from jaxdp.api.context import (
     read_json,
     run_jobs,
 )
+from jaxdp.api.field_table import REFUSED_ROLES
 from jaxdp.api.fields import (
     MAX_PROMPTS,
     REQUEST,
@@ -94,9 +98,14 @@ async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> li
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages is required: a non-empty list of {role, content} objects", param="messages")
     flat = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError("each message must be an object with a role and a content", param="messages")
+        if m["role"] in REFUSED_ROLES:
+            raise ApiError(f"messages[{i}] has role {m['role']!r}: tool results are not supported by this server "
+                           "yet; send the conversation without tool messages", param="messages")
+        checked_fields(ctx, m, "messages[]", where=f"messages[{i}].")
+        name = field(m, "name", str, where=f"messages[{i}].")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -105,7 +114,7 @@ async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> li
             content = "".join(parts)
         if not isinstance(content, str):
             raise ApiError("a message's content must be a string or a list of text parts", param="messages")
-        flat.append({"role": m["role"], "content": content})
+        flat.append({"role": m["role"], "content": content} | ({"name": name} if name else {}))
     return await ctx.encode_chat(flat, rank)
 
 
@@ -144,6 +153,7 @@ def _usage(jobs: list[Job], hide_output: bool = False) -> dict:
 async def _handle(http: HttpRequest, chat: bool):
     ctx: ServerContext = http.app.state.ctx
     body = await read_json(http)
+    checked_fields(ctx, body, "/v1/chat/completions" if chat else "/v1/completions")
     echo = not chat and field(body, "echo", bool, False)
     rank = pinned_rank(body, http)
     params = _params(ctx, body, None if chat else 16, echo)

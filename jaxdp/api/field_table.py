@@ -1,0 +1,291 @@
+"""The one table of request fields: per endpoint, every field a client may send, what it accepts, and whether
+jaxdp honours it (and the test that shows it), accepts it without effect (and why it has none), or refuses it
+unless its value is neutral (and what neutral value to send).
+
+The parsers check every body against it (`jaxdp.api.fields.check_fields`): a refused field with a value that
+would change the output is a 400 naming the field. docs/api.md carries `markdown()` of it, and
+tests/test_request_fields.py walks the openai client's request types and SGLang's sampling parameters against
+it. The fields listed come from OpenAI's request schemas (the installed `openai` package), SGLang's /generate
+and sampling parameters (its documentation) and the extras vLLM and SGLang accept on their OpenAI endpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+class Status(enum.Enum):
+    HONOURED = "honoured"
+    NO_EFFECT = "accepted without effect"
+    REFUSED = "refused unless neutral"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One request field. `where`: for an honoured field the test that shows it is served
+    (`tests/file.py::test_name`), for a field without effect why it has none, for a refused one the neutral
+    value(s) the refusal names ("leave it out or send ..."). A refused field may carry null, one of
+    `neutral_values`, or a value `neutral_when` accepts."""
+
+    status: Status
+    accepts: str
+    where: str
+    neutral_values: tuple[Any, ...] = ()
+    neutral_when: Callable[[Any], bool] | None = None
+
+    def is_neutral(self, value: Any) -> bool:
+        return (value is None or any(_same(value, v) for v in self.neutral_values)
+                or (self.neutral_when is not None and self.neutral_when(value)))
+
+
+def honoured(accepts: str, test: str) -> Field:
+    return Field(Status.HONOURED, accepts, test)
+
+
+def no_effect(accepts: str, why: str) -> Field:
+    return Field(Status.NO_EFFECT, accepts, why)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1 and 0 is not false."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return math.isfinite(a) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def refused(accepts: str, *neutral_values: Any, send: str | None = None,
+            neutral_when: Callable[[Any], bool] | None = None) -> Field:
+    """A field jaxdp does not serve yet: refused unless null, one of `neutral_values`, or what `neutral_when`
+    accepts. `send`: how the refusal names the neutral value (default: the neutral values as JSON)."""
+    shown = send or " or ".join(_json(v) for v in neutral_values) or "null"
+    return Field(Status.REFUSED, accepts, shown, neutral_values, neutral_when)
+
+
+def _json(value: Any) -> str:
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}": {_json(v)}' for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_json(v) for v in value) + "]"
+    return str(value)
+
+
+def _zero_bias(value: Any) -> bool:
+    return isinstance(value, dict) and all(_same(v, 0) for v in value.values())
+
+
+# ---- the tests that show a field honoured -------------------------------------------------------------------
+FIELDS_TEST = "tests/test_request_fields.py"
+OPENAI_SAMPLING = f"{FIELDS_TEST}::test_openai_sampling_fields_reach_the_sampling_params"
+NATIVE_SAMPLING = f"{FIELDS_TEST}::test_native_sampling_fields_reach_the_sampling_params"
+PINS = f"{FIELDS_TEST}::test_rank_pins_and_bootstrap_fields_are_read"
+OPENAI_COMPLETIONS = "tests/test_server.py::test_completions_with_the_openai_client"
+OPENAI_CHAT = "tests/test_server.py::test_chat_and_streaming_with_the_openai_client"
+ECHO = "tests/test_eval_endpoints.py::test_echo_returns_the_tokens_the_server_used_and_the_same_logprobs_everywhere"
+GENERATE = "tests/test_server.py::test_generate_pins_ranks_and_streams"
+TOP_LOGPROBS = "tests/test_reliability.py::test_9_top_logprobs_hold_the_real_top_k"
+ROLES = f"{FIELDS_TEST}::test_messages_carry_role_content_and_name_to_the_template"
+
+# ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
+_NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
+OPENAI_COMMON: dict[str, Field] = {
+    "model": no_effect("a string", "this server serves one model under any name (as SGLang and vLLM do)"),
+    "max_tokens": honoured("an integer from 1 to the context left by the prompt", OPENAI_SAMPLING),
+    "temperature": honoured("a number, 0 (greedy) or more", OPENAI_SAMPLING),
+    "top_p": honoured("a number in (0, 1]", OPENAI_SAMPLING),
+    "seed": honoured("an integer (n choices get seed, seed+1, ...)", OPENAI_SAMPLING),
+    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", OPENAI_SAMPLING),
+    "n": honoured("an integer from 1 to 16", OPENAI_COMPLETIONS),
+    "stream": honoured("true or false", OPENAI_COMPLETIONS),
+    "stream_options": honoured('{"include_usage": bool}; include_obfuscation is accepted without effect',
+                               OPENAI_COMPLETIONS),
+    "user": no_effect("a string", _NO_MEANING),
+    "frequency_penalty": refused("a number in [-2, 2]", 0),
+    "presence_penalty": refused("a number in [-2, 2]", 0),
+    "logit_bias": refused("an object of token id: bias", {}, send="{} (or biases of 0)", neutral_when=_zero_bias),
+    # SGLang's extras on its OpenAI endpoints, served here too
+    "top_k": honoured("-1 (all tokens) or an integer from 1", OPENAI_SAMPLING),
+    "min_p": honoured("a number in [0, 1]", OPENAI_SAMPLING),
+    "ignore_eos": honoured("true or false", OPENAI_SAMPLING),
+    "stop_token_ids": honoured("up to 256 token ids", OPENAI_SAMPLING),
+    "routed_dp_rank": honoured("an integer DP rank of this server", PINS),
+    "data_parallel_rank": honoured("an integer DP rank (deprecated name of routed_dp_rank; logged once)", PINS),
+    "bootstrap_host": honoured("a host name, under prefill/decode disaggregation (SGLang's router adds it)", PINS),
+    "bootstrap_port": honoured("a port, under prefill/decode disaggregation", PINS),
+    "bootstrap_room": honoured("an integer room, under prefill/decode disaggregation", PINS),
+    "disagg_prefill_dp_rank": honoured("the prefill server's DP rank, under disaggregation", PINS),
+    "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO),
+    # what vLLM and SGLang accept on their OpenAI endpoints and jaxdp does not serve yet
+    "repetition_penalty": refused("a number in (0, 2]", 1),
+    "min_tokens": refused("an integer", 0),
+    "skip_special_tokens": refused("true or false", True),
+    "spaces_between_special_tokens": refused("true or false", True),
+    "include_stop_str_in_output": refused("true or false", False),
+    "no_stop_trim": refused("true or false", False),
+    "regex": refused("a regular expression (SGLang's constrained decoding)"),
+    "ebnf": refused("a grammar (SGLang's constrained decoding)"),
+    "json_schema": refused("a JSON schema (SGLang's constrained decoding)"),
+    "structural_tag": refused("a structural tag (SGLang's constrained decoding)"),
+    "guided_json": refused("vLLM's guided decoding"),
+    "guided_regex": refused("vLLM's guided decoding"),
+    "guided_choice": refused("vLLM's guided decoding"),
+    "guided_grammar": refused("vLLM's guided decoding"),
+    "structured_outputs": refused("vLLM's structured outputs"),
+    "response_format": refused('{"type": "text" | "json_object" | "json_schema", ...}', {"type": "text"}),
+    "allowed_token_ids": refused("a list of token ids"),
+    "bad_words": refused("a list of strings", []),
+    "truncate_prompt_tokens": refused("an integer"),
+    "use_beam_search": refused("true or false", False),
+    "length_penalty": refused("a number", 1),
+    "lora_path": refused("a LoRA adapter"),
+    "return_hidden_states": refused("true or false", False),
+}
+
+COMPLETIONS: dict[str, Field] = OPENAI_COMMON | {
+    "prompt": honoured("a string, a list of strings, token ids, or a list of token id lists", OPENAI_COMPLETIONS),
+    "echo": honoured("true or false (not with stream)", ECHO),
+    "logprobs": honoured("an integer from 0 to 5, alternatives per token", ECHO),
+    "best_of": refused("an integer", 1),
+    "suffix": refused("a string", ""),
+}
+
+CHAT: dict[str, Field] = OPENAI_COMMON | {
+    "messages": honoured("a list of {role, content, name}; see MESSAGE", OPENAI_CHAT),
+    "max_completion_tokens": honoured("as max_tokens (read when max_tokens is absent)", OPENAI_SAMPLING),
+    "logprobs": honoured("true or false", TOP_LOGPROBS),
+    "top_logprobs": honoured("an integer from 0 to 20, with logprobs: true", TOP_LOGPROBS),
+    "metadata": no_effect("an object", _NO_MEANING),
+    "store": no_effect("true or false", "this server stores no completions"),
+    "service_tier": no_effect("a string", "this server has one tier"),
+    "safety_identifier": no_effect("a string", _NO_MEANING),
+    "prompt_cache_key": no_effect("a string", "the prefix cache finds shared prefixes by their tokens"),
+    "prompt_cache_retention": no_effect("a string", "the prefix cache keeps pages while there is room"),
+    "prompt_cache_options": no_effect("an object", "the prefix cache finds shared prefixes by their tokens"),
+    "prediction": no_effect("predicted output content", "a latency hint: the answer is the same without it"),
+    "parallel_tool_calls": no_effect("true or false", "means something only with tools, which are refused"),
+    "tools": refused("a list of tool definitions", []),
+    "tool_choice": refused('"none", "auto", "required" or a named tool', "none", "auto"),
+    "functions": refused("a list of function definitions (deprecated tools)", []),
+    "function_call": refused('"none", "auto" or a named function (deprecated tool_choice)', "none", "auto"),
+    "audio": refused("audio output parameters"),
+    "modalities": refused('a list of "text" and "audio"', ["text"]),
+    "reasoning_effort": refused("a reasoning effort"),
+    "verbosity": refused('"low", "medium" or "high"'),
+    "web_search_options": refused("web search options"),
+    "moderation": refused("a moderation model and policy"),
+    # vLLM's and SGLang's chat extras
+    "echo": refused("true or false (vLLM: the last message first)", False),
+    "add_generation_prompt": refused("true or false", True),
+    "continue_final_message": refused("true or false", False),
+    "chat_template": refused("a jinja2 template"),
+    "chat_template_kwargs": refused("an object", {}),
+}
+
+# One message of a chat's messages. The role is the chat template's to judge; tool and function roles are refused.
+MESSAGE: dict[str, Field] = {
+    "role": honoured('"system", "developer", "user" or "assistant" (what the chat template takes)', ROLES),
+    "content": honoured("a string or a list of text parts", ROLES),
+    "name": honoured("a string, handed to the chat template with the message", ROLES),
+    "tool_calls": refused("the assistant's tool calls", []),
+    "tool_call_id": refused("the tool call a tool message answers"),
+    "function_call": refused("the assistant's function call (deprecated tool_calls)"),
+    "refusal": refused("the assistant's refusal text"),
+    "audio": refused("a previous audio answer"),
+}
+REFUSED_ROLES = ("tool", "function")
+
+GENERATE: dict[str, Field] = {
+    "text": honoured("a string or a list of 1 to 256 strings", GENERATE),
+    "input_ids": honoured("token ids or a list of token id lists", GENERATE),
+    "sampling_params": honoured("an object (see SAMPLING_PARAMS), or one per prompt", GENERATE),
+    "stream": honoured("true or false", GENERATE),
+    "rid": honoured("a string of 1 to 256 characters, or one per prompt",
+                    "tests/test_reliability.py::test_9_abort_request_by_rid_and_all"),
+    "return_logprob": honoured("true or false", GENERATE),
+    "logprob_start_len": honoured("-1 (no prompt logprobs) or a prompt position", ECHO),
+    "top_logprobs_num": honoured("an integer from 0 to 20", ECHO),
+    "token_ids_logprob": honoured("a list of token ids", ECHO),
+    "return_text_in_logprobs": no_effect("true or false", "the logprob triples always carry the token's text"),
+    "routed_dp_rank": OPENAI_COMMON["routed_dp_rank"],
+    "data_parallel_rank": OPENAI_COMMON["data_parallel_rank"],
+    "bootstrap_host": OPENAI_COMMON["bootstrap_host"],
+    "bootstrap_port": OPENAI_COMMON["bootstrap_port"],
+    "bootstrap_room": OPENAI_COMMON["bootstrap_room"],
+    "disagg_prefill_dp_rank": OPENAI_COMMON["disagg_prefill_dp_rank"],
+    "input_embeds": refused("prompt embeddings"),
+    "image_data": refused("images", []),
+    "audio_data": refused("audio", []),
+    "video_data": refused("video", []),
+    "lora_path": refused("a LoRA adapter"),
+    "custom_logit_processor": refused("a serialized CustomLogitProcessor"),
+    "return_hidden_states": refused("true or false", False),
+    "return_routed_experts": refused("true or false", False),
+}
+
+SAMPLING_PARAMS: dict[str, Field] = {
+    "max_new_tokens": honoured("an integer from 1 to the context left by the prompt (default 128)", NATIVE_SAMPLING),
+    "temperature": honoured("a number, 0 (greedy) or more", NATIVE_SAMPLING),
+    "top_p": honoured("a number in (0, 1]", NATIVE_SAMPLING),
+    "top_k": honoured("-1 (all tokens) or an integer from 1", NATIVE_SAMPLING),
+    "min_p": honoured("a number in [0, 1]", NATIVE_SAMPLING),
+    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", NATIVE_SAMPLING),
+    "stop_token_ids": honoured("up to 256 token ids", NATIVE_SAMPLING),
+    "ignore_eos": honoured("true or false", NATIVE_SAMPLING),
+    "n": honoured("an integer from 1 to 16 (the first prompt's)", NATIVE_SAMPLING),
+    "skip_special_tokens": honoured("true or false (the first prompt's)", NATIVE_SAMPLING),
+    "seed": honoured("an integer (jaxdp's name; n choices get seed, seed+1, ...)", NATIVE_SAMPLING),
+    "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING),
+    "stream_interval": no_effect("an integer", "a stream sends every update; the text is the same"),
+    "stop_regex": refused("a regular expression or a list of them", []),
+    "frequency_penalty": refused("a number in [-2, 2]", 0),
+    "presence_penalty": refused("a number in [-2, 2]", 0),
+    "repetition_penalty": refused("a number in (0, 2]", 1),
+    "min_new_tokens": refused("an integer", 0),
+    "json_schema": refused("a JSON schema"),
+    "regex": refused("a regular expression"),
+    "ebnf": refused("a grammar"),
+    "structural_tag": refused("a structural tag"),
+    "spaces_between_special_tokens": refused("true or false", True),
+    "no_stop_trim": refused("true or false", False),
+    "custom_params": refused("an object for a custom logit processor", {}),
+    "logit_bias": refused("an object of token id: bias", {}, send="{} (or biases of 0)", neutral_when=_zero_bias),
+}
+
+# Per endpoint (and the objects inside one): its fields, and whether a key it does not list is refused (True) or
+# accepted with a warning in the log (False); see docs/api.md for why.
+TABLES: dict[str, tuple[dict[str, Field], bool]] = {
+    "/v1/completions": (COMPLETIONS, False),
+    "/v1/chat/completions": (CHAT, False),
+    "/generate": (GENERATE, False),
+    "sampling_params": (SAMPLING_PARAMS, True),
+    "messages[]": (MESSAGE, False),
+}
+
+
+def markdown() -> str:
+    """The table as docs/api.md shows it: one section per endpoint, one row per field."""
+    out = []
+    for name, (table, strict) in TABLES.items():
+        unknown = "refused" if strict else "accepted, with a warning in the log"
+        out += [f"### `{name}`", "", f"A field not listed here: {unknown}.", "",
+                "| field | status | accepts | honoured by / why no effect / neutral values |",
+                "| --- | --- | --- | --- |"]
+        for field_name, f in sorted(table.items()):
+            where = f"send {f.where}" if f.status is Status.REFUSED else f.where
+            out.append(f"| `{field_name}` | {f.status.value} | {f.accepts.replace('|', '/')} | "
+                       f"{where.replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
