@@ -1,21 +1,21 @@
 """`python -m jaxdp.experiments prompt-in-the-way --disaggregated` (issue 30): the decoders' tokens lost to long
 prompts on one colocated server, with the prefill delayer, and with prefill and decode on separate servers behind
-SGLang's router; the prompts' TTFT each way. Bad command lines are one error line (fast); the recorded --quick run
-passes the checks and a broken copy does not (fast); a --quick run writes its JSON, PNG and table (slow)."""
+SGLang's router; the prompts' TTFT each way. Bad command lines are one error line (fast); the experiment's code from
+its loads to its outputs, run against stand-in servers and router (tests/test_experiments.py's cost model), passes the
+checks and a broken copy does not (fast); a --quick run writes its JSON, PNG and table (slow)."""
 
 import json
 import math
 from pathlib import Path
 
 import pytest
+from test_experiments import stand_in  # noqa: F401  (the fixture)
 
 from jaxdp.disagg.router import router_python
 from jaxdp.experiments.__main__ import main
 
 NAME = "prompt-in-the-way-disaggregated"
 TESTS = ("colocated", "colocated, delayer", "disaggregated")
-RECORDED = Path(__file__).parent.parent / "docs" / "experiments"
-RECORDED_JSON = Path(__file__).parent.parent / "benchmarks" / "results" / "experiments"
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -51,13 +51,19 @@ def check_outputs(out: Path, quick: bool, json_dir: Path | None = None) -> None:
     assert "| quantity | article" in table and table.count("\n|") >= 4 and "nan" not in table.lower()
 
 
-def test_the_recorded_run_passes_the_checks_and_a_broken_copy_does_not():
-    """docs/experiments/ holds one --quick run (docs/experiments.md quotes it)."""
-    check_outputs(RECORDED, quick=True, json_dir=RECORDED_JSON)
-    broken = json.loads((RECORDED_JSON / f"{NAME}.json").read_text())
-    broken["tests"]["disaggregated"]["prompts_done"] = 0  # a prompt whose KV never came
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_the_outputs_pass_the_checks_and_a_broken_copy_does_not(quick, stand_in):  # noqa: F811
+    """The three servers' measurements summarized, plotted and tabled (what docs/experiments/ holds): the checks
+    hold, the decode server apart loses fewer tokens than the colocated one in the stand-in's cost model, and a
+    prompt whose KV never came fails the checks."""
+    out = stand_in(NAME, quick, disaggregated=True)
+    check_outputs(out, quick=quick, json_dir=out / "json")
+    result = json.loads((out / "json" / f"{NAME}.json").read_text())
+    lost = result["decode_tokens_lost_pct"]
+    assert lost["disaggregated"] < lost["colocated, delayer"] < lost["colocated"]
+    result["tests"]["disaggregated"]["prompts_done"] = 0  # a prompt whose KV never came
     with pytest.raises(AssertionError):
-        check(broken)
+        check(result)
 
 
 @pytest.mark.slow
