@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.bench.launch import free_port
 from jaxdp.disagg.bootstrap import BootstrapClient
 from jaxdp.disagg.handoff import DecodeSide, HandoffError
 from jaxdp.disagg.kv import KVFormat
 from jaxdp.disagg.transfer import TRANSPORTS, JaxTransport, TransferError, advertised, make_transport
+from jaxdp.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -49,7 +49,8 @@ def mesh():
                          devices=jax.devices()[4:8])
 
 
-NIXL = pytest.mark.skipif("nixl" not in TRANSPORTS, reason="NIXL is not installed (pip install nixl-cu12)")
+NIXL = pytest.mark.skipif("nixl" not in TRANSPORTS, reason="NIXL is not installed: the test extra's nixl-cu12 "
+                          "(pip install -e '.[test]') runs this on the CPU")
 
 
 @pytest.mark.parametrize("page_size, backend", [(4, "jax"), (32, "jax"), pytest.param(4, "nixl", marks=NIXL)],

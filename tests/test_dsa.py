@@ -30,8 +30,8 @@ PROMPTS = [[5, 7, 9, 11, 3, 2, 8, 60, 61, 17, 4], [1, 2, 3],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 DECODE_STEPS = 8
 # V3.2 differs from GLM-5 only in the indexer's rope and in having no shared layers: the one-device test
-# shows both; the layouts, the kernel and the no-cache path run on GLM-5 only (CI time)
-V32_ONCE = "DeepSeek-V3.2 runs the GLM-5 code paths; the one-device test covers what differs"
+# shows both; the layouts, the kernel and the no-cache path run on GLM-5 only (CI time), not as skipped V3.2 cases
+GLM_ONLY = pytest.mark.parametrize("checkpoint", ["glm"], indirect=True)
 
 
 def make_dsa_model(path, kind: str):
@@ -108,26 +108,24 @@ def test_prompt_and_decode_match_transformers_on_one_device(checkpoint):
     check_against_transformers(out, hf, PROMPTS)
 
 
+@GLM_ONLY
 @pytest.mark.parametrize("spec", ["dp=8", pytest.param("tp=8", marks=pytest.mark.slow),
                                   pytest.param("dp=8,moe=ep", marks=pytest.mark.slow)])
 def test_layouts_match_transformers(checkpoint, spec):
     """dp=8 runs in CI; tp=8 and dp=8,moe=ep (-m slow) add nothing the sparse paths do differently: the
     indexer is whole on every device of a group, so tp only splits MLA's heads, and ep only the MoE."""
-    kind, hf, _, model = checkpoint
-    if kind == "v32":
-        pytest.skip(V32_ONCE)
+    _, hf, _, model = checkpoint
     dp = parse_mesh_spec(spec).dp
     out = run(model, spec, [(3 * i) % dp for i in range(len(PROMPTS))])
     check_against_transformers(out, hf, PROMPTS)
 
 
+@GLM_ONLY
 def test_pallas_sparse_decode_kernel_in_the_model_matches_transformers(checkpoint):
     """--attention-backend pallas (interpret mode on the CPU): the sparse decode kernel inside the step."""
-    from jaxdp.backends import decode_kernel
+    from jaxdp.ops.attention import decode_kernels as decode_kernel
 
-    kind, hf, _, model = checkpoint
-    if kind == "v32":
-        pytest.skip(V32_ONCE)
+    _, hf, _, model = checkpoint
     out = run(model, "dp=2", [0, 1, 1, 0], decode_kernel=decode_kernel("pallas"))
     check_against_transformers(out, hf, PROMPTS)
 
@@ -148,14 +146,13 @@ def test_fp8_index_keys_pack_to_sglangs_size_and_round_trip(dim):
     assert 0 < np.abs(back - k).max()  # quantized, not stored as is
 
 
+@GLM_ONLY
 def test_fp8_index_keys_in_the_pool_keep_most_selections(checkpoint):
     """index_key_dtype="fp8": the pool holds packed keys (e4m3 + a scale per 128). Quantizing moves a
     selection only where two scores nearly tie, which in this tiny random model changes a prompt's logits
     a lot: here two of the three prompts longer than index_topk keep transformers' logits within 1e-3 (a
     wrong packing would move all three)."""
-    kind, hf, _, model = checkpoint
-    if kind == "v32":
-        pytest.skip(V32_ONCE)
+    _, hf, _, model = checkpoint
     out = run(model, "dp=1", [0] * len(PROMPTS), index_key_dtype="fp8")
     exact = []
     for i, prompt in enumerate(PROMPTS):
@@ -169,14 +166,13 @@ def test_fp8_index_keys_in_the_pool_keep_most_selections(checkpoint):
     assert sum(exact) == 2, exact
 
 
+@GLM_ONLY
 def test_training_forward_without_cache_matches_transformers(checkpoint):
     """No cache (training): the indexer selects among the step's own rows of each sequence."""
     from jaxdp.model.mla import AttnBatch
     from jaxdp.parallel.local import LocalComm
 
-    kind, hf, _, model = checkpoint
-    if kind == "v32":
-        pytest.skip(V32_ONCE)
+    _, hf, _, model = checkpoint
     tokens = PROMPTS[0] + PROMPTS[2]
     seq = [0] * len(PROMPTS[0]) + [1] * len(PROMPTS[2])
     pos = list(range(len(PROMPTS[0]))) + list(range(len(PROMPTS[2])))
@@ -241,14 +237,13 @@ def test_fp8_index_keys_through_the_construction_path_and_the_pool_size():
     assert plain.pool_bytes_per_token - packed.pool_bytes_per_token == saved
 
 
+@GLM_ONLY
 def test_prompt_rows_in_blocks_match_transformers(checkpoint, monkeypatch):
     """The prompt path's indexer in blocks of 3 rows (a long prompt over a long context; the step's rows
     are not a multiple of 3, so the last block is padded) selects as transformers does."""
     from jaxdp.model import indexer
 
-    kind, hf, _, model = checkpoint
-    if kind == "v32":
-        pytest.skip(V32_ONCE)
+    _, hf, _, model = checkpoint
     monkeypatch.setattr(indexer, "query_block", lambda T, C, E, I: 3)
     out = run(model, "dp=1", [0] * len(PROMPTS))
     check_against_transformers(out, hf, PROMPTS)

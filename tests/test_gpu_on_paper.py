@@ -20,8 +20,8 @@ from jaxdp.planner.capacity import main
 from jaxdp.planner.xla_target import plugin_installed
 
 needs_plugin = pytest.mark.skipif(
-    not plugin_installed(), reason="XLA:GPU needs jax-cuda12-plugin and jax-cuda12-pjrt at JAX's version "
-    "(pip install -e '.[xla-gpu]'); not installed")
+    not plugin_installed(), reason="XLA:GPU's CUDA plugin is not on this process's path: CI runs these through "
+    "tests/test_xla_gpu.py (the xla-gpu extra installed apart); here: pip install -e '.[xla-gpu]'")
 
 SMALL = {"model_type": "deepseek_v3", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048,
          "moe_intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 16,
@@ -157,7 +157,7 @@ def test_the_checks_fail_on_the_xla_expert_path():
     import jax
     import jax.numpy as jnp
 
-    from jaxdp.model.moe import _nvfp4_matmul_xla
+    from jaxdp.ops.experts import nvfp4_matmul_xla as _nvfp4_matmul_xla
     from jaxdp.planner.hlo_checks import check_experts, check_fp8_weights, parse
     from jaxdp.planner.xla_target import compile_for_gpu
 

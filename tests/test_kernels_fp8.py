@@ -20,8 +20,9 @@ from jaxdp.planner.xla_target import plugin_installed
 from kernels_pallas import fp8_gemm
 from kernels_pallas.fp8_gemm import block_columns, fp8_grouped_matmul, fp8_matmul
 
-needs_plugin = pytest.mark.skipif(not plugin_installed(), reason="compiling for a simulated GPU needs jax-cuda12-"
-                                  "plugin and jax-cuda12-pjrt at JAX's version (pip install -e '.[xla-gpu]')")
+needs_plugin = pytest.mark.skipif(
+    not plugin_installed(), reason="XLA:GPU's CUDA plugin is not on this process's path: CI runs these through "
+    "tests/test_xla_gpu.py (the xla-gpu extra installed apart); here: pip install -e '.[xla-gpu]'")
 
 
 def quantized(rng, shape, name=None):

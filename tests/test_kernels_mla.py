@@ -23,8 +23,9 @@ needs_kernel_backend = pytest.mark.skipif(
     reason="JAXDP_PALLAS_INTERPRET=0 needs a GPU backend",
 )
 
-needs_plugin = pytest.mark.skipif(not plugin_installed(), reason="compiling for a simulated GPU needs jax-cuda12-"
-                                  "plugin and jax-cuda12-pjrt at JAX's version (pip install -e '.[xla-gpu]')")
+needs_plugin = pytest.mark.skipif(
+    not plugin_installed(), reason="XLA:GPU's CUDA plugin is not on this process's path: CI runs these through "
+    "tests/test_xla_gpu.py (the xla-gpu extra installed apart); here: pip install -e '.[xla-gpu]'")
 
 C, R = 32, 16  # latent and rope widths: small powers of two (512 and 64 in real models)
 

@@ -226,8 +226,9 @@ def test_grouped_matmul_rejects_mismatched_operands(experts):
         nvfp4_grouped_matmul(jnp.ones((4, K)), *experts, jnp.array([4, 0, 0, 0], jnp.int32), block_m=12)
 
 
-@pytest.mark.skipif(not plugin_installed(), reason="compiling for a simulated GPU needs jax-cuda12-plugin and "
-                    "jax-cuda12-pjrt at JAX's version (pip install -e '.[xla-gpu]')")
+@pytest.mark.skipif(
+    not plugin_installed(), reason="XLA:GPU's CUDA plugin is not on this process's path: CI runs these through "
+    "tests/test_xla_gpu.py (the xla-gpu extra installed apart); here: pip install -e '.[xla-gpu]'")
 def test_grouped_matmul_compiles_for_a_simulated_h200():
     """Compiled (not only lowered) by XLA:GPU for an H200 without a GPU, interpret left to the kernel: the
     platform compiled for picks Triton; grid = (row tiles of 16 + one per expert, N / 64)."""

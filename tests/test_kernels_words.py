@@ -24,7 +24,8 @@ INTERPRET = True if _ENV == "" else _ENV != "0"
 pytestmark = pytest.mark.skipif(not INTERPRET and jax.default_backend() == "cpu",
                                 reason="JAXDP_PALLAS_INTERPRET=0 needs a GPU backend")
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu" or INTERPRET,
-                            reason="2-4 GiB operands through the compiled kernels: a GPU with JAXDP_PALLAS_INTERPRET=0")
+                            reason="2-4 GiB operands through the kernels compiled by Triton: run on an NVIDIA GPU "
+                                   "machine by benchmarks/gpu_session.sh (one H200, docs/h200.md)")
 
 
 def quantized(rng, shape, blocks=None):
