@@ -140,8 +140,8 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.backends import MOE_RUNNER_BACKENDS
     from jaxdp.layout import add_layout_args
+    from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.one_batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny",
@@ -158,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention-backend", choices=["xla", "pallas"],
-                    help="MLA decode: Pallas kernel or the XLA path (default: pallas on a GPU, xla on a CPU)")
+    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                    help="MLA decode: Pallas kernel, jaxdp's native CPU kernel or the XLA path (default: pallas on "
+                         "a GPU, native on a CPU where it is built, else xla)")
     ap.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS,
-                    help="routed experts: xla (lax.ragged_dot), blocked (jaxdp.model.grouped, not expanded per "
+                    help="routed experts: xla (lax.ragged_dot), blocked (jaxdp.ops.grouped, not expanded per "
                          "expert), pallas (NVFP4's grouped GEMM, blocked for bf16 and FP8 experts) or auto (few rows "
                          "gather their chosen experts, many run blocked) (default: pallas on a GPU, auto on a CPU; "
                          "pallas on a CPU runs in interpret mode)")
@@ -179,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
-    from jaxdp.backends import keep_freed_host_memory, moe_runner_backend
     from jaxdp.engine.setup import build_runners
     from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
     from jaxdp.model.checkpoint import CheckpointError
     from jaxdp.model.loader import model_config
+    from jaxdp.ops.platform import keep_freed_host_memory
+    from jaxdp.ops.registry import moe_runner_backend
 
     try:
         layout = layout_from_args(args)

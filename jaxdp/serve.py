@@ -43,9 +43,9 @@ log = logging.getLogger("jaxdp.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.backends import MOE_RUNNER_BACKENDS
     from jaxdp.engine.sched.controller import METHODS
     from jaxdp.layout import add_layout_args
+    from jaxdp.ops.registry import ATTENTION_BACKENDS, FP8_GEMM_BACKENDS, MOE_RUNNER_BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
@@ -62,13 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-length", type=int, default=None, metavar="N",
                    help="longest prompt + output (default: the model's)")
     g.add_argument("--random-seed", type=int, default=0, metavar="N", help="weights of a preset, and unseeded sampling")
-    g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
-                   help="MLA decode: Pallas kernel or XLA (default: pallas on a GPU, xla on a CPU)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="MLA decode: Pallas kernel, jaxdp's native CPU kernel or XLA (default: pallas on a GPU, "
+                        "native on a CPU where it is built, else xla; docs/kernels.md)")
     g.add_argument("--moe-runner-backend", choices=MOE_RUNNER_BACKENDS, default=None,
                    help="routed experts' grouped matmul: xla (lax.ragged_dot, which XLA expands per expert), "
                         "blocked (by blocks of rows, not expanded) or pallas (NVFP4's kernel, blocked for bf16 and "
                         "FP8 experts) or auto (few rows gather their chosen experts, many run blocked) "
-                        "(default: pallas on a GPU, auto on a CPU)")
+                        "or native (jaxdp's CPU kernels) (default: pallas on a GPU, auto on a CPU)")
+    g.add_argument("--fp8-gemm-backend", choices=FP8_GEMM_BACKENDS, default=None,
+                   help="the layers' projection GEMMs (block-FP8 or plain weights read in place): pallas, native "
+                        "(jaxdp's CPU kernels) or xla (the layer dequantized, then XLA's dot) (default: pallas on a "
+                        "GPU, native on a CPU, each where the shape fits, else xla; docs/kernels.md)")
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             from jaxdp.engine.setup import enable_compilation_cache
 
             enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
-            from jaxdp.backends import keep_freed_host_memory
+            from jaxdp.ops.platform import keep_freed_host_memory
 
             keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
             layout = layout_from_args(args, num_devices=len(jax.devices()))

@@ -143,14 +143,14 @@ class ServeConfig:
 
 def serve_config(args, layout) -> ServeConfig:
     """The flags as a ServeConfig (a UserError names a flag to change). After `resolve_model`: the model's path."""
-    from jaxdp.backends import default_dtype
     from jaxdp.engine.options import ModelOptions
+    from jaxdp.ops.platform import default_dtype
 
     engine = engine_config(args)
     model = ModelOptions(args.model_path, args.dtype if args.dtype != "auto" else default_dtype(), args.random_seed,
                          args.quantization, args.attention_backend, args.moe_runner_backend,
                          None if args.index_key_dtype == "auto" else args.index_key_dtype,
-                         draft=engine.speculative is not None)
+                         draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend)
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it
         from jaxdp.engine.step.spec import check_speculative
         from jaxdp.model.loader import check_mtp_checkpoint, default_model_path

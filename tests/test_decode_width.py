@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.model.mla import decode_widths, gather_context, mla_decode_xla
 from jaxdp.model.mla_prompt import attend_latents
+from jaxdp.ops.attention import decode_widths, gather_context, mla_decode_xla
 
 B, H, L, R, S, N = 3, 4, 16, 8, 4, 64  # 64 pages of 4 tokens: widths 16, 32, 64 pages
 KW = dict(softmax_scale=0.3, kv_lora_rank=L)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxdp.layout import parse_mesh_spec
-from jaxdp.model.grouped import block_rows, grouped_matmul
 from jaxdp.model.loader import load_model
 from jaxdp.one_batch import run_prompts
+from jaxdp.ops.grouped import block_rows, grouped_matmul
 from jaxdp.parallel.step import StepRunner
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 500]]

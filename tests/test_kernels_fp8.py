@@ -15,6 +15,7 @@ from jaxdp.model.layers import dot
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.quant import with_moe_runner_backend
 from jaxdp.model.stacked import InStack
+from jaxdp.ops.gemm import einsum, projection
 from jaxdp.parallel.local import LocalComm
 from jaxdp.planner.xla_target import plugin_installed
 from kernels_pallas import fp8_gemm
@@ -115,9 +116,9 @@ def test_stacked_fp8_dot_is_the_dense_product(eq, shape, name):
     lead = {"td,dkf->tkf": (9, 256), "thv,hvd->td": (9,) + shape[:2], "tq,qhk->thk": (9, 128)}[eq]
     x = jnp.asarray(rng.standard_normal(lead), jnp.float32)
     want = jnp.einsum(eq, x, dequantized(q[1], s[1]), precision=jax.lax.Precision.HIGHEST)
-    for kernel in (True, None):
+    for backend in ("pallas", None):
         with jax.default_matmul_precision("highest"):  # float32 dots on a GPU: IEEE, not TF32 (the default)
-            got = w.dot(eq, x, dot, kernel=kernel)
+            got = projection(eq, x, w, dot, backend=backend)
         assert got.shape == want.shape and got.dtype == x.dtype
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
     view = w[..., :5]  # a view of some columns, read as an array: those columns of the layer
@@ -179,13 +180,14 @@ def test_mla_kv_b_products_read_the_stack_in_place(eq, first):
     x_shape = {"bhn,lhn->bhl": (5, 4, 128), "tl,lhy->thy": (5, 128)}.get(eq, (5, 4, 128))
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     want = np.einsum(eq, dense, np.asarray(x)) if first else np.einsum(eq, np.asarray(x), dense)
-    for kernel in (True, None):
+    for backend in ("pallas", None):
         if first:
             xs, ws = eq.split("->")[0].split(",")[::-1]
-            got = w.dot(f"{xs},{ws}->{eq.split('->')[1]}", x, lambda _, x, w: weight_first(eq, w, x), kernel=kernel)
+            got = projection(f"{xs},{ws}->{eq.split('->')[1]}", x, w, lambda _, x, w: weight_first(eq, w, x),
+                             backend=backend)
         else:
-            got = fp8.einsum(eq, x, w, preferred_element_type=jnp.float32) if kernel is None else w.dot(
-                eq, x, dot, kernel=True)
+            got = einsum(eq, x, w, preferred_element_type=jnp.float32) if backend is None else projection(
+                eq, x, w, dot, backend="pallas")
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
     if first:
         np.testing.assert_allclose(weight_first(eq, w, x), want, rtol=1e-4, atol=1e-3)

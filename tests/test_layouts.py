@@ -140,7 +140,7 @@ def test_step_reports_its_accounting_and_the_experts_compute_only_needed_rows(mo
 
 def test_pallas_decode_kernel_in_the_model_matches_the_xla_path(model):
     """--attention-backend pallas (interpret mode on the CPU) inside the sharded step, dp=8."""
-    from jaxdp.backends import decode_kernel
+    from jaxdp.ops.attention import decode_kernels as decode_kernel
 
     cfg, m = model
     lay = parse_mesh_spec("dp=8")

@@ -10,8 +10,8 @@ from flax import nnx
 from jaxdp.config import PRESETS
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.decoder import DeepseekV3
-from jaxdp.model.moe import gathered_experts, gathers, routed_experts
 from jaxdp.one_batch import run_prompts
+from jaxdp.ops.experts import gathered_experts, gathers, routed_experts
 from jaxdp.parallel.step import StepRunner
 
 

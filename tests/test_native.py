@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxdp import native
-from jaxdp.model.fp8 import StackedWeight, einsum
 from jaxdp.model.layers import dot
+from jaxdp.ops.gemm import einsum
+from jaxdp.ops.stacked import StackedWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler: the native kernels are not built")
 
@@ -137,7 +138,8 @@ def test_mla_decode_equals_the_xla_decode(cache_dtype):
     """The native absorbed decode reads each row's entries through its page table and equals `mla_decode_xla`
     (rows of every length: within a page, across pages, none); entries past a row's length hold NaN and are
     never read."""
-    from jaxdp.model.mla import mla_decode_portable, mla_decode_xla
+    from jaxdp.ops.attention import mla_decode_native as mla_decode_portable
+    from jaxdp.ops.attention import mla_decode_xla
 
     rng = np.random.default_rng(3)
     B, H, Lk, R, P, S, N = 5, 3, 64, 16, 16, 4, 3

@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     if TRACE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts, below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from jaxdp.backends import keep_freed_host_memory
     from jaxdp.bench.peer_model import ensure_checkpoint
     from jaxdp.bench.roofline import machine, step_floor
     from jaxdp.engine.setup import build_runners
     from jaxdp.layout import parse_mesh_spec
+    from jaxdp.ops.platform import keep_freed_host_memory
 
     keep_freed_host_memory()
     path = args.model_path or str(ensure_checkpoint())

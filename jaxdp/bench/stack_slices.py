@@ -9,7 +9,7 @@ slice fuses into a gather or an elementwise fusion. This measures, on toys of th
 
 - dense weights (three products a layer, [1024, 2048], [2048, 1024], [1024, 1024]): `lax.scan` over the stacks
   (the model's form), the same scan unrolled (static slices), and per-layer arrays (no slice at all);
-- the blocked routed experts (32 experts of width 256, top-4, `jaxdp.model.grouped.grouped_matmul`): the layer's
+- the blocked routed experts (32 experts of width 256, top-4, `jaxdp.ops.grouped.grouped_matmul`): the layer's
   experts sliced out of the stack by the scan, then each block's expert out of that copy (the form before), and
   each block slicing its expert out of the whole stack (`grouped_matmul(layer=...)`, the form now).
 
@@ -56,7 +56,7 @@ def dense_variants() -> dict:
 
 
 def expert_variants() -> dict:
-    from jaxdp.model.grouped import grouped_matmul
+    from jaxdp.ops.grouped import grouped_matmul
 
     def moe(x, e_LTK, w1, w2, in_place: bool):
         def body(x, xs):
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
-    from jaxdp.backends import keep_freed_host_memory
     from jaxdp.bench.roofline import machine
+    from jaxdp.ops.platform import keep_freed_host_memory
 
     keep_freed_host_memory()
     bw = machine().read_bytes_per_s

@@ -19,12 +19,13 @@ class ModelOptions:
     dtype: str = "float32"
     seed: int = 0  # a preset's random weights
     quantization: str | None = None  # "nvfp4" | "fp8" (a quantized checkpoint says so itself)
-    attention_backend: str | None = None  # MLA decode: "xla" | "pallas" (None: the platform's default)
-    moe_backend: str | None = None  # one of jaxdp.backends.MOE_RUNNER_BACKENDS (None: the platform's default)
+    attention_backend: str | None = None  # MLA decode: one of jaxdp.ops.registry.ATTENTION_BACKENDS (None: the default)
+    moe_backend: str | None = None  # one of jaxdp.ops.registry.MOE_RUNNER_BACKENDS (None: the platform's default)
     index_key_dtype: str | None = None  # DSA models: None (the cache's dtype) or "fp8"
     num_layers: int | None = None  # fewer layers than the checkpoint's (experiments)
     tiny_width: bool = False  # the model's layers at a tiny width (experiments)
     draft: bool = False  # also build the checkpoint's MTP layer (speculative decoding's draft model)
+    fp8_gemm_backend: str | None = None  # the projection GEMM: one of jaxdp.ops.registry.FP8_GEMM_BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,22 +116,24 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     in its final sharding on the first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each
     further replica's mesh, one StepRunner per mesh, each with a pool of `num_pages` pages of `page_size` tokens
     per rank. Logs what the weights take per device, by dtype."""
-    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.model.loader import build_model
     from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
+    from jaxdp.ops.attention import decode_kernels
+    from jaxdp.ops.registry import fp8_gemm_backend, moe_runner_backend
     from jaxdp.parallel.step import StepOptions
 
     o = model_options(model, **options)
+    gemm = fp8_gemm_backend(o.fp8_gemm_backend)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
-                        num_layers=o.num_layers, tiny_width=o.tiny_width)
+                        num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
     draft = None
     if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are
         from jaxdp.model.loader import build_mtp
 
         draft = build_mtp(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
-                          num_layers=o.num_layers, tiny_width=o.tiny_width)
-    step = StepOptions(decode_kernel=decode_kernel(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
+                          num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
+    step = StepOptions(decode_kernel=decode_kernels(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
                        index_key_dtype=o.index_key_dtype)
     runners = []
     for i, mesh in enumerate(meshes):

@@ -26,8 +26,9 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import einsum, weight
+from jaxdp.model.fp8 import weight
 from jaxdp.model.layers import apply_rope, init_normal, param
+from jaxdp.ops.gemm import einsum
 
 NEG_INF = -1e30
 LAYERNORM_EPS = 1e-6  # transformers' indexer k_norm
@@ -44,8 +45,8 @@ class Indexer(nnx.Module):
         self.w_weights_DI = param(init_normal(rngs, (D, I), dtype, D), ("embed", "index_heads"))
 
     def params_read_in_place(self) -> tuple[str, ...]:
-        """The projections, multiplied where they lie in the layer stack (`jaxdp.model.stacked`): on a GPU by the
-        plain Pallas GEMM (`kernels_pallas.fp8_gemm.stacked_matmul`), on a CPU as before."""
+        """The projections, multiplied where they lie in the layer stack (`jaxdp.model.stacked`) by the projection
+        GEMM (`jaxdp.ops.gemm`: on a GPU the plain Pallas GEMM, on a CPU as before)."""
         return ("w_q_QIE", "w_k_DE", "w_weights_DI")
 
     def _rope(self, x_TNE: jax.Array, positions_T: jax.Array) -> jax.Array:

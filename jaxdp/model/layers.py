@@ -15,27 +15,13 @@ import numpy as np
 from flax import nnx
 
 from jaxdp.config import ModelConfig
-from jaxdp.model.fp8 import StackedWeight, weight
+from jaxdp.model.fp8 import weight
+from jaxdp.model.params import AXES, axes_of, init_normal, param
+from jaxdp.ops.gemm import projection
+from jaxdp.ops.stacked import StackedWeight
 
-AXES = "axes"  # the nnx.Param metadata field that holds a weight's logical axes
-
-
-def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
-    """A weight with its logical axes, one name per dimension of one layer's weight (a stack's layer axis is
-    added where the stack is made, `jaxdp.model.decoder._layer_stack`); the names are those the rules of
-    `jaxdp.parallel.sharding` know."""
-    if len(axes) != len(value.shape):
-        raise ValueError(f"{len(axes)} logical axes {axes} for a weight of shape {value.shape}")
-    return nnx.Param(value, **{AXES: tuple(axes)})
-
-
-def axes_of(variable: nnx.Variable) -> tuple[str, ...] | None:
-    """The logical axes a weight declared (`param`), None when it declared none."""
-    return variable.get_metadata().get(AXES)
-
-
-def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+__all__ = ["AXES", "MLP", "RMSNorm", "apply_rope", "axes_of", "dot", "init_normal", "param", "rms_norm",
+           "rope_inv_freq", "swiglu"]  # (the weights' declarations live in `jaxdp.model.params`)
 
 
 class RMSNorm(nnx.Module):
@@ -129,9 +115,10 @@ def dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     XLA:CPU multiplies bf16 at its speed (AVX512-BF16, more than float32's) only when the product accumulates in
     float32 and has at least two rows: a bf16 result, or a single row, takes a generic loop 10-20x slower. A
     one-row bf16 x is therefore padded with a zero row (a GPU does the same product either way).
-    A weight handed whole by the layer scan multiplies itself (`jaxdp.model.fp8.StackedWeight.dot`)."""
+    A weight handed whole by the layer scan is multiplied by the projection GEMM (`jaxdp.ops.gemm.projection`,
+    by the weight's backend; this product is its xla form)."""
     if isinstance(w, StackedWeight):
-        return w.dot(eq, x, dot)
+        return projection(eq, x, w, dot)
     lhs, out = eq.replace(" ", "").split("->")
     assert lhs[0] == out[0], eq
     pad = x.dtype == jnp.bfloat16 and x.shape[0] == 1

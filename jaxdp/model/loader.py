@@ -18,16 +18,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxdp.config import ModelConfig, hf_config_dict
+from jaxdp.config import PRESETS, ModelConfig, get_config, hf_config_dict, load_hf_config
 from jaxdp.layout import Layout
+from jaxdp.model import modelopt
 from jaxdp.model.checkpoint import Checkpoint
 from jaxdp.model.converted import MARKER, is_converted, load_converted
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.fp8 import dequantize_fp8_blocks, weight
 from jaxdp.model.mtp import MTPLayer, mtp_prefix
-from jaxdp.model.quant import expert_quantization, quantize_experts
+from jaxdp.model.quant import expert_quantization, quantize_experts, with_fp8_gemm_backend
 from jaxdp.model.sharded import (
     ShardedModel,
     check_mtp,
@@ -46,11 +48,22 @@ __all__ = ["build_model", "load_model", "load_checkpoint", "save_hf_checkpoint",
 
 def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
                 quantization: str | None = None, num_layers: int | None = None,
-                tiny_width: bool = False) -> ShardedModel:
+                tiny_width: bool = False, fp8_gemm_backend: str | None = None) -> ShardedModel:
     """The model for `path` (a checkpoint directory, an orbax conversion, a preset name, or None /
-    "default" for the embedded default model) with every array in its final sharding on `mesh`."""
-    from jaxdp.config import PRESETS
+    "default" for the embedded default model) with every array in its final sharding on `mesh`, its projection
+    GEMM's backend `fp8_gemm_backend` (None: the platform's default; `jaxdp.model.quant.with_fp8_gemm_backend`)."""
+    return with_gemm(_build_model(path, layout, mesh, dtype, seed, quantization, num_layers, tiny_width),
+                     fp8_gemm_backend)
 
+
+def with_gemm(model: ShardedModel, backend: str | None) -> ShardedModel:
+    """A built model (or MTP layer) with its projection GEMM's backend set (None: as it is); arrays shared."""
+    if backend is None:
+        return model
+    return ShardedModel(model.cfg, *nnx.split(with_fp8_gemm_backend(model.merge(), backend)))
+
+
+def _build_model(path, layout, mesh, dtype, seed, quantization, num_layers, tiny_width) -> ShardedModel:
     if path is None or path == "default":
         path = str(default_model_path())
     dt = jnp.dtype(dtype)
@@ -64,29 +77,25 @@ def build_model(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, see
 
 def build_mtp(path: str | None, layout: Layout, mesh, dtype="bfloat16", *, seed: int = 0,
               quantization: str | None = None, num_layers: int | None = None, tiny_width: bool = False,
-              k: int = 0) -> ShardedModel:
+              k: int = 0, fp8_gemm_backend: str | None = None) -> ShardedModel:
     """The MTP layer k of the model `build_model` builds for the same arguments, in its final sharding:
     read from a checkpoint directory (refused in one sentence when it has none), random for a preset (seeded
-    apart from the main model's weights)."""
-    from jaxdp.config import PRESETS
-
+    apart from the main model's weights), its projection GEMM's backend `fp8_gemm_backend` as `build_model`'s."""
     if path is None or path == "default":
         path = str(default_model_path())
     dt = jnp.dtype(dtype)
     if path in PRESETS:
         cfg = preset_config(path, num_layers, tiny_width)
-        return init_mtp_sharded(cfg, layout, mesh, dt, seed + 1, quantization)
+        return with_gemm(init_mtp_sharded(cfg, layout, mesh, dt, seed + 1, quantization), fp8_gemm_backend)
     if is_converted(path):
         raise ValueError(f"{path} is an orbax conversion (python -m jaxdp.quantize), which holds no MTP layer; "
                          "point --model-path at the Hugging Face checkpoint to use its MTP layer")
-    return load_mtp_sharded(path, layout, mesh, dt, quantization, k=k)
+    return with_gemm(load_mtp_sharded(path, layout, mesh, dt, quantization, k=k), fp8_gemm_backend)
 
 
 def check_mtp_checkpoint(path: str, k: int = 0) -> None:
     """Refuse, in one sentence and reading only the tensor headers, a checkpoint directory whose MTP layer k
     is missing (what a speculative-decoding flag should check before anything loads). Presets pass."""
-    from jaxdp.config import PRESETS
-
     if path in PRESETS:
         return
     with Checkpoint(path) as ck:
@@ -96,8 +105,6 @@ def check_mtp_checkpoint(path: str, k: int = 0) -> None:
 def preset_config(name: str, num_layers: int | None = None, tiny_width: bool = False) -> ModelConfig:
     """A preset's config; `num_layers` overrides its depth; `tiny_width` keeps its depth and dense/MoE
     split at the tiny model's widths (to measure how compile time grows with depth)."""
-    from jaxdp.config import PRESETS, get_config
-
     cfg = get_config(name)
     if tiny_width:
         cfg = PRESETS["tiny"].with_(num_layers=cfg.num_layers, first_k_dense_replace=cfg.first_k_dense_replace)
@@ -108,9 +115,6 @@ def preset_config(name: str, num_layers: int | None = None, tiny_width: bool = F
 
 def model_config(path: str | None, num_layers: int | None = None, tiny_width: bool = False) -> ModelConfig:
     """The config `build_model` would build `path` with (quantization aside), read without the weights."""
-    from jaxdp.config import PRESETS, load_hf_config
-    from jaxdp.model import modelopt
-
     if path is None or path == "default":
         path = str(default_model_path())
     if path in PRESETS:

@@ -12,7 +12,7 @@ Three paths:
   in `extend`; nothing is written.
 With DeepSeek sparse attention (`cfg.index_topk`, see `jaxdp.model.indexer`) each query reads only the
 tokens its layer's indexer selected: both paths gather just the selected latents through the page table
-(absorbed) (`sparse_mla_decode_xla`, or the Pallas kernel).
+(absorbed) (the sparse decode of `jaxdp.ops.attention`, by `--attention-backend`).
 Inside a shard_map the head axis of the weights is the device's slice of the heads; shapes are read
 from the arrays, never from the config.
 
@@ -30,11 +30,14 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model import mla_prompt
-from jaxdp.model.fp8 import StackedWeight, weight
-from jaxdp.model.fp8 import einsum as weight_einsum
+from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
-from jaxdp.model.mla_prompt import NEG_INF, attend_blocked, attend_dense, attend_latents, attend_selected
+from jaxdp.model.mla_prompt import attend_blocked, attend_dense, attend_selected
+from jaxdp.ops.attention import NEG_INF, gather_context, mla_decode_default, sparse_mla_decode_xla
+from jaxdp.ops.gemm import einsum as weight_einsum
+from jaxdp.ops.gemm import projection
+from jaxdp.ops.stacked import StackedWeight
 
 ONE_ROW_BLOCK = 16  # a prompt step's one-row sequences (decoders riding along) attended at once
 
@@ -289,7 +292,7 @@ class MLA(nnx.Module):
             S = kv_PSK.shape[1]
             page_BK = jnp.take_along_axis(batch.page_table_BN, sel_TK // S, axis=1)
             slots_BK, num_BK = page_BK * S + sel_TK % S, jnp.minimum(batch.seq_lens_B, sel_TK.shape[1])
-            # --attention-backend pallas brings its sparse kernel along (jaxdp.backends.DecodeKernels)
+            # --attention-backend brings its sparse kernel along (jaxdp.ops.attention.DecodeKernels)
             sparse = getattr(decode_kernel, "sparse", None) or sparse_mla_decode_xla
             o_BHL = sparse(q_latent_BHL, q_rope_THR, kv_PSK, slots_BK, num_BK, softmax_scale=cfg.softmax_scale,
                            kv_lora_rank=cfg.kv_lora_rank)
@@ -297,8 +300,8 @@ class MLA(nnx.Module):
             o_BHL = decode_kernel(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
                                   softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         else:
-            o_BHL = mla_decode_portable(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
-                                        softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
+            o_BHL = mla_decode_default(q_latent_BHL, q_rope_THR, kv_PSK, batch.page_table_BN, batch.seq_lens_B,
+                                       softmax_scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
         return weight_first("lhv,bhl->bhv", w_uv_LHV, o_BHL.astype(w_uv_LHV.dtype))
 
 
@@ -324,12 +327,12 @@ def weight_first(eq: str, w: jax.Array, x: jax.Array) -> jax.Array:
     of kv_b_proj ([L, H, N + V]) makes XLA copy the slice into a head-major layout at every step; with the
     weight first, XLA:CPU copies it keeping its minor axis (a block copy), with x first it transposes the
     latent axis to minor (8 layers of W_UV at batch 1-32: 2.5-4 ms against 14-30 ms, load 8). A weight the
-    layer scan handed whole (`StackedWeight`) multiplies itself: on a GPU the per-head Pallas GEMM reading the
-    layer in place (`kernels_pallas.fp8_gemm.fp8_head_matmul`), on a CPU this product."""
+    layer scan handed whole (`StackedWeight`) is multiplied by the projection GEMM (`jaxdp.ops.gemm`: on a GPU
+    the per-head Pallas GEMM reading the layer in place), whose xla form is this product."""
     if isinstance(w, StackedWeight):
         ws, xs_out = eq.replace(" ", "").split(",")
         xs, out = xs_out.split("->")
-        return w.dot(f"{xs},{ws}->{out}", x, lambda _, x, w: weight_first(eq, w, x))
+        return projection(f"{xs},{ws}->{out}", x, w, lambda _, x, w: weight_first(eq, w, x))
     pad = x.dtype == jnp.bfloat16 and x.shape[0] == 1  # (as `dot`: a one-row bf16 product is slow)
     xp = jnp.concatenate([x, jnp.zeros_like(x)]) if pad else x
     y = jnp.einsum(eq, w, xp, preferred_element_type=jnp.float32)
@@ -355,77 +358,3 @@ def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page
     idx = jnp.where(valid, slots_T + page_offset * S, P * S)
     flat = kv_PSK.reshape(P * S, K).at[idx].set(entry_TK.astype(kv_PSK.dtype), mode="drop")
     return flat.reshape(P, S, K)
-
-
-def gather_context(kv_PSK: jax.Array, page_table_BN: jax.Array) -> jax.Array:
-    B, N = page_table_BN.shape
-    return kv_PSK[page_table_BN].reshape(B, N * kv_PSK.shape[1], kv_PSK.shape[2])
-
-
-DECODE_WIDTH_TOKENS = 64  # the narrowest context the XLA decode reads; then x2 up to the page table's width
-
-
-def decode_widths(pages: int, page_size: int) -> list[int]:
-    """The page counts the XLA decode may read of a `pages`-wide table: DECODE_WIDTH_TOKENS worth, x2, ...,
-    and the whole table."""
-    out, n = [], -(-DECODE_WIDTH_TOKENS // page_size)
-    while n < pages:
-        out.append(n)
-        n *= 2
-    return out + [pages]
-
-
-def mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, softmax_scale,
-                   kv_lora_rank):
-    """The portable absorbed decode (and the reference for the Pallas kernel's use in the model).
-
-    It gathers and attends only the leading pages the step's longest sequence fills, rounded up to a width of
-    `decode_widths` (one branch of a switch each), not the whole page table: a table is as wide as its page
-    bucket (4,096 tokens at least, the server's whole context below that), and gathering it whole made a
-    decode step's attention grow with the maximum context instead of the step's own lengths."""
-    B, N = page_table_BN.shape
-    S = kv_PSK.shape[1]
-
-    def attend(n):
-        def run(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B):
-            kv_BCK = gather_context(kv_PSK, page_table_BN[:, :n])
-            valid_BC = jnp.arange(n * S)[None, :] < seq_lens_B[:, None]
-            return attend_latents(q_latent_BHL, q_rope_BHR, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
-        return run
-
-    widths = decode_widths(N, S)
-    args = (q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B)
-    if len(widths) == 1:
-        return attend(N)(*args)
-    pages_needed = (jnp.max(seq_lens_B) + S - 1) // S
-    branch = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < pages_needed)
-    return jax.lax.switch(branch, [attend(n) for n in widths], *args)
-
-
-def mla_decode_portable(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, softmax_scale,
-                        kv_lora_rank):
-    """The absorbed decode without a Pallas kernel: on a CPU `jaxdp.native.mla_decode` where it is built (each
-    row reads its own entries through the page table, no gathered copy, no batched products over padding),
-    elsewhere and otherwise `mla_decode_xla`."""
-    from jaxdp import native
-
-    args = (q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B)
-    kw = dict(softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank)
-    if not (kv_lora_rank % 64 == 0 and q_latent_BHL.shape[-1] == kv_lora_rank and q_rope_BHR.shape[-1] % 16 == 0
-            and native.takes(q_latent_BHL, q_rope_BHR, kv_PSK)):
-        return mla_decode_xla(*args, **kw)
-
-    def cpu(q_latent_BHL):
-        o = native.mla_decode(q_latent_BHL, *args[1:], softmax_scale=softmax_scale)
-        return o.astype(kv_PSK.dtype)
-
-    return jax.lax.platform_dependent(q_latent_BHL, cpu=cpu, default=lambda q: mla_decode_xla(q, *args[1:], **kw))
-
-
-def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
-    """Absorbed decode over the selected latents only: row b reads the cache slots slots_BK[b, :num_B[b]]
-    (flat page * page_size + offset; the rest of the row is ignored)."""
-    P, S, K = kv_PSK.shape
-    kv_BKK = kv_PSK.reshape(P * S, K)[jnp.clip(slots_BK, 0, P * S - 1)]
-    valid_BK = jnp.arange(slots_BK.shape[1])[None, :] < num_B[:, None]
-    return attend_latents(q_latent_BHL, q_rope_BHR, kv_BKK, valid_BK, softmax_scale, kv_lora_rank)

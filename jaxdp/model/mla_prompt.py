@@ -25,9 +25,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdp.model.fp8 import einsum as weight_einsum  # (w_kv_b may be a layer of its stack, read in place)
+from jaxdp.ops.attention import NEG_INF, attend_latents
+from jaxdp.ops.gemm import einsum as weight_einsum  # (w_kv_b may be a layer of its stack, read in place)
 
-NEG_INF = -1e30  # finite, so rows with an empty context stay NaN-free (their output is discarded)
+__all__ = ["NEG_INF", "attend_blocked", "attend_dense", "attend_latents", "attend_selected", "attend_split",
+           "prompt_form"]  # (NEG_INF and attend_latents: the decode's, `jaxdp.ops.attention`)
+
 ROW_BLOCK = 256  # rows scored against a key block at once
 KEY_BLOCK = 512  # context positions expanded at once (rounded to whole pages)
 ABSORBED_BLOCK = 16  # rows of a sequence with few rows, attended in the absorbed form at once
@@ -283,15 +286,3 @@ def attend_selected(q_latent_THL, q_rope_THR, kv_PSK, page_table_BN, seq_T, pos_
     blocks = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, block, *a.shape[1:]) for a in args)
     out = jax.lax.map(rows, blocks)
     return out.reshape(-1, *out.shape[2:])[:T]
-
-
-def attend_latents(q_latent_BHL, q_rope_BHR, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
-    """Absorbed attention of each row's query over its cache entries kv_BXK (the valid ones). Both products
-    take the entries whole (latent and rope, K wide; the output's rope part is dropped): slicing the latent
-    out of the gathered entries would copy them, [B, X, L], at every step."""
-    q_BHK = jnp.concatenate([q_latent_BHL, q_rope_BHR.astype(q_latent_BHL.dtype)], -1)
-    s_BHX = jnp.einsum("bhk,bxk->bhx", q_BHK, kv_BXK.astype(q_BHK.dtype), preferred_element_type=jnp.float32)
-    s_BHX = jnp.where(valid_BX[:, None, :], s_BHX * softmax_scale, NEG_INF)
-    p_BHX = jax.nn.softmax(s_BHX, axis=-1)
-    o_BHK = jnp.einsum("bhx,bxk->bhk", p_BHX.astype(kv_BXK.dtype), kv_BXK, preferred_element_type=jnp.float32)
-    return o_BHK[..., :kv_lora_rank].astype(kv_BXK.dtype)  # (XLA:CPU: bf16 fast only so)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.config import ModelConfig, UnsupportedConfigError, config_from_hf_dict
-from kernels_pallas.nvfp4 import BLOCK_K, dequantize_nvfp4
+from jaxdp.ops.nvfp4 import BLOCK_K, dequantize_nvfp4
 
 log = logging.getLogger("jaxdp.modelopt")
 

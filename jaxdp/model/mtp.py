@@ -59,9 +59,11 @@ from flax import nnx
 
 from jaxdp.config import ModelConfig
 from jaxdp.model.decoder import Comm, _layer_stack, _run_stack
+from jaxdp.model.fp8 import to_fp8
 from jaxdp.model.indexer import selection_size
 from jaxdp.model.layers import init_normal, param, rms_norm
 from jaxdp.model.mla import AttnBatch
+from jaxdp.model.quant import quantize_experts
 
 
 def mtp_layer_is_moe(cfg: ModelConfig) -> bool:
@@ -148,9 +150,6 @@ def mtp_prefix(cfg: ModelConfig, k: int = 0) -> str:
 def apply_mtp_quantization(mtp: MTPLayer, method: str | None) -> MTPLayer:
     """`jaxdp.model.quant.apply_quantization` for the MTP layer: its experts to NVFP4 when asked, its decoder
     layer's Linear weights to block FP8 when the config has an FP8 block (eh_proj stays dense, as stored)."""
-    from jaxdp.model.fp8 import to_fp8
-    from jaxdp.model.quant import quantize_experts
-
     quantize_experts(mtp, method)
     if mtp.cfg.fp8_block:
         to_fp8(mtp, mtp.cfg.fp8_block[0], mtp.enorm.get_value().dtype)

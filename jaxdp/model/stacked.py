@@ -8,39 +8,23 @@ and the kernel indexes the layer itself.
 
 Which parameters: those a module names in `params_read_in_place()` (a method of the module, which knows its
 backend and its kernels: the MoE's under `--moe-runner-backend pallas`, `jaxdp.model.moe`) and the Linear
-weights of the layers, read through `jaxdp.model.fp8.weight` (`jaxdp.model.fp8.in_place`: multiplied by a
-Pallas GEMM where the step is lowered for a GPU, by the same product as before on a CPU). Read as
-`param[...]`, an `InStack` is its layer, so every other reader is unchanged.
+weights of the layers, read through `jaxdp.model.fp8.weight` (`jaxdp.model.fp8.in_place`: multiplied by the
+projection GEMM of `jaxdp.ops.gemm`, by its backend). Read as `param[...]`, an `InStack`
+(`jaxdp.ops.stacked`) is its layer, so every other reader is unchanged.
 """
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
+from jaxdp.model.fp8 import in_place as fp8_in_place
+from jaxdp.ops.stacked import InStack
 
-class InStack:
-    """A parameter's whole stack [L, ...] and the layer the scan is at (a traced int32 scalar)."""
-
-    def __init__(self, stack: jax.Array, layer: jax.Array):
-        self.stack, self.layer = stack, layer
-
-    def __getitem__(self, key):
-        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)[key]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.stack.shape[1:])
-
-    @property
-    def dtype(self):
-        return self.stack.dtype
+__all__ = ["InStack", "params_read_in_place", "read_in_place"]  # (InStack: the ops' operand, `jaxdp.ops.stacked`)
 
 
 def params_read_in_place(module: nnx.Module) -> set[str]:
     """Names of `module`'s own parameters that its kernels read from the whole layer stack."""
-    from jaxdp.model.fp8 import in_place as fp8_in_place
-
     names = set(fp8_in_place(module))
     declared = getattr(module, "params_read_in_place", None)
     if callable(declared):

@@ -6,9 +6,9 @@ copied before the product reads it, and its one-row products read at about half 
 by its experts (rows sorted by expert) where they lie in the stack, and `head_matmul` multiplies each head's
 rows by its columns of MLA's kv_b_proj (W_UK, transposed, and W_UV) where they lie, and `mla_decode` attends
 a decode step's rows over the paged latent cache without gathering it; float32 or bf16 weights and caches,
-float32 accumulation, on the calling thread and XLA's intra-op pool. The model's products take them on a CPU
-(`jaxdp.model.fp8.StackedWeight.dot`, `jaxdp.model.moe.routed_experts`, `jaxdp.model.mla.mla_decode_portable`,
-and `dense_matmul` in `jaxdp.parallel.places.lm_head_logits`).
+float32 accumulation, on the calling thread and XLA's intra-op pool. They are the "native" backend of the ops
+that `jaxdp.ops` chooses for (`jaxdp.ops.gemm.projection`, `jaxdp.ops.experts.routed_experts`,
+`jaxdp.ops.attention.mla_decode_native`, `jaxdp.ops.gemm.lm_head_product`): the model never calls them itself.
 
 It is built once per machine into the cache (`jaxdp.cache.cache_dir() / "native"`, keyed by the source, the
 compiler, JAX's headers and the CPU's flags) with `c++ -O3 -march=native`; where no compiler is found or the

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.model.layers import rms_norm
-from jaxdp.native import dense_matmul
+from jaxdp.ops.gemm import lm_head_product
 
 ALL = ("dp", "tp")
 
@@ -142,10 +142,10 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
 def lm_head_logits(h_BD, w_DV, mode: str, dp: int, tp: int):
     """Full-vocab float32 logits of this rank's rows [B, V]."""
     if mode == "replicated":
-        return dense_matmul(h_BD, w_DV)
+        return lm_head_product(h_BD, w_DV)
     B = h_BD.shape[0]
     h_RD = jax.lax.all_gather(h_BD, "dp", axis=0, tiled=True)  # rows to the weights
-    part_RV = dense_matmul(h_RD, w_DV)
+    part_RV = lm_head_product(h_RD, w_DV)
     if mode == "split":
         full_RV = jax.lax.all_gather(part_RV, ALL, axis=1, tiled=True)
         return jax.lax.dynamic_slice_in_dim(full_RV, jax.lax.axis_index("dp") * B, B, axis=0)

@@ -82,7 +82,7 @@ class StepOptions:
     dtype; "fp8" packs each as e4m3 values plus one fp32 scale per 128 (jaxdp.model.indexer.pack_fp8_keys)."""
 
     cache_dtype: object = None  # the KV pool's dtype (None: the embedding's)
-    decode_kernel: object = None  # MLA decode (jaxdp.backends.decode_kernel)
+    decode_kernel: object = None  # MLA decode (jaxdp.ops.attention.decode_kernels)
     moe_backend: str | None = None  # one of MOE_RUNNER_BACKENDS: how the experts multiply (jaxdp.model.moe)
     token_carry: int = 1
     abstract: bool = False

@@ -22,9 +22,9 @@ from typing import Any
 
 import jax
 
-from jaxdp.backends import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.config import UnsupportedConfigError, get_config
 from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
+from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
 from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
 from jaxdp.planner.gpus import PRESETS as GPU_PRESETS

@@ -119,8 +119,9 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     import jax
     import jax.numpy as jnp
 
-    from jaxdp.backends import decode_kernel, moe_runner_backend
     from jaxdp.layout import ensure_host_devices
+    from jaxdp.ops.attention import decode_kernels
+    from jaxdp.ops.registry import moe_runner_backend
     from jaxdp.parallel.step import StepRunner
     from jaxdp.planner import xla_target
 
@@ -145,7 +146,7 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     platform = devices[0].platform
     model = abstract_sharded(cfg, layout, mesh, expert_dtype)
     draft = abstract_draft(cfg, layout, mesh, expert_dtype) if spec else None
-    kernels, moe = decode_kernel(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
+    kernels, moe = decode_kernels(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size, draft=draft,
                                    cache_dtype=jnp.bfloat16, abstract=True, moe_backend=moe, decode_kernel=kernels)
                         for n in (num_pages, 1))
@@ -182,13 +183,13 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
 
             entry["cost"] = step_cost(executable, text, shape, gpu, planned_w, kv.per_token, case.page_size)
             entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
-                                         kernels is not None)
+                                         kernels.name == "pallas")
         compiled.append(entry)
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu.memory_bytes),
             "host_devices": layout.total_devices, "backend": platform, "page_size": case.page_size,
             "num_pages_per_rank": num_pages, "target": case.target, "draft_tokens": case.draft_tokens,
             "device_kind": devices[0].device_kind, "moe_runner_backend": moe,
-            "attention_backend": "pallas" if kernels is not None else "xla",
+            "attention_backend": kernels.name,
             "target_description": xla_target.target_fields(xla_target.target_description(gpu.name)) if on_gpu
             else None}
 

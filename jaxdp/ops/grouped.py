@@ -9,7 +9,7 @@ use multiplies [block, K] by that group's [K, N]: the temporaries are the padded
 (M + E * block rows at most), and the work the rows that exist, plus under one block of padding per group.
 
 `--moe-runner-backend blocked` runs the routed experts this way (bf16 and FP8 experts, and NVFP4 ones
-dequantized per layer); `jaxdp.model.moe` picks it.
+dequantized per layer); `jaxdp.ops.experts` picks it.
 """
 
 from __future__ import annotations
