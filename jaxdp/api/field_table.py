@@ -89,45 +89,46 @@ def _zero_bias(value: Any) -> bool:
 
 # ---- the tests that show a field honoured -------------------------------------------------------------------
 FIELDS_TEST = "tests/test_request_fields.py"
-OPENAI_SAMPLING = f"{FIELDS_TEST}::test_openai_sampling_fields_reach_the_sampling_params"
-NATIVE_SAMPLING = f"{FIELDS_TEST}::test_native_sampling_fields_reach_the_sampling_params"
-PINS = f"{FIELDS_TEST}::test_rank_pins_and_bootstrap_fields_are_read"
-OPENAI_COMPLETIONS = "tests/test_server.py::test_completions_with_the_openai_client"
-OPENAI_CHAT = "tests/test_server.py::test_chat_and_streaming_with_the_openai_client"
-ECHO = "tests/test_eval_endpoints.py::test_echo_returns_the_tokens_the_server_used_and_the_same_logprobs_everywhere"
-GENERATE = "tests/test_server.py::test_generate_pins_ranks_and_streams"
-TOP_LOGPROBS = "tests/test_reliability.py::test_9_top_logprobs_hold_the_real_top_k"
-ROLES = f"{FIELDS_TEST}::test_messages_carry_role_content_and_name_to_the_template"
+OPENAI_SAMPLING_TEST = f"{FIELDS_TEST}::test_openai_sampling_fields_reach_the_sampling_params"
+NATIVE_SAMPLING_TEST = f"{FIELDS_TEST}::test_native_sampling_fields_reach_the_sampling_params"
+PINS_TEST = f"{FIELDS_TEST}::test_rank_pins_and_bootstrap_fields_are_read"
+OPENAI_COMPLETIONS_TEST = "tests/test_server.py::test_completions_with_the_openai_client"
+OPENAI_CHAT_TEST = "tests/test_server.py::test_chat_and_streaming_with_the_openai_client"
+ECHO_TEST = ("tests/test_eval_endpoints.py::"
+             "test_echo_returns_the_tokens_the_server_used_and_the_same_logprobs_everywhere")
+GENERATE_TEST = "tests/test_server.py::test_generate_pins_ranks_and_streams"
+TOP_LOGPROBS_TEST = "tests/test_reliability.py::test_9_top_logprobs_hold_the_real_top_k"
+ROLES_TEST = f"{FIELDS_TEST}::test_messages_carry_role_content_and_name_to_the_template"
 
 # ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
 _NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
 OPENAI_COMMON: dict[str, Field] = {
     "model": no_effect("a string", "this server serves one model under any name (as SGLang and vLLM do)"),
-    "max_tokens": honoured("an integer from 1 to the context left by the prompt", OPENAI_SAMPLING),
-    "temperature": honoured("a number, 0 (greedy) or more", OPENAI_SAMPLING),
-    "top_p": honoured("a number in (0, 1]", OPENAI_SAMPLING),
-    "seed": honoured("an integer (n choices get seed, seed+1, ...)", OPENAI_SAMPLING),
-    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", OPENAI_SAMPLING),
-    "n": honoured("an integer from 1 to 16", OPENAI_COMPLETIONS),
-    "stream": honoured("true or false", OPENAI_COMPLETIONS),
+    "max_tokens": honoured("an integer from 1 to the context left by the prompt", OPENAI_SAMPLING_TEST),
+    "temperature": honoured("a number, 0 (greedy) or more", OPENAI_SAMPLING_TEST),
+    "top_p": honoured("a number in (0, 1]", OPENAI_SAMPLING_TEST),
+    "seed": honoured("an integer (n choices get seed, seed+1, ...)", OPENAI_SAMPLING_TEST),
+    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", OPENAI_SAMPLING_TEST),
+    "n": honoured("an integer from 1 to 16", OPENAI_COMPLETIONS_TEST),
+    "stream": honoured("true or false", OPENAI_COMPLETIONS_TEST),
     "stream_options": honoured('{"include_usage": bool}; include_obfuscation is accepted without effect',
-                               OPENAI_COMPLETIONS),
+                               OPENAI_COMPLETIONS_TEST),
     "user": no_effect("a string", _NO_MEANING),
     "frequency_penalty": refused("a number in [-2, 2]", 0),
     "presence_penalty": refused("a number in [-2, 2]", 0),
     "logit_bias": refused("an object of token id: bias", {}, send="{} (or biases of 0)", neutral_when=_zero_bias),
     # SGLang's extras on its OpenAI endpoints, served here too
-    "top_k": honoured("-1 (all tokens) or an integer from 1", OPENAI_SAMPLING),
-    "min_p": honoured("a number in [0, 1]", OPENAI_SAMPLING),
-    "ignore_eos": honoured("true or false", OPENAI_SAMPLING),
-    "stop_token_ids": honoured("up to 256 token ids", OPENAI_SAMPLING),
-    "routed_dp_rank": honoured("an integer DP rank of this server", PINS),
-    "data_parallel_rank": honoured("an integer DP rank (deprecated name of routed_dp_rank; logged once)", PINS),
-    "bootstrap_host": honoured("a host name, under prefill/decode disaggregation (SGLang's router adds it)", PINS),
-    "bootstrap_port": honoured("a port, under prefill/decode disaggregation", PINS),
-    "bootstrap_room": honoured("an integer room, under prefill/decode disaggregation", PINS),
-    "disagg_prefill_dp_rank": honoured("the prefill server's DP rank, under disaggregation", PINS),
-    "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO),
+    "top_k": honoured("-1 (all tokens) or an integer from 1", OPENAI_SAMPLING_TEST),
+    "min_p": honoured("a number in [0, 1]", OPENAI_SAMPLING_TEST),
+    "ignore_eos": honoured("true or false", OPENAI_SAMPLING_TEST),
+    "stop_token_ids": honoured("up to 256 token ids", OPENAI_SAMPLING_TEST),
+    "routed_dp_rank": honoured("an integer DP rank of this server", PINS_TEST),
+    "data_parallel_rank": honoured("an integer DP rank (deprecated name of routed_dp_rank; logged once)", PINS_TEST),
+    "bootstrap_host": honoured("a host name, under prefill/decode disaggregation (SGLang's router adds it)", PINS_TEST),
+    "bootstrap_port": honoured("a port, under prefill/decode disaggregation", PINS_TEST),
+    "bootstrap_room": honoured("an integer room, under prefill/decode disaggregation", PINS_TEST),
+    "disagg_prefill_dp_rank": honoured("the prefill server's DP rank, under disaggregation", PINS_TEST),
+    "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO_TEST),
     # what vLLM and SGLang accept on their OpenAI endpoints and jaxdp does not serve yet
     "repetition_penalty": refused("a number in (0, 2]", 1),
     "min_tokens": refused("an integer", 0),
@@ -155,18 +156,18 @@ OPENAI_COMMON: dict[str, Field] = {
 }
 
 COMPLETIONS: dict[str, Field] = OPENAI_COMMON | {
-    "prompt": honoured("a string, a list of strings, token ids, or a list of token id lists", OPENAI_COMPLETIONS),
-    "echo": honoured("true or false (not with stream)", ECHO),
-    "logprobs": honoured("an integer from 0 to 5, alternatives per token", ECHO),
+    "prompt": honoured("a string, a list of strings, token ids, or a list of token id lists", OPENAI_COMPLETIONS_TEST),
+    "echo": honoured("true or false (not with stream)", ECHO_TEST),
+    "logprobs": honoured("an integer from 0 to 5, alternatives per token", ECHO_TEST),
     "best_of": refused("an integer", 1),
     "suffix": refused("a string", ""),
 }
 
 CHAT: dict[str, Field] = OPENAI_COMMON | {
-    "messages": honoured("a list of {role, content, name}; see MESSAGE", OPENAI_CHAT),
-    "max_completion_tokens": honoured("as max_tokens (read when max_tokens is absent)", OPENAI_SAMPLING),
-    "logprobs": honoured("true or false", TOP_LOGPROBS),
-    "top_logprobs": honoured("an integer from 0 to 20, with logprobs: true", TOP_LOGPROBS),
+    "messages": honoured("a list of {role, content, name}; see MESSAGE", OPENAI_CHAT_TEST),
+    "max_completion_tokens": honoured("as max_tokens (read when max_tokens is absent)", OPENAI_SAMPLING_TEST),
+    "logprobs": honoured("true or false", TOP_LOGPROBS_TEST),
+    "top_logprobs": honoured("an integer from 0 to 20, with logprobs: true", TOP_LOGPROBS_TEST),
     "metadata": no_effect("an object", _NO_MEANING),
     "store": no_effect("true or false", "this server stores no completions"),
     "service_tier": no_effect("a string", "this server has one tier"),
@@ -196,9 +197,9 @@ CHAT: dict[str, Field] = OPENAI_COMMON | {
 
 # One message of a chat's messages. The role is the chat template's to judge; tool and function roles are refused.
 MESSAGE: dict[str, Field] = {
-    "role": honoured('"system", "developer", "user" or "assistant" (what the chat template takes)', ROLES),
-    "content": honoured("a string or a list of text parts", ROLES),
-    "name": honoured("a string, handed to the chat template with the message", ROLES),
+    "role": honoured('"system", "developer", "user" or "assistant" (what the chat template takes)', ROLES_TEST),
+    "content": honoured("a string or a list of text parts", ROLES_TEST),
+    "name": honoured("a string, handed to the chat template with the message", ROLES_TEST),
     "tool_calls": refused("the assistant's tool calls", []),
     "tool_call_id": refused("the tool call a tool message answers"),
     "function_call": refused("the assistant's function call (deprecated tool_calls)"),
@@ -208,16 +209,16 @@ MESSAGE: dict[str, Field] = {
 REFUSED_ROLES = ("tool", "function")
 
 GENERATE: dict[str, Field] = {
-    "text": honoured("a string or a list of 1 to 256 strings", GENERATE),
-    "input_ids": honoured("token ids or a list of token id lists", GENERATE),
-    "sampling_params": honoured("an object (see SAMPLING_PARAMS), or one per prompt", GENERATE),
-    "stream": honoured("true or false", GENERATE),
+    "text": honoured("a string or a list of 1 to 256 strings", GENERATE_TEST),
+    "input_ids": honoured("token ids or a list of token id lists", GENERATE_TEST),
+    "sampling_params": honoured("an object (see SAMPLING_PARAMS), or one per prompt", GENERATE_TEST),
+    "stream": honoured("true or false", GENERATE_TEST),
     "rid": honoured("a string of 1 to 256 characters, or one per prompt",
                     "tests/test_reliability.py::test_9_abort_request_by_rid_and_all"),
-    "return_logprob": honoured("true or false", GENERATE),
-    "logprob_start_len": honoured("-1 (no prompt logprobs) or a prompt position", ECHO),
-    "top_logprobs_num": honoured("an integer from 0 to 20", ECHO),
-    "token_ids_logprob": honoured("a list of token ids", ECHO),
+    "return_logprob": honoured("true or false", GENERATE_TEST),
+    "logprob_start_len": honoured("-1 (no prompt logprobs) or a prompt position", ECHO_TEST),
+    "top_logprobs_num": honoured("an integer from 0 to 20", ECHO_TEST),
+    "token_ids_logprob": honoured("a list of token ids", ECHO_TEST),
     "return_text_in_logprobs": no_effect("true or false", "the logprob triples always carry the token's text"),
     "routed_dp_rank": OPENAI_COMMON["routed_dp_rank"],
     "data_parallel_rank": OPENAI_COMMON["data_parallel_rank"],
@@ -236,18 +237,19 @@ GENERATE: dict[str, Field] = {
 }
 
 SAMPLING_PARAMS: dict[str, Field] = {
-    "max_new_tokens": honoured("an integer from 1 to the context left by the prompt (default 128)", NATIVE_SAMPLING),
-    "temperature": honoured("a number, 0 (greedy) or more", NATIVE_SAMPLING),
-    "top_p": honoured("a number in (0, 1]", NATIVE_SAMPLING),
-    "top_k": honoured("-1 (all tokens) or an integer from 1", NATIVE_SAMPLING),
-    "min_p": honoured("a number in [0, 1]", NATIVE_SAMPLING),
-    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", NATIVE_SAMPLING),
-    "stop_token_ids": honoured("up to 256 token ids", NATIVE_SAMPLING),
-    "ignore_eos": honoured("true or false", NATIVE_SAMPLING),
-    "n": honoured("an integer from 1 to 16 (the first prompt's)", NATIVE_SAMPLING),
-    "skip_special_tokens": honoured("true or false (the first prompt's)", NATIVE_SAMPLING),
-    "seed": honoured("an integer (jaxdp's name; n choices get seed, seed+1, ...)", NATIVE_SAMPLING),
-    "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING),
+    "max_new_tokens": honoured("an integer from 1 to the context left by the prompt (default 128)",
+                               NATIVE_SAMPLING_TEST),
+    "temperature": honoured("a number, 0 (greedy) or more", NATIVE_SAMPLING_TEST),
+    "top_p": honoured("a number in (0, 1]", NATIVE_SAMPLING_TEST),
+    "top_k": honoured("-1 (all tokens) or an integer from 1", NATIVE_SAMPLING_TEST),
+    "min_p": honoured("a number in [0, 1]", NATIVE_SAMPLING_TEST),
+    "stop": honoured("a string or up to 16 strings of 1 to 256 characters", NATIVE_SAMPLING_TEST),
+    "stop_token_ids": honoured("up to 256 token ids", NATIVE_SAMPLING_TEST),
+    "ignore_eos": honoured("true or false", NATIVE_SAMPLING_TEST),
+    "n": honoured("an integer from 1 to 16 (the first prompt's)", NATIVE_SAMPLING_TEST),
+    "skip_special_tokens": honoured("true or false (the first prompt's)", NATIVE_SAMPLING_TEST),
+    "seed": honoured("an integer (jaxdp's name; n choices get seed, seed+1, ...)", NATIVE_SAMPLING_TEST),
+    "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING_TEST),
     "stream_interval": no_effect("an integer", "a stream sends every update; the text is the same"),
     "stop_regex": refused("a regular expression or a list of them", []),
     "frequency_penalty": refused("a number in [-2, 2]", 0),
