@@ -251,8 +251,11 @@ def test_mla_decode_backends_equal_the_reference(backend):
     kernels = decode_kernels(backend, "cpu")
     assert kernels.name == backend
     with jax.default_matmul_precision("highest"):
-        got = kernels(*args, softmax_scale=0.125, kv_lora_rank=64)
-    np.testing.assert_allclose(got, decode_reference(*args, 0.125, 64), rtol=1e-4, atol=1e-4)
+        got = np.asarray(kernels(*args, softmax_scale=0.125, kv_lora_rank=64))
+    live = np.asarray(args[-1]) > 0  # (a row of no length: zeros from the kernels, discarded from xla's)
+    np.testing.assert_allclose(got[live], decode_reference(*args, 0.125, 64)[live], rtol=1e-4, atol=1e-4)
+    if backend != "xla":
+        assert not got[~live].any()
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas", "native"])
