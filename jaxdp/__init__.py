@@ -1,11 +1,11 @@
 """jaxdp: a JAX serving engine for MLA + MoE models with data-parallel attention."""
 
+import importlib
+
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # `jaxdp.Engine` without importing JAX on `import jaxdp`
+def __getattr__(name):  # `jaxdp.Engine` without importing JAX on `import jaxdp` (PEP 562)
     if name in ("Engine", "EngineConfig", "SamplingParams"):
-        from jaxdp import engine
-
-        return getattr(engine, name)
+        return getattr(importlib.import_module("jaxdp.engine"), name)
     raise AttributeError(name)

@@ -25,6 +25,8 @@ import struct
 import time
 from typing import Any
 
+from jaxdp.engine.ipc.messages import Reader, WireError, encode, frame_reader
+
 log = logging.getLogger("jaxdp.hosts")
 
 
@@ -182,8 +184,6 @@ class CollectiveAddressBook:
         if self._book is None:
             import numpy as np
             from jax.experimental import multihost_utils
-
-            from jaxdp.engine.ipc.messages import Reader, encode
 
             data = encode(self._posted)
             if len(data) > self.WIDTH - 4:
@@ -348,8 +348,6 @@ class StoreGather:
 def load_frame(read, raw: bytes, node: int):
     """Another node's frame of the exchange, read by `read` (`jaxdp.engine.ipc.messages.frame_reader`); anything
     else is a PeerFailure in one sentence."""
-    from jaxdp.engine.ipc.messages import WireError
-
     try:
         return read(raw)
     except WireError as e:
@@ -391,8 +389,6 @@ class HostExchange:
         return range(node * self.per_node, (node + 1) * self.per_node)
 
     def exchange(self, proposals: list, message, timeout_s: float | None = None) -> tuple[list, list]:
-        from jaxdp.engine.ipc.messages import encode, frame_reader
-
         mine = self.local_ranks()
         read = self._readers.get(type(message))
         if read is None:
@@ -415,8 +411,6 @@ class HostExchange:
     def barrier(self, name: str, timeout_s: float) -> None:
         """Wait for every node (after start-up compiles, which take different times on different nodes): one
         round of the exchange, with `timeout_s` to wait, in which every node names the same barrier."""
-        from jaxdp.engine.ipc.messages import Reader, encode
-
         self._name_reader = self._name_reader or Reader(str)
         try:
             payloads = self.gather(encode(name), timeout_s)
