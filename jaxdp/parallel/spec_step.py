@@ -39,10 +39,10 @@ from jaxdp.engine.step.sampling import filtered_probs
 from jaxdp.engine.step.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
 from jaxdp.parallel import packing
+from jaxdp.parallel.draft_kv import join_draft, split_draft
 from jaxdp.parallel.packing import Layout, pack, unpack
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import lm_head_mode
-from jaxdp.parallel.step import DRAFT_PREFIX
 
 
 def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):
@@ -68,7 +68,7 @@ def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, 
 def _outputs(tokens_RJ, accepted_R, logprobs_RJ, drafts_RD, main, draft_kv, rows_E):
     """A rank's step outputs (with the leading rank axis): tokens, tokens per request, their log-probabilities, the
     next drafts (-1: none), the pool (the main latents and the draft KV) and rows per expert."""
-    cache = {**main, **{DRAFT_PREFIX + k: v for k, v in draft_kv.items()}}
+    cache = join_draft(main, draft_kv)
     out = (tokens_RJ, accepted_R + 1, logprobs_RJ, drafts_RD)
     return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
 
@@ -92,8 +92,7 @@ def build_spec_step(runner, shape):
         s = {k: v[0] for k, v in spec.items()}
         smp = {k: v[0] for k, v in sampling.items()}
         cache = {k: v[0] for k, v in cache.items()}
-        main = {k: v for k, v in cache.items() if not k.startswith(DRAFT_PREFIX)}
-        draft_kv = {k[len(DRAFT_PREFIX):]: v for k, v in cache.items() if k.startswith(DRAFT_PREFIX)}
+        main, draft_kv = split_draft(cache)
         comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged)
         model = nnx.merge(graphdef, state)
         attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])

@@ -32,12 +32,12 @@ from jaxdp.model.mtp import MTPLayer, mtp_layer_is_moe
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
+from jaxdp.parallel.draft_kv import DRAFT_PREFIX, split_draft
 from jaxdp.parallel.packing import Layout as PackedLayout
 from jaxdp.parallel.packing import pack, packed_layout, unpack, width
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
-
-DRAFT_PREFIX = "mtp_"  # the draft KV's entries in the pool (speculative decoding's MTP layer, one layer)
+from jaxdp.parallel.spec_step import build_spec_step, spec_abstract_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +210,6 @@ class StepRunner:
     # ---- compiling -----------------------------------------------------------------------------
     def _build(self, shape: StepShape):
         if shape.draft_tokens:
-            from jaxdp.parallel.spec_step import build_spec_step
-
             return build_spec_step(self, shape)
         lay, cfg = self.layout, self.cfg
         gather = GatherSpec(shape.gather_mode, lay.dp, lay.tp, shape.sum_rows)
@@ -229,7 +227,7 @@ class StepRunner:
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
-            main = {k: v for k, v in cache.items() if not k.startswith(DRAFT_PREFIX)}  # (a draft KV passes through)
+            main, _ = split_draft(cache)  # (a draft KV passes through)
             logits_BV, main, rows_E = model(b["tokens_T"], b["valid_T"], attn, main, b["logits_idx_B"],
                                             comm, absorbed=shape.absorbed, decode_kernel=decode_kernel)
             cache = {k: v[None] for k, v in (cache | main).items()}
@@ -259,8 +257,6 @@ class StepRunner:
 
     def _abstract_args(self, shape: StepShape):
         if shape.draft_tokens:
-            from jaxdp.parallel.spec_step import spec_abstract_args
-
             return spec_abstract_args(self, shape)
         dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
         batch = jax.ShapeDtypeStruct((dp, width(packed_step_layout(shape))), jnp.int32, sharding=sh)
