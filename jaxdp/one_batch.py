@@ -18,7 +18,14 @@ import jax
 import numpy as np
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.engine.setup import build_runners
+from jaxdp.layout import LayoutError, add_layout_args, ensure_host_devices, layout_from_args
+from jaxdp.model.checkpoint import CheckpointError
+from jaxdp.model.loader import model_config
+from jaxdp.ops.platform import keep_freed_host_memory
+from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS, moe_runner_backend
 from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.planner.measured import describe, machine, step_floor
 
 log = logging.getLogger("jaxdp.one_batch")
 
@@ -104,10 +111,8 @@ def run_prompts(runner: StepRunner, prompts: list[list[int]], ranks: list[int], 
 
 
 def print_roofline(runner: StepRunner, prompts: list[list[int]], output_len: int, dtype: str, t: dict) -> None:
-    """The prefill and the median decode step against this machine's floor (`jaxdp.bench.roofline`), on one
+    """The prefill and the median decode step against this machine's floor (`jaxdp.planner.measured`), on one
     attention rank's rows (the floor of a one-device step; under a layout, the busiest device's is the planner's)."""
-    from jaxdp.bench.roofline import describe, machine, step_floor
-
     if runner.layout.world != 1:
         return
     mach = machine()
@@ -140,9 +145,6 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.layout import add_layout_args
-    from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
-
     ap = argparse.ArgumentParser(prog="python -m jaxdp.one_batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny",
                     help="checkpoint directory or preset (tiny, deepseek-v3, glm-5)")
@@ -180,13 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU hosts
-    from jaxdp.engine.setup import build_runners
-    from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
-    from jaxdp.model.checkpoint import CheckpointError
-    from jaxdp.model.loader import model_config
-    from jaxdp.ops.platform import keep_freed_host_memory
-    from jaxdp.ops.registry import moe_runner_backend
-
     try:
         layout = layout_from_args(args)
         ensure_host_devices(layout.world)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from jaxdp.bench.launch import free_port
+from jaxdp.net import free_port
 
 
 class Server:

@@ -11,13 +11,13 @@ import random
 import jax
 import pytest
 
-from jaxdp.bench.launch import free_port
 from jaxdp.engine import Engine
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions
 from jaxdp.engine.sched.request import BadRequest, Bootstrap, SamplingParams
 from jaxdp.engine.setup import build_runners
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import default_model_path
+from jaxdp.net import free_port
 
 pytestmark = pytest.mark.skipif(not (default_model_path() / "tokenizer.json").exists(),
                                 reason="needs the default model")

@@ -33,8 +33,8 @@ import httpx
 import pytest
 from servers import Server, completion_text
 
-from jaxdp.bench.launch import free_port
 from jaxdp.model.loader import default_model_path
+from jaxdp.net import free_port
 
 ROUTER_VERSION = "0.3.2"
 COMMON = ["--chunked-prefill-size", "256", "--page-size", "16", "--max-total-tokens", "16384",

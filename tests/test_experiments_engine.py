@@ -98,7 +98,7 @@ def test_delayer_reads_prompts_of_two_ranks_in_one_step(engine):
 def test_mixed_chunk_rows_keep_the_persistent_batch_and_its_pages():
     """Host only (a stand-in step): the decoders a prompt's chunks carry are decode rows of the persistent
     batch: every one gets all its tokens, those crossing a page take it in the mixed step, none leaks."""
-    from jaxdp.bench.engine import HostOnlyRunner
+    from jaxdp.testing import HostOnlyRunner
 
     cfg = EngineConfig(page_size=4, num_pages=32, max_running_requests=8, chunked_prefill_size=16,
                        decode_buckets=[1, 2, 4], extend_buckets=[8, 16], enable_mixed_chunk=True)

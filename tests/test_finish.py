@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxdp.bench.engine import HostOnlyRunner
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.request import Request, stop_string_check
+from jaxdp.testing import HostOnlyRunner
 
 EOS = frozenset({2})
 

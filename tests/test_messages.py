@@ -154,10 +154,10 @@ def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, ca
 
 
 def test_the_engine_and_the_engine_process_stand_in_are_engine_clients():
-    from jaxdp.bench.engine import HostOnlyRunner
     from jaxdp.engine import Engine
     from jaxdp.engine.ipc.client import EngineClient
     from jaxdp.engine.ipc.remote import RemoteEngine
+    from jaxdp.testing import HostOnlyRunner
 
     cfg = EngineConfig(max_running_requests=4, chunked_prefill_size=16, decode_buckets=[1, 2], extend_buckets=[8])
     engine = Engine(HostOnlyRunner("tiny", "dp=2", 16, 4), "dp=2", cfg)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.bench.engine import HostOnlyRunner
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
 from jaxdp.engine.step.sampling import sample_tokens, sampling_row
+from jaxdp.testing import HostOnlyRunner
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.bench import serving
-from jaxdp.bench.launch import free_port
+from jaxdp.net import free_port
 
 
 def null_server(port: int, cpus: set[int], events: int, arrivals) -> None:
@@ -91,7 +91,7 @@ def measure(form: str, args, reqs, arrivals) -> dict:
             "client_cpu_us_per_token": 1e6 * cpu / max(1, tokens), "output_tokens": tokens}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.client_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=16)
@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-cpus", default=str(every[0]), help="CPUs of the null server (default: the first)")
     ap.add_argument("--client-cpus", default=str(every[-1]), help="CPUs of the client (default: the last)")
     ap.add_argument("--json", default="bench_client_cost.json")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     port = free_port()
     arrivals = mp.get_context("spawn").Queue()
     server = mp.get_context("spawn").Process(target=null_server, daemon=True, args=(

@@ -50,10 +50,11 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.bench.launch import free_port, stop, wait_healthy
+from jaxdp.bench.launch import stop, wait_healthy
 from jaxdp.disagg.bootstrap import BootstrapClient, BootstrapServer, PrefillInfo, RoomBoard
 from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
 from jaxdp.disagg.transfer import JaxTransport
+from jaxdp.net import free_port
 
 
 def _pool(layers: int, width: int, dtype, page_size: int, tokens: int, seed: int | None) -> dict:
@@ -320,7 +321,7 @@ def _print_servers(rows: list[dict], tokens: list[int]) -> None:
               f"{med['pull_gb_s']:>10.2f} {100 * med['handoff_share']:>14.0f}%")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.disagg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--layers", type=int, default=61)
@@ -341,6 +342,11 @@ def main(argv=None) -> None:
     ap.add_argument("--log-dir", default="bench-logs", help="--servers: the servers' logs")
     ap.add_argument("--role", choices=["receiver", "sender"], default="receiver", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.prefill_chunk % args.chunk_tokens or args.prefill_chunk <= 0:
         ap.error(f"--prefill-chunk {args.prefill_chunk} must be a positive multiple of --chunk-tokens "

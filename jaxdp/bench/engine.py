@@ -6,7 +6,7 @@ host time per step and its share of the step, mean rows per rank and the padding
 attention / rows needed), idle ranks per step. Prints a table and writes JSON.
 
 `--host-only` replaces the device step by a stand-in of the same interface that returns at once
-(`HostOnlyRunner`: no model, no device arrays), so `host_ms` is the loop's own cost per step: scheduling,
+(`jaxdp.testing.HostOnlyRunner`: no model, no device arrays), so `host_ms` is the loop's own cost per step: scheduling,
 building the step's arrays, booking the tokens. `--plot` draws host_ms against the request count, with
 `--baseline` (an earlier JSON) beside it.
 """
@@ -23,50 +23,14 @@ import time
 import numpy as np
 
 from jaxdp.bench.cpu import thread_cpu_seconds
+from jaxdp.engine import Engine, EngineConfig, SamplingParams
+from jaxdp.layout import LayoutError, ensure_host_devices, parse_mesh_spec
+from jaxdp.testing import HostOnlyRunner
 
 HOST_ONLY_CONCURRENCY = "8,16,32,64,128,256,512,1024,2048"
 
 
-class HostOnlyRunner:
-    """A stand-in for `StepRunner` whose step returns at once: every sampled token is `token`.
-
-    It has the runner's interface as the engine uses it (config, layout, pool size, token carry, put,
-    compile, run, local values, sampling), so the engine's loop runs unchanged around it."""
-
-    def __init__(self, model: str, mesh: str, num_pages: int, page_size: int, token: int = 1):
-        from jaxdp.config import get_config
-        from jaxdp.layout import parse_mesh_spec
-
-        self.cfg, self.layout = get_config(model), parse_mesh_spec(mesh)
-        self.num_pages, self.page_size, self.token_carry = num_pages, page_size, 1
-        self.token, self.last_account, self.compiles = token, None, 0
-
-    def ensure_token_carry(self, width: int) -> None:
-        self.token_carry = max(self.token_carry, width)
-
-    def put(self, x, spec=None):
-        return x
-
-    def local_values(self, x):
-        return np.asarray(x)
-
-    def compile(self, shape) -> None:
-        pass
-
-    def run(self, shape, stacked: dict, prev_tokens=None):
-        return stacked["logits_idx_B"], None  # stands for the logits: one row per sequence
-
-    def sample_tokens(self, logits_RB, *params, width: int):
-        tokens = np.full((logits_RB.shape[0], width), self.token, np.int32)
-        return tokens, np.zeros(tokens.shape, np.float32)
-
-    def close(self) -> None:
-        pass
-
-
 def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int) -> dict:
-    from jaxdp.engine import SamplingParams
-
     rng = np.random.default_rng(seed)
     V = engine.model_cfg.vocab_size
     prompts = [rng.integers(0, V, input_len).tolist() for _ in range(concurrency)]
@@ -93,7 +57,7 @@ def run_one(engine, concurrency: int, input_len: int, output_len: int, seed: int
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny")
     ap.add_argument("--meshes", default="dp=8;tp=8", help="layouts to compare, ';'-separated")
@@ -113,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the engine for the first mesh and the largest concurrency, print 'ready', then run "
                          "one round per line read from stdin, each printed as one JSON line (what "
                          "`python -m jaxdp.bench.versus` alternates with the server's rounds)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.host_only:
         defaults = {"meshes": "dp=8", "concurrency": HOST_ONLY_CONCURRENCY, "input_len": 64, "output_len": 128}
@@ -120,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
     logging.basicConfig(level=logging.WARNING)
-    from jaxdp.layout import LayoutError, ensure_host_devices, parse_mesh_spec
-
     meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
     conc = [int(c) for c in args.concurrency.split(",")]
     try:
@@ -129,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxdp.engine import Engine, EngineConfig
-
     results = []
     for spec in meshes:
         dp = parse_mesh_spec(spec).dp
@@ -178,7 +143,7 @@ def rounds_on_demand(engine, concurrency: int, args) -> int:
 def plot(results: list[dict], path: str, baseline: str | None = None) -> None:
     """Host ms per step against concurrency, all steps and decode steps, one line per mesh (the baseline's
     dashed)."""
-    import matplotlib
+    import matplotlib  # (the benchmarks' optional dependency: jaxdp[bench])
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

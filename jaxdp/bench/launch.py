@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,12 +14,6 @@ import httpx
 
 class NotReady(RuntimeError):
     """A started server exited, or did not answer /health in time; the message says which and names its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float, poll_s: float = 0.5,

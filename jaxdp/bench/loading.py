@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxdp.config import ModelConfig
+from jaxdp.config import ModelConfig, hf_config_dict
 
 REAL_WIDTH = dict(vocab_size=32768, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                   num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -80,8 +80,6 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, fp8: bool = False, s
                      shard_bytes: int = 512 << 20) -> int:
     """A random checkpoint of `cfg` in bf16 (or block FP8, 128x128 scales that are powers of two) as
     safetensors shards of about `shard_bytes` with an index; returns its size in bytes. Memory: one shard."""
-    from jaxdp.config import hf_config_dict
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -187,7 +185,7 @@ def load_in_child(model_dir: str | Path, mesh: str = "tp=8", dtype: str = "bfloa
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.loading", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", required=True, help="where the synthetic checkpoint is (written if absent)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (DeepSeek's format)")
@@ -197,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transpose-on-devices", action="store_true",
                     help="force the path a GPU takes: torch's [out, in] placed as stored, transposed by the devices")
     ap.add_argument("--json", help="write the figures here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     cfg = real_width_config(args.layers, args.experts)
     if not (Path(args.dir) / "config.json").exists():
         write_checkpoint(args.dir, cfg, fp8=args.fp8)

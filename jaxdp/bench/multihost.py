@@ -31,7 +31,9 @@ from pathlib import Path
 
 import httpx
 
-from jaxdp.bench.launch import free_port
+from jaxdp.engine.nodes.hosts import DistConfig, HostExchange, init_distributed, parse_dist_addr
+from jaxdp.net import free_port
+from jaxdp.parallel.places import Proposal
 
 # ---- 1. the exchange alone ---------------------------------------------------------------------------
 
@@ -77,9 +79,6 @@ class GlooGather:
 
 def exchange_worker(nodes: int, node: int, addr: str, rounds: int, out: str, transport: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    from jaxdp.engine.nodes.hosts import DistConfig, HostExchange, init_distributed, parse_dist_addr
-    from jaxdp.parallel.places import Proposal
-
     init_distributed(DistConfig(nodes, node, addr, timeout_s=60, init_timeout_s=120))
     dp = 8
     gather = {"gloo": lambda: GlooGather(nodes), "zmq": lambda: None}[transport]()
@@ -199,7 +198,7 @@ def bench_serving(nodes: int, load: list[str], workdir: Path) -> dict:
             "completed": result.get("completed")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.multihost", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--nodes", type=int, nargs="+", default=[2], help="processes the model world spans (each "
@@ -216,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exchange-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--addr", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.exchange_worker is not None:
         exchange_worker(args.nodes[0], args.exchange_worker, args.addr, args.rounds, args.out, args.transport[0])
         return 0

@@ -29,9 +29,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxdp.bench.launch import NotReady, free_port, wait_healthy
+from jaxdp.bench import serving
+from jaxdp.bench.launch import NotReady, wait_healthy
 from jaxdp.bench.peer_model import ensure_checkpoint
 from jaxdp.cache import cache_dir
+from jaxdp.net import free_port
 
 VLLM_VERSION = "0.32.0"
 
@@ -75,8 +77,6 @@ def server_cmd(engine: str, model: Path, port: int, max_running: int, jaxdp_args
 
 def one_round(engine: str, model: Path, concurrency: list[int], args, logs: Path) -> list[dict]:
     """Start `engine`, run the client at every concurrency, stop it; the client's points."""
-    from jaxdp.bench import serving
-
     port = free_port()
     cmd, env = server_cmd(engine, model, port, max(concurrency), args.jaxdp_args)
     proc = start(cmd, port, logs / f"{engine}.log", env)
@@ -97,7 +97,7 @@ def one_round(engine: str, model: Path, concurrency: list[int], args, logs: Path
             proc.kill()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.peer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per engine, alternating")
@@ -107,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="jaxdp,vllm", help="which servers run (jaxdp alone: its figures, no ratio)")
     ap.add_argument("--json", default="benchmarks/results/peer.json")
     ap.add_argument("--plot", default="docs/peer.png")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     engines = [e for e in ("jaxdp", "vllm") if e in args.engines.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     model = ensure_checkpoint()

@@ -9,9 +9,11 @@ vLLM routes by softmax.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
+from jaxdp.bench.loading import write_checkpoint
 from jaxdp.cache import cache_dir
 from jaxdp.config import ModelConfig
 
@@ -24,8 +26,6 @@ PEER_CONFIG = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2
 
 def ensure_checkpoint(path: str | Path | None = None) -> Path:
     """The peer checkpoint at `path` (default: under the cache), written once with the repo's own writer."""
-    from jaxdp.bench.loading import write_checkpoint
-
     out = Path(path) if path else cache_dir() / "peer-deepseek-v3-230m"
     if not (out / "tokenizer.json").exists():
         write_tokenizer(out, PEER_CONFIG.vocab_size)
@@ -51,5 +51,18 @@ def write_tokenizer(out: Path, vocab: int) -> None:
         "model_max_length": 4096}, indent=1) + "\n")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.peer_model", description="Write the peer checkpoint "
+                                 "(once; its folder is printed): " + __doc__.split("\n\n")[0])
+    ap.add_argument("--dir", help="where (default: peer-deepseek-v3-230m under jaxdp's cache)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(ensure_checkpoint(args.dir))
+    return 0
+
+
 if __name__ == "__main__":
-    print(ensure_checkpoint())
+    raise SystemExit(main())

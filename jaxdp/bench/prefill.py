@@ -51,12 +51,16 @@ def compiled(fn, args):
     return jitted.lower(*args).compile()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.prefill", description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     H = args.heads
     cases = [case("prompt 1024", [(0, 1024)], 1024, 4096, H),
              case("chunk 512 after 3.5k cached", [(3584, 512)], 512, 4096, H),

@@ -35,7 +35,13 @@ import jax
 import numpy as np
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.bench.peer_model import ensure_checkpoint
+from jaxdp.engine.setup import build_runners
+from jaxdp.engine.step.sampling import sample_tokens
+from jaxdp.layout import parse_mesh_spec
+from jaxdp.ops.platform import keep_freed_host_memory
 from jaxdp.parallel.step import StepShape
+from jaxdp.planner.measured import machine, step_floor
 
 SCOPES = ("routed_experts", "shared_expert", "router", "dense_ffn", "mla_projections", "kv_write", "mla_attention",
           "lm_head", "embedding")
@@ -151,7 +157,6 @@ def profile_step(runner, shape: StepShape, context: int, reps: int, top: int = 0
     scale = ms["step"] / max(ms["XLA thread time"], 1e-9)
     ms |= {p: t * scale for p, t in thread_ms.items()}
     ms["host: build the step's arrays"] = build_ms
-    from jaxdp.engine.step.sampling import sample_tokens
 
     B = shape.num_seqs
     samp = (np.ones((1, B), np.float32), np.ones((1, B), np.float32), np.full((1, B), -1, np.int32),
@@ -160,7 +165,7 @@ def profile_step(runner, shape: StepShape, context: int, reps: int, top: int = 0
     return ms
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", help="checkpoint directory (default: the issue-26 checkpoint, built once)")
     ap.add_argument("--batches", default="1,8,32,256", help="decode batch sizes")
@@ -177,16 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=0, help="also list the N thunks that take longest in each step")
     ap.add_argument("--json", default="benchmarks/results/profile.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if TRACE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts, below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from jaxdp.bench.peer_model import ensure_checkpoint
-    from jaxdp.bench.roofline import machine, step_floor
-    from jaxdp.engine.setup import build_runners
-    from jaxdp.layout import parse_mesh_spec
-    from jaxdp.ops.platform import keep_freed_host_memory
-
     keep_freed_host_memory()
     path = args.model_path or str(ensure_checkpoint())
     layout = parse_mesh_spec("dp=1")

@@ -314,7 +314,8 @@ class Parser(argparse.ArgumentParser):
         raise BenchError(message)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The client's flags (SGLang's bench_serving names); `parse_args` also checks their values."""
     p = Parser(prog="python -m jaxdp.bench", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
@@ -343,7 +344,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-file", help="write every result as JSON")
     p.add_argument("--plot", help="PNG of output throughput and median TPOT vs concurrency")
     p.add_argument("--disable-tqdm", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags of `argv`, checked (BenchError in one sentence for a value out of range)."""
+    args = build_parser().parse_args(argv)
     if bad := [n for n in ("num_prompts", "random_input_len", "random_output_len", "random_vocab_size",
                            "warmup_requests") if getattr(args, n) < (0 if n == "warmup_requests" else 1)]:
         raise BenchError(f"--{bad[0].replace('_', '-')} is out of range")

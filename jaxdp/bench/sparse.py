@@ -94,7 +94,7 @@ def side_by_side(runs: list, repeats: int) -> list[float]:
     return [float(np.median(t)) for t in times]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.sparse", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm-5-tiny", help="a preset with index_topk (random weights)")
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536")
@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                     help="float32 by default: XLA:CPU runs bfloat16 dots slowly, which hides the memory-bound part")
     ap.add_argument("--json", default="bench_sparse.json", metavar="FILE")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     if any(c % args.page_size for c in contexts):

@@ -15,21 +15,25 @@ import time
 
 import numpy as np
 
+from jaxdp.engine.loop import Engine
+from jaxdp.engine.options import EngineConfig, SpeculativeConfig
+from jaxdp.engine.sched.request import SamplingParams
+from jaxdp.model.loader import default_model_path
+from jaxdp.tokenizer import Tokenizer
+from jaxdp.training.data import LONG, sample_problem
 
-def main(argv: list[str] | None = None) -> int:
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.spec_resume", description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32, help="problems run at once (N)")
     ap.add_argument("--off-above", type=int, default=16, help="--speculative-disable-by-batch-size (K)")
     ap.add_argument("--json", default="benchmarks/results/spec_resume.json")
-    args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    from jaxdp.engine.loop import Engine
-    from jaxdp.engine.options import EngineConfig, SpeculativeConfig
-    from jaxdp.engine.sched.request import SamplingParams
-    from jaxdp.model.loader import default_model_path
-    from jaxdp.tokenizer import Tokenizer
-    from jaxdp.training.data import LONG, sample_problem
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     n, k = args.requests, args.off_above
     tok = Tokenizer.from_dir(default_model_path())
     rng = np.random.default_rng(0)

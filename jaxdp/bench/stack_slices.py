@@ -27,6 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.bench.profile import timings
+from jaxdp.ops.grouped import grouped_matmul
+from jaxdp.ops.platform import keep_freed_host_memory
+from jaxdp.planner.measured import machine
 
 L, D, F, E, I, TOPK = 7, 1024, 2048, 32, 256, 4
 
@@ -56,8 +59,6 @@ def dense_variants() -> dict:
 
 
 def expert_variants() -> dict:
-    from jaxdp.ops.grouped import grouped_matmul
-
     def moe(x, e_LTK, w1, w2, in_place: bool):
         def body(x, xs):
             e_TK, i = xs[-2:]
@@ -80,14 +81,15 @@ def expert_variants() -> dict:
             "experts: each block's expert read from the stack": jax.jit(lambda *a: moe(*a, True))}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.stack_slices", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args(argv)
-    from jaxdp.bench.roofline import machine
-    from jaxdp.ops.platform import keep_freed_host_memory
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     keep_freed_host_memory()
     bw = machine().read_bytes_per_s
     key = jax.random.PRNGKey(0)

@@ -36,8 +36,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from jaxdp.bench import serving
 from jaxdp.bench.cpu import child_pids, process_cpu_seconds, thread_cpu_seconds
-from jaxdp.bench.launch import NotReady, free_port, wait_healthy
+from jaxdp.bench.launch import NotReady, wait_healthy
+from jaxdp.layout import parse_mesh_spec
+from jaxdp.net import free_port
 
 
 def _cpus(spec: str | None, default: set[int]) -> set[int]:
@@ -115,8 +118,6 @@ def start_server(args, flags: list[str], cpus: set[int] | None, port: int, log: 
 
 def serve_rounds(args, port: int, server: subprocess.Popen, offline: Offline) -> tuple[list[dict], list[dict]]:
     """`--rounds` rounds of the load on the server, each between two offline rounds: (server's, offline's)."""
-    from jaxdp.bench import serving
-
     client_args = serving.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts",
                                       str(args.concurrency), "--max-concurrency", str(args.concurrency),
                                       "--random-input-len", str(args.input_len), "--random-output-len",
@@ -154,7 +155,7 @@ def serve_rounds(args, port: int, server: subprocess.Popen, offline: Offline) ->
     return rounds, offline_rounds
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.bench.versus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="tiny")
     ap.add_argument("--mesh", default="dp=8")
@@ -176,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the server a second time with --no-engine-process, against the same offline engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_versus.json")
-    args = ap.parse_args(argv)
-    from jaxdp.layout import parse_mesh_spec
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     args.dp = parse_mesh_spec(args.mesh).dp
     every = sorted(os.sched_getaffinity(0))

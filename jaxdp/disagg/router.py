@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from jaxdp.bench.launch import free_port
+from jaxdp.net import free_port
 
 ROUTER_VERSION = "0.3.2"
 ROUTER_VENV = Path.home() / ".cache" / "jaxdp" / f"sglang-router-{ROUTER_VERSION}"

@@ -19,7 +19,8 @@ class Parser(argparse.ArgumentParser):
         raise ExperimentError(message)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """NAME and the experiments' own flags; any other flag goes to the servers (`main` checks those)."""
     p = Parser(prog="python -m jaxdp.experiments", description=__doc__,
                epilog="Any other flag goes to every server the experiment starts (python -m jaxdp.serve --help).")
     p.add_argument("name", choices=[*EXPERIMENTS, "all"], help="the experiment (all: one after another)")
@@ -30,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disaggregated", action="store_true", help="prompt-in-the-way: the unpinned load colocated, "
                    "with the prefill delayer, and with prefill and decode on separate servers behind SGLang's "
                    "router (NAME: prompt-in-the-way-disaggregated)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args, server_flags = p.parse_known_args(argv)
+        args, server_flags = build_parser().parse_known_args(argv)
         check_server_flags(server_flags)
         if args.disaggregated and args.name != "prompt-in-the-way":
             raise ExperimentError("--disaggregated is an option of prompt-in-the-way only")

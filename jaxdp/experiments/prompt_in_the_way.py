@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.bench import serving as bench
-from jaxdp.bench.launch import free_port
+from jaxdp.disagg import router
 from jaxdp.experiments.runner import Context, ExperimentError, figure
+from jaxdp.net import free_port
 
 BIN_S = 0.25  # the decoders' tokens per second are counted in bins of this many seconds
 ARTICLE = {"lost_pct_short": 6, "lost_pct_long": 38, "decoder_tok_s": (1270, 1610), "prompt_s": (0.30, 0.65)}
@@ -100,8 +101,6 @@ def _sizes(q: bool) -> tuple[int, int, int, float, int]:
 
 def run_disaggregated(ctx: Context) -> dict:
     """The unpinned long load on one colocated server, with the delayer, and with prefill and decode apart."""
-    from jaxdp.disagg.router import launch_router
-
     if any(f.startswith("--disaggregation") for f in ctx.server_flags):
         raise ExperimentError("--disaggregation-* flags are chosen by the experiment itself (it starts a prefill "
                               "and a decode server); drop them from the command line")
@@ -121,7 +120,7 @@ def run_disaggregated(ctx: Context) -> dict:
                     str(bootstrap), label="prefill") as prefill, \
             ctx.server("dp=4", *flags, *pd, "--disaggregation-mode", "decode", label="decode") as decode:
         try:
-            with launch_router(prefill, bootstrap, decode, Path(log)) as url:
+            with router.launch_router(prefill, bootstrap, decode, Path(log)) as url:
                 out["disaggregated"] = asyncio.run(_measure(url, load, context))
         except RuntimeError as e:
             raise ExperimentError(str(e)) from None

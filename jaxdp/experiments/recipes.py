@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxdp.experiments.runner import Context, context_for, figure
 from jaxdp.model.loader import default_model_path
+from jaxdp.training.data import LONG, sample_problem
 
 LAYOUTS = {"tp=4": "dp=1,tp=4", "dp=4": "dp=4"}
 RECIPES = {"tp=4": "low-latency recipe", "dp=4": "high-throughput recipe"}
@@ -32,8 +33,6 @@ OUTPUT_LEN = 72  # the longest answer (64 letters) and its end of sequence fit
 def prompts_file(ctx: Context, n: int) -> tuple[object, float]:
     """A ShareGPT-format file of n held-out long-skill problems (half reverse, half sort); and the mean answer
     length in tokens (characters: the default model's tokenizer is byte-level)."""
-    from jaxdp.training.data import LONG, sample_problem
-
     rng = np.random.default_rng(0)
     problems = [sample_problem(rng, LONG[i % len(LONG)], held_out=True) for i in range(n)]
     path = ctx.output_dir / "logs" / "recipes-prompts.json"

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxdp.bench import serving as bench
-from jaxdp.bench.launch import NotReady, free_port, stop, wait_healthy
+from jaxdp.bench.launch import NotReady, stop, wait_healthy
+from jaxdp.net import free_port
+from jaxdp.serve import build_parser
 
 # what the experiments choose themselves; a user flag for one of these would silently fight them
 OWNED_FLAGS = ("--mesh", "--host", "--port", "--tp-size", "--tp", "--attn-dp-size", "--dp-size", "--dp",
@@ -34,8 +36,6 @@ class ExperimentError(Exception):
 
 def check_server_flags(flags: list[str]) -> None:
     """Refuse flags the experiments set themselves, and flags `jaxdp.serve` does not know, in one sentence."""
-    from jaxdp.serve import build_parser
-
     for f in flags:
         name = f.split("=", 1)[0]
         if name in OWNED_FLAGS:

@@ -29,7 +29,7 @@ MODES = {"plain": [], "plain-sync": ["--disable-overlap-schedule"], "mtp": ["--s
          "mtp-off": ["--speculative-algorithm", "EAGLE", "--speculative-disable-by-batch-size"]}  # + --off-above
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.experiments.spec_one_request",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--meshes", default="tp=4,dp=4", help=f"','-separated, of {', '.join(LAYOUTS)}")
@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the modes' servers up at once, N rounds of 4 problems on each in turn (default: fresh "
                          "servers one after another, 4 problems then 16)")
     ap.add_argument("--json", default="benchmarks/results/experiments/spec_one_request.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if "plain" not in modes or any(m not in MODES for m in modes) or args.rounds < 0 or not 0 < args.concurrency <= TOP:

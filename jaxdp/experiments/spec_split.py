@@ -16,7 +16,13 @@ import time
 
 import numpy as np
 
+from jaxdp.engine.loop import Engine
+from jaxdp.engine.options import EngineConfig, SpeculativeConfig
+from jaxdp.engine.sched.request import SamplingParams
 from jaxdp.experiments.runner import write_rows
+from jaxdp.model.loader import default_model_path
+from jaxdp.tokenizer import Tokenizer
+from jaxdp.training.data import LONG, sample_problem
 
 PARTS = ("plan", "agree", "arrays", "dispatch", "wait", "book", "other")
 
@@ -95,7 +101,7 @@ def rounded(v):
     return round(v, 2) if isinstance(v, float) else v
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.experiments.spec_split", description=__doc__.split("\n\n")[0])
     ap.add_argument("--meshes", default="dp=1,tp=4;dp=4", help="';'-separated --mesh specs")
     ap.add_argument("--requests", default="1,256", help="','-separated request counts")
@@ -103,15 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waves", type=int, default=1, help="problems per request slot: N x waves problems, N at once "
                     "(more than 1: new prompts join as answers end, as under a load of N concurrent requests)")
     ap.add_argument("--json", default="benchmarks/results/experiments/spec_split.json")
-    args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    from jaxdp.engine.loop import Engine
-    from jaxdp.engine.options import EngineConfig, SpeculativeConfig
-    from jaxdp.engine.sched.request import SamplingParams
-    from jaxdp.model.loader import default_model_path
-    from jaxdp.tokenizer import Tokenizer
-    from jaxdp.training.data import LONG, sample_problem
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     tok = Tokenizer.from_dir(default_model_path())
     params = SamplingParams(max_new_tokens=72, temperature=0.0)
     results = []

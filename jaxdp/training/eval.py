@@ -23,10 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdp.layout import ensure_host_devices, parse_mesh_spec
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.loader import check_mtp_checkpoint, default_model_path, load_model, load_mtp
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.mtp import MTPLayer
+from jaxdp.one_batch import run_prompts
 from jaxdp.parallel.local import LocalComm
+from jaxdp.parallel.step import StepRunner
 from jaxdp.tokenizer import Tokenizer
 from jaxdp.training.data import ARITHMETIC, LONG, LONG_MAX, SKILLS, Problem, held_out_problems, prompt_text
 
@@ -37,8 +41,6 @@ CHUNK = 64  # prompts per prefill step locally
 
 def resolve_model_path(model_path: str | Path | None) -> Path:
     if model_path in (None, "default"):
-        from jaxdp.model.loader import default_model_path
-
         return default_model_path()
     return Path(model_path)
 
@@ -69,11 +71,6 @@ def greedy_tokens_local(model_path: str | Path | None, problems: list[Problem], 
     `layout_spec` (prompt i on rank i mod dp). Needs as many JAX devices as the layout (set up before JAX
     starts on a CPU)."""
     import jax
-
-    from jaxdp.layout import ensure_host_devices, parse_mesh_spec
-    from jaxdp.model.loader import load_model
-    from jaxdp.one_batch import run_prompts
-    from jaxdp.parallel.step import StepRunner
 
     path = resolve_model_path(model_path)
     tok = Tokenizer(path)
@@ -250,8 +247,6 @@ def evaluate_speculative(model_path: str | Path | None = "default", n: int = 50,
                          ) -> tuple[dict[str, float], dict[str, float]]:
     """(accept length per skill, greedy accuracy per skill) of a checkpoint's MTP layer drafting k steps for its
     model, on n held-out problems per skill, simulated on this machine (`speculate`)."""
-    from jaxdp.model.loader import check_mtp_checkpoint, load_model, load_mtp
-
     path = resolve_model_path(model_path)
     check_mtp_checkpoint(str(path))
     tok = Tokenizer(path)
@@ -317,7 +312,7 @@ def format_report(acc: dict[str, float], n: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxdp.training.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="default", help="checkpoint directory, or 'default'")
     ap.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000 (else: run locally)")
@@ -330,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accept-steps", type=int, default=0, metavar="K",
                     help="measure the checkpoint's MTP layer instead: greedy speculative decoding with K draft "
                          "steps, simulated here; prints the accept length per skill")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     skills = tuple(s for s in args.skills.split(",") if s)
     unknown = [s for s in skills if s not in SKILLS]
     if unknown:

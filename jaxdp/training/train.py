@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from jaxdp.config import PRESETS, ModelConfig
 from jaxdp.model.decoder import DeepseekV3
+from jaxdp.model.loader import load_model, load_mtp, model_config, save_hf_checkpoint
 from jaxdp.model.mla import AttnBatch
 from jaxdp.model.mtp import MTPLayer
 from jaxdp.parallel.local import LocalComm
@@ -249,8 +250,6 @@ def save_orbax(ckpt_dir: Path, step: int, trainer: Trainer) -> None:
 
 
 def export(trainer: Trainer, tok_dir: Path, out_dir: Path, dtype: str) -> None:
-    from jaxdp.model.loader import save_hf_checkpoint
-
     save_hf_checkpoint(trainer.model(trainer.params), out_dir, dtype=np.dtype(dtype), mtp=trainer.mtp(trainer.params))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, out_dir / name)
@@ -341,8 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = Trainer(cfg, args.seed, shape, optimizer, args.mtp_weight, args.mtp_steps)
     if args.init_from:
-        from jaxdp.model.loader import load_model, load_mtp, model_config
-
         try:
             mtp = None
             if args.mtp_weight > 0 and model_config(args.init_from).num_nextn_predict_layers:
