@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         pages = per_rank * -(-ctx // args.page_size) + 8
         cfg = EngineConfig(page_size=args.page_size, num_pages=pages, max_running_requests=per_rank * dp,
                            chunked_prefill_size=args.chunk_per_rank * dp, decode_buckets=buckets,
-                           context_length=ctx + args.page_size, max_len_extend_rows=1 << 30)
+                           context_length=ctx + args.page_size, max_len_extend_rows=1 << 30, seed=args.seed)
         t0 = time.perf_counter()
-        model = HostOnlyRunner(args.model_path, spec, pages, args.page_size) if args.host_only else args.model_path
-        engine = Engine(model, spec, cfg, seed=args.seed)
+        if args.host_only:  # a ready runner: the seed is the schedulers' (sampling) alone
+            engine = Engine(HostOnlyRunner(args.model_path, spec, pages, args.page_size), spec, cfg)
+        else:  # the engine builds the runner: the seed also draws a preset's random weights
+            engine = Engine(args.model_path, spec, cfg, seed=args.seed)
         warm = time.perf_counter() - t0
         if args.rounds_on_demand:
             return rounds_on_demand(engine, max(conc), args)
