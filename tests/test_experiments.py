@@ -216,7 +216,7 @@ class StandIn(Context):
                 "lost_pct": 100.0 * (1.0 - rate_prompts / rate_alone), "prompts_sent": load.num_prompts,
                 "prompts_done": load.num_prompts, "prompt_ttft_s": load.prompt_len * 1e-3 + step_s,
                 "median_itl_ms_alone": 1000 * step_s, "max_itl_ms_prompts": 1000 * step_s * (1 + share),
-                "alone_s": load.alone_s, "prompts_s": prompts_s, "decode_step_ms_alone": 1000 * step_s,
+                "alone_s": load.alone_steps * step_s, "prompts_s": prompts_s, "decode_step_ms_alone": 1000 * step_s,
                 "prompt_interval_s": load.interval_steps * step_s, "itl_series": series}
 
 

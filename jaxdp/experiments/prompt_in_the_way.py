@@ -1,13 +1,14 @@
 """`prompt-in-the-way` (the article's section 8, Figure 8): how much a prompt on one rank slows the requests
 that decode on the others, and what the prefill delayer does about it.
 
-Pinned test: 16 decoding requests on each of ranks 1-3 run alone for a while, then a prompt goes to rank 0
-every 20 decode steps (the article's half second at 24 ms a step; measured alone, so a slower machine sees the
-same shape of load), short prompts, then long ones; every decoder token's time since the previous one is kept
-(ITL over time). `decode_tokens_lost_pct` is how many fewer tokens per second the decoders produce while the
-prompts arrive than alone. Unpinned test: 64 decoding requests and a long prompt every 10 decode steps (the
-article's 4 a second) wherever the server puts them, without and with `--enable-prefill-delayer`: the
-decoders' loss and the prompts' TTFT.
+Pinned test: 16 decoding requests on each of ranks 1-3 run alone for 200 decode steps (300 in a full run),
+then a prompt goes to rank 0 every 20 decode steps (the article's half second at 24 ms a step; measured alone,
+so a slower machine sees the same shape of load), short prompts, then long ones; every decoder token's time since
+the previous one is kept (ITL over time). Every phase is counted in decode steps, so the decoders' output, which
+the context bounds, outlasts the run whatever a step takes. `decode_tokens_lost_pct` is how many fewer tokens
+per second the decoders produce while the prompts arrive than alone. Unpinned test: 64 decoding requests and
+a long prompt every 10 decode steps (the article's 4 a second) wherever the server puts them, without and with
+`--enable-prefill-delayer`: the decoders' loss and the prompts' TTFT.
 
 `--disaggregated` (the article's section 8.2, its third remedy; experiment `prompt-in-the-way-disaggregated`):
 the unpinned load three ways, the same now: one colocated dp=4 server, the same with the prefill delayer, and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from jaxdp.experiments.runner import Context, ExperimentError, figure
 from jaxdp.net import free_port
 
 BIN_S = 0.25  # the decoders' tokens per second are counted in bins of this many seconds
+SETTLE_STEPS = 20  # decode steps between the last decoder's first tokens and the start of the alone phase
 ARTICLE = {"lost_pct_short": 6, "lost_pct_long": 38, "decoder_tok_s": (1270, 1610), "prompt_s": (0.30, 0.65)}
 
 
@@ -45,18 +48,23 @@ class Load:
     prompt_len: int
     interval_steps: float  # between two prompts, in decode steps measured alone (the article: 0.5 s / 24 ms)
     num_prompts: int
-    alone_s: float  # decoders alone before the first prompt (after they all settled into decoding)
+    alone_steps: int  # decode steps of the decoders alone before the first prompt (after they all settled)
+
+    def decode_steps(self) -> int:
+        """The decode steps a decoder must outlast: settling, alone, and the prompts' phase (at most one token a
+        step while the prompts arrive, since their steps are no faster than the steps alone)."""
+        return SETTLE_STEPS + self.alone_steps + math.ceil(self.num_prompts * self.interval_steps)
 
 
 def run(ctx: Context) -> dict:
     # small pools, batch and context: a CPU's steps are slow, and --quick must fit in minutes
-    short, long, context, alone_s, n = _sizes(ctx.quick)
+    short, long, context, alone_steps, n = _sizes(ctx.quick)
     pinned = [r for r in (1, 2, 3) for _ in range(16)]
     # prompts come every 20 decode steps pinned (the article: every 0.5 s, a step 24 ms) and every 10 unpinned
     # (4 a second), so a slower machine sees the same shape of load
-    loads = {"pinned short": Load(pinned, [0], short, 20, n, alone_s),
-             "pinned long": Load(pinned, [0], long, 20, n, alone_s),
-             "unpinned long": Load([None] * 64, [None], long, 10, 2 * n, alone_s)}
+    loads = {"pinned short": Load(pinned, [0], short, 20, n, alone_steps),
+             "pinned long": Load(pinned, [0], long, 20, n, alone_steps),
+             "unpinned long": Load([None] * 64, [None], long, 10, 2 * n, alone_steps)}
     flags = ("--max-running-requests", "80", "--max-total-tokens", str(24 * context), "--chunked-prefill-size",
              "1024", "--context-length", str(context))
     out = {}
@@ -92,11 +100,12 @@ def run(ctx: Context) -> dict:
     return result
 
 
-def _sizes(q: bool) -> tuple[int, int, int, float, int]:
-    """(short, long, context, alone_s, prompts) of a --quick or full run."""
+def _sizes(q: bool) -> tuple[int, int, int, int, int]:
+    """(short, long, context, alone_steps, prompts) of a --quick or full run: the decoders' output (the context
+    less their prompt) outlasts every load's decode steps (`Load.decode_steps`: 380 of 488, 920 of 1000)."""
     short, long, context = (64, 384, 512) if q else (128, 768, 1024)
-    alone_s, n = (4.0, 8) if q else (10.0, 30)
-    return short, long, context, alone_s, n
+    alone_steps, n = (200, 8) if q else (300, 30)
+    return short, long, context, alone_steps, n
 
 
 def run_disaggregated(ctx: Context) -> dict:
@@ -104,8 +113,8 @@ def run_disaggregated(ctx: Context) -> dict:
     if any(f.startswith("--disaggregation") for f in ctx.server_flags):
         raise ExperimentError("--disaggregation-* flags are chosen by the experiment itself (it starts a prefill "
                               "and a decode server); drop them from the command line")
-    _, long, context, alone_s, n = _sizes(ctx.quick)
-    load = Load([None] * 64, [None], long, 10, 2 * n, alone_s)
+    _, long, context, alone_steps, n = _sizes(ctx.quick)
+    load = Load([None] * 64, [None], long, 10, 2 * n, alone_steps)
     flags = ("--max-running-requests", "80", "--max-total-tokens", str(24 * context), "--chunked-prefill-size",
              "1024", "--context-length", str(context))
     out = {}
@@ -177,28 +186,38 @@ async def _measure(url: str, load: Load, context: int) -> dict:
     args = bench.parse_args(["--base-url", url, "--disable-tqdm"])
     rng = np.random.default_rng(0)
     max_new = context - 16 - 8  # decoders run until they are cancelled; bounded by the context
+    if load.decode_steps() > max_new:
+        raise ExperimentError(f"the load needs {load.decode_steps()} decode steps, more than the {max_new} tokens a "
+                              f"decoder may produce in a context of {context}; raise the context or shorten the load")
 
     def request(n_in: int, n_out: int, rank: int | None) -> bench.Request:
         return bench.Request(rng.integers(1, 512, size=n_in).tolist(), n_in, n_out, rank)
+
+    async def every_decoder_has(tokens: int, what: str) -> None:
+        """Wait until each decoder has `tokens` tokens (a decoder gets one a decode step); one sentence if one
+        stops or the wait passes 300 s."""
+        t0 = time.perf_counter()
+        while min(len(o.token_at) for o in dec) < tokens:
+            if time.perf_counter() - t0 > 300 or any(t.done() for t in tasks):
+                _cancel(tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                failed = [o.error for o in dec if o.error] + [repr(t.exception()) for t in tasks
+                                                              if t.done() and not t.cancelled() and t.exception()]
+                raise ExperimentError(f"the decoding requests did not all {what} within 300 s "
+                                      f"({(failed or ['no error'])[0]})")
+            await asyncio.sleep(0.02)
 
     args.timeout = 600.0
     async with bench.session(args) as client:
         dec = [bench.Outcome() for _ in load.decoder_ranks]
         tasks = [asyncio.create_task(bench.send(client, args, request(16, max_new, r), o))
                  for r, o in zip(load.decoder_ranks, dec, strict=True)]
-        t0 = time.perf_counter()
-        while min(len(o.token_at) for o in dec) < 2:
-            if time.perf_counter() - t0 > 300 or any(t.done() for t in tasks):
-                _cancel(tasks)
-                await asyncio.gather(*tasks, return_exceptions=True)
-                failed = [o.error for o in dec if o.error] + [repr(t.exception()) for t in tasks
-                                                              if t.done() and t.exception()]
-                raise ExperimentError("the decoding requests did not all start within 300 s "
-                                      f"({(failed or ['no error'])[0]})")
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(2.0)  # let the decoders settle (the last prompts read, the streams caught up)
+        await every_decoder_has(2, "start")
+        # settle (the last prompts read, the streams caught up), then the decoders alone: both in decode steps,
+        # so the phases, like the prompts' interval, take the same share of the decoders' output at any step time
+        await every_decoder_has(max(len(o.token_at) for o in dec) + SETTLE_STEPS, "settle into decoding")
         t_alone = time.perf_counter()
-        await asyncio.sleep(load.alone_s)
+        await every_decoder_has(max(len(o.token_at) for o in dec) + load.alone_steps, "decode alone")
         t_prompts = time.perf_counter()
         alone = sum(np.count_nonzero(np.asarray(o.token_at) >= t_alone) for o in dec) / (t_prompts - t_alone)
         step_s = len(dec) / max(alone, 1e-9)  # a decoder gets one token per decode step
@@ -215,6 +234,9 @@ async def _measure(url: str, load: Load, context: int) -> dict:
         _cancel(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.wait([t for _, t in prompts], timeout=120)
+    if t_end <= t_prompts:
+        raise ExperimentError(f"a decoder ended {t_prompts - t_end:.2f} s before the prompts' phase ended, so "
+                              "nothing measures the decoders while the prompts arrive; see the server's log")
     times = np.sort(np.concatenate([np.asarray(o.token_at[1:]) for o in dec]))
     rate_alone = np.count_nonzero((times >= t_alone) & (times < t_prompts)) / (t_prompts - t_alone)
     rate_prompts = np.count_nonzero((times >= t_prompts) & (times < t_end)) / (t_end - t_prompts)
