@@ -8,18 +8,21 @@ import sys
 import threading
 import time
 
+import uvicorn
+from fastapi import FastAPI, Response
+
+from jaxdp.engine.nodes.hosts import PeerFailure
+from jaxdp.engine.nodes.supervise import exit_now
+from jaxdp.serve_config import ServeConfig
+
 log = logging.getLogger("jaxdp.serve")
 
 
-def run_node(args, engine) -> int:
-    """Nodes other than 0: the loop of this node's ranks, and /health; ends when node 0 ends or a node fails."""
-    import uvicorn
-    from fastapi import FastAPI, Response
-
-    from jaxdp.engine.nodes.hosts import PeerFailure
-    from jaxdp.engine.nodes.supervise import exit_now
-
-    app = FastAPI(title=f"jaxdp node {args.node_rank}")
+def serve_node(config: ServeConfig, engine) -> int:
+    """Nodes other than 0: the loop of this node's ranks (`engine`, built from `config`), and /health at
+    `config.http`; ends when node 0 ends or a node fails."""
+    node_rank, host, port = config.dist.node_rank, config.http.host, config.http.port
+    app = FastAPI(title=f"jaxdp node {node_rank}")
 
     @app.get("/health")
     async def health():
@@ -31,23 +34,22 @@ def run_node(args, engine) -> int:
         print(f"error: {e}", file=sys.stderr)
         exit_now(1)
     ranks = engine.local_ranks
-    log.info("node %d serves ranks %d-%d; health at http://%s:%d/health", args.node_rank, ranks.start,
-             ranks.stop - 1, args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            log_level="warning")
-    threading.Thread(target=uvicorn.Server(config).run, name="health", daemon=True).start()
+    log.info("node %d serves ranks %d-%d; health at http://%s:%d/health", node_rank, ranks.start, ranks.stop - 1,
+             host, port)
+    http = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, log_level="warning")
+    threading.Thread(target=uvicorn.Server(http).run, name="health", daemon=True).start()
     try:
         while engine.is_running:
             time.sleep(0.2)
     except KeyboardInterrupt:
         exit_now(130)
     if engine.nodes.node_0_stopped:
-        log.info("node 0 shut down; node %d ends", args.node_rank)
+        log.info("node 0 shut down; node %d ends", node_rank)
         try:
             engine.hosts.barrier("stopped", engine.hosts.timeout_s)  # node 0 keeps the runtime up until here
         except PeerFailure:
             pass
         exit_now(0)
-    print(f"error: node {args.node_rank}: {engine.failed or 'the engine loop ended'}", file=sys.stderr)
+    print(f"error: node {node_rank}: {engine.failed or 'the engine loop ended'}", file=sys.stderr)
     exit_now(1)
     return 1

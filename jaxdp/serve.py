@@ -18,6 +18,7 @@ replicas). User errors (bad flags, a model that does not fit, a port in use) end
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -27,9 +28,38 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+import jax
+import uvicorn
+
+from jaxdp.api.app import create_app
+from jaxdp.api.draining import DrainingServer
+from jaxdp.api.metrics import ServerMetrics
+from jaxdp.api.monitor import Monitor, RankFormatter
+from jaxdp.api.replicas import ReplicaSet
 from jaxdp.cache import cache_dir
+from jaxdp.engine.ipc.messages import WireError
+from jaxdp.engine.ipc.process import read_start, serve_engines
+from jaxdp.engine.ipc.remote import EngineProcess, EngineProcessError
+from jaxdp.engine.loop import Engine
+from jaxdp.engine.nodes.hosts import (
+    DistError,
+    HostExchange,
+    init_distributed,
+    local_device_count,
+    parse_dist_addr,
+    world_devices,
+)
+from jaxdp.engine.nodes.supervise import NODE_CHILD_ENV, exit_now, supervise_node
+from jaxdp.engine.sched.controller import METHODS
+from jaxdp.engine.setup import build_runners, enable_compilation_cache
+from jaxdp.layout import LayoutError, add_layout_args, check_memory_balance, device_free_memory, ensure_host_devices
+from jaxdp.node import serve_node
+from jaxdp.ops.platform import keep_freed_host_memory
+from jaxdp.ops.registry import ATTENTION_BACKENDS, FP8_GEMM_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.serve_config import (  # noqa: F401  (the flags' checks, re-exported where callers look for them)
     ServeConfig,
     UserError,
@@ -38,15 +68,16 @@ from jaxdp.serve_config import (  # noqa: F401  (the flags' checks, re-exported 
     serve_config,
     server_limits,
 )
+from jaxdp.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxdp.serve")
 
+ENGINE_CHILD = ["-m", "jaxdp.serve", "--engine-child"]  # how the server starts its engine process
+START_ERRORS = (LayoutError, UserError, DistError, ValueError, FileNotFoundError)  # the user's to fix: one line
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxdp.engine.sched.controller import METHODS
-    from jaxdp.layout import add_layout_args
-    from jaxdp.ops.registry import ATTENTION_BACKENDS, FP8_GEMM_BACKENDS, MOE_RUNNER_BACKENDS
-
+    """The flags (SGLang's names where SGLang has the flag); `serve_config` checks them."""
     ap = argparse.ArgumentParser(prog="python -m jaxdp.serve", formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
     g = ap.add_argument_group("model")
@@ -102,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and vLLM's engine core do: HTTP, tokenization and streaming then take no CPU or "
                         "interpreter lock from the loop. The default on one node; --no-engine-process keeps it in "
                         "the server's process, as node 0 of several always does")
-    g.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # set by the server for its engine process
+    g.add_argument("--engine-child", action="store_true",  # the server's engine process: its config comes on stdin
+                   help=argparse.SUPPRESS)
     g = ap.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=0.88, metavar="F",
                    help="share of device memory for weights + KV cache (see the pool sizing above)")
@@ -177,8 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(level: str) -> None:
-    from jaxdp.api.monitor import RankFormatter
-
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(RankFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
@@ -195,19 +225,55 @@ def check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
 
 
-def build_backend(config: ServeConfig, layout, tokenizer, dist=None):
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """A start-up error the user must fix (a flag, a port in use, a model that does not fit in device memory) ends
+    this process with one line `error: ...` and exit status 2, never a traceback."""
+    try:
+        yield
+    except START_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as e:  # out of device memory while loading: the model does not fit
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            print(f"error: the model does not fit in device memory ({str(e).splitlines()[0][:200]}); use more "
+                  "devices (--tp-size), a smaller --mem-fraction-static or --max-total-tokens", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+
+
+def load_tokenizer(config: ServeConfig) -> Tokenizer | None:
+    """The tokenizer the config names; None with --skip-tokenizer-init, or where there is none (token ids only)."""
+    path = config.tokenizer_path
+    if path is None:
+        return None
+    tokenizer = Tokenizer.from_dir(path) if Path(path).is_dir() else None
+    if tokenizer is None:
+        log.warning("%s has no tokenizer: serving token ids only (text requests get a 400)", path)
+    return tokenizer
+
+
+def start_engines(config: ServeConfig) -> tuple[ReplicaSet, Tokenizer | None]:
+    """In the process that owns the devices (the engine process, a server without one, a node > 0): join the model
+    world or ask for the host devices the mesh needs before JAX's backends start, then build the engines."""
+    layout, dist = config.layout, config.dist
+    if dist.multi:
+        ensure_host_devices(local_device_count(layout.world, dist.nnodes, layout.tp))
+        init_distributed(dist)  # before anything else starts JAX's backends
+    else:
+        ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
+    enable_compilation_cache(config.compilation_cache_dir)  # '' leaves it off
+    keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
+    layout.validate(len(jax.devices()))
+    tokenizer = load_tokenizer(config)
+    return build_backend(config, tokenizer), tokenizer
+
+
+def build_backend(config: ServeConfig, tokenizer) -> ReplicaSet:
     """Load the model once, then one StepRunner + Engine per replica on its own contiguous sub-mesh."""
-    import jax
-
-    from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.engine import Engine
-    from jaxdp.engine.nodes.hosts import HostExchange, parse_dist_addr, world_devices
-    from jaxdp.engine.setup import build_runners
-
-    devices = world_devices(layout.world, dist.nnodes) if dist and dist.multi else jax.devices()
-    if dist and dist.multi:  # each node checks the balance of its own devices
-        from jaxdp.layout import check_memory_balance, device_free_memory
-
+    layout, dist = config.layout, config.dist
+    devices = world_devices(layout.world, dist.nnodes) if dist.multi else jax.devices()
+    if dist.multi:  # each node checks the balance of its own devices
         here = [d for d in devices if d.process_index == jax.process_index()]
         if (free := device_free_memory(here)) is not None:
             check_memory_balance(free, [[str(d) for d in here]])
@@ -223,7 +289,7 @@ def build_backend(config: ServeConfig, layout, tokenizer, dist=None):
              config.model.path, cfg.num_layers, layout.describe())
     engines = []
     hosts = None
-    if dist and dist.multi:
+    if dist.multi:
         hosts = HostExchange(dist.nnodes, dist.node_rank, one.dp, dist.timeout_s, init_timeout_s=dist.init_timeout_s,
                              coordinator_host=parse_dist_addr(dist.addr)[0])
     for r, runner in enumerate(runners):
@@ -237,155 +303,98 @@ def build_backend(config: ServeConfig, layout, tokenizer, dist=None):
     return ReplicaSet(engines, config.engine.load_balance_method)
 
 
-def resolve_model(args):
-    from jaxdp.config import PRESETS
-    from jaxdp.model.loader import default_model_path
-    from jaxdp.tokenizer import Tokenizer
-
-    if args.model_path is None:
-        path = default_model_path()
-        if not (path / "config.json").exists():
-            raise UserError(f"the embedded default model is not installed at {path}; pass --model-path with a "
-                            "checkpoint directory or a preset (tiny, deepseek-v3, glm-5)")
-        args.model_path = str(path)
-    elif args.model_path not in PRESETS and not Path(args.model_path).is_dir():
-        raise UserError(f"--model-path {args.model_path} is neither a checkpoint directory nor a preset "
-                        f"({', '.join(sorted(PRESETS))})")
-    if args.skip_tokenizer_init:
-        return None
-    tok_dir = args.tokenizer_path or args.model_path
-    if args.tokenizer_path and not (Path(tok_dir) / "tokenizer.json").exists():
-        raise UserError(f"--tokenizer-path {tok_dir} has no tokenizer.json")
-    tokenizer = Tokenizer.from_dir(tok_dir) if Path(tok_dir).is_dir() else None
-    if tokenizer is None:
-        log.warning("%s has no tokenizer: serving token ids only (text requests get a 400)", tok_dir)
-    return tokenizer
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Parse the flags once into a ServeConfig and run this process's role: the server (`run_server`: node 0, or
+    the only node), a node > 0 (`run_node`, under a supervising parent that `supervise_node` is), or the server's
+    engine process (`run_engine_child`, started with --engine-child: its config comes on stdin, not as flags)."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.nnodes > 1 and args.node_rank > 0:
-        from jaxdp.engine.nodes.supervise import NODE_CHILD_ENV, supervise_node
-
-        if not os.environ.get(NODE_CHILD_ENV):
-            return supervise_node(["-m", "jaxdp.serve", *argv], args.node_rank)
+    if args.engine_child:
+        return run_engine_child(sys.stdin.buffer)
+    if args.nnodes > 1 and args.node_rank > 0 and not os.environ.get(NODE_CHILD_ENV):
+        return supervise_node(["-m", "jaxdp.serve", *argv], args.node_rank)  # the node runs as its child
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
-    from jaxdp.engine.nodes.hosts import DistConfig, DistError, check_dist_args, init_distributed, local_device_count
-    from jaxdp.layout import LayoutError, ensure_host_devices, layout_from_args
+    with one_line_errors():
+        config = serve_config(args)
+    if config.dist.multi and config.dist.node_rank > 0:
+        return run_node(config)
+    return run_server(config)
 
-    dist = DistConfig(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout, args.dist_init_timeout)
-    try:
-        check_dist_args(args.nnodes, args.node_rank, args.dist_init_addr)
-        if dist.timeout_s <= 0 or dist.init_timeout_s <= 0:
-            raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
-        check_port(args.host, args.port)
-        server_limits(args)
-        in_child = engine_in_child(args)
-        layout = layout_from_args(args)  # logs the --enable-dp-attention deprecation
-        if dist.multi:
-            if layout.replicas > 1:
-                raise UserError("--dp-size replicas do not span nodes; run one server per node behind a router, "
-                                "or one model world with --nnodes and attention DP")
-            ensure_host_devices(local_device_count(layout.world, dist.nnodes, layout.tp))
-            init_distributed(dist)  # before anything else starts JAX's backends
+
+def run_server(config: ServeConfig) -> int:
+    """Node 0, or the only node: the engines (in a process of their own unless --no-engine-process or several
+    nodes) behind the HTTP API, until SIGTERM."""
+    with one_line_errors():
+        check_port(config.http.host, config.http.port)
+        if config.engine_process:  # the devices are the child's: JAX starts there, not here
+            tokenizer = load_tokenizer(config)
+            backend = start_engine_process(config, tokenizer)
         else:
-            ensure_host_devices(layout.total_devices)  # CPU: the host devices the mesh asks for, before JAX starts
-        if in_child:  # the devices are the child's: JAX starts there, not here
-            backend, tokenizer = start_engine_process(args, argv)
-        else:
-            import jax
-
-            from jaxdp.engine.setup import enable_compilation_cache
-
-            enable_compilation_cache(args.compilation_cache_dir)  # '' leaves it off
-            from jaxdp.ops.platform import keep_freed_host_memory
-
-            keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
-            layout = layout_from_args(args, num_devices=len(jax.devices()))
-            tokenizer = resolve_model(args)
-            backend = build_backend(serve_config(args, layout), layout, tokenizer, dist)
-    except (LayoutError, UserError, DistError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # out of device memory while loading: the model does not fit
-        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-            print(f"error: the model does not fit in device memory ({str(e).splitlines()[0][:200]}); use more "
-                  "devices (--tp-size), a smaller --mem-fraction-static or --max-total-tokens", file=sys.stderr)
-            return 2
-        raise
-    if dist.multi and dist.node_rank > 0:
-        from jaxdp.node import run_node
-
-        return run_node(args, backend.engines[0])
-    if args.engine_child:
-        from jaxdp.engine.ipc.process import serve_engines
-
-        return serve_engines(backend.engines, args.engine_child)
-    code = run_server(args, layout, backend, tokenizer)
-    if dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
-        from jaxdp.engine.nodes.supervise import exit_now
-
+            backend, tokenizer = start_engines(config)
+    code = serve_http(config, backend, tokenizer)
+    if config.dist.multi:  # do not wait in JAX's shutdown barrier for nodes that may be gone already
         time.sleep(1.0)  # the other nodes passed the "stopped" barrier; let them exit before the runtime goes
         exit_now(code)
     return code
 
 
-def engine_in_child(args) -> bool:
-    """Whether this server runs its engines in a child process: by default on one node, never across nodes
-    (node 0's engine takes part in the model world's collectives from the server's own process)."""
-    if args.engine_child:
-        return False  # this process is that child
-    if args.engine_process and args.nnodes > 1:
-        raise UserError("--engine-process runs one node's engine in a child process; drop it with --nnodes > 1, "
-                        "where node 0 runs its engine in the server's process")
-    return args.nnodes == 1 if args.engine_process is None else args.engine_process
+def run_node(config: ServeConfig) -> int:
+    """A node other than 0: its ranks' loop and /health (`jaxdp.node`)."""
+    with one_line_errors():
+        check_port(config.http.host, config.http.port)
+        backend, _ = start_engines(config)
+    return serve_node(config, backend.engines[0])
 
 
-def start_engine_process(args, argv: list[str]):
-    """A child (`jaxdp.engine.ipc.process`) builds and runs the engines with the same flags; this process serves
-    HTTP over them. Returns (backend, tokenizer); exits with the child's status if it fails."""
-    from jaxdp.api.replicas import ReplicaSet
-    from jaxdp.engine.ipc.remote import EngineProcess, EngineProcessError
-
-    tokenizer = resolve_model(args)  # (it finds the embedded model's path, which the child is told)
-    child_argv = [a for a in argv if a != "--engine-process"] + ["--model-path", args.model_path]
+def run_engine_child(stdin: BinaryIO) -> int:
+    """The server's engine process (`jaxdp.engine.ipc.process`): reads its `EngineStart` (the server's checked
+    config, its sockets) from `stdin`, builds the engines as the server would, and runs them for the server."""
     try:
-        return ReplicaSet(EngineProcess(child_argv, tokenizer).engines, args.load_balance_method), tokenizer
+        start = read_start(stdin, ServeConfig)
+    except WireError as e:
+        print(f"error: the engine process got no start message from the server ({e}); --engine-child is for the "
+              "server's own use: run python -m jaxdp.serve without it", file=sys.stderr)
+        return 2
+    config = start.config
+    setup_logging(config.http.log_level)
+    faulthandler.register(signal.SIGUSR1)
+    with one_line_errors():
+        backend, _ = start_engines(config)
+    return serve_engines(backend.engines, start.commands, start.events, start.parent)
+
+
+def start_engine_process(config: ServeConfig, tokenizer) -> ReplicaSet:
+    """A child (`run_engine_child`) builds and runs the engines from `config`; this process serves HTTP over them.
+    Exits with the child's status if it fails to start (it said why, in one sentence)."""
+    try:
+        return ReplicaSet(EngineProcess(ENGINE_CHILD, config, tokenizer).engines, config.engine.load_balance_method)
     except EngineProcessError as e:
-        raise SystemExit(e.code) from None  # the child said why, in one sentence
+        raise SystemExit(e.code) from None
 
 
-def run_server(args, layout, backend, tokenizer) -> int:
-    import uvicorn
-
-    from jaxdp.api.app import create_app
-    from jaxdp.api.draining import DrainingServer
-    from jaxdp.api.metrics import ServerMetrics
-    from jaxdp.api.monitor import Monitor
-
-    server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
-    server_args.update(layout=layout.describe(), mesh=layout.spec(), context_length=backend.context_len(),
-                       num_pages=[e.facts.num_pages for e in backend.engines])
-    name = args.served_model_name or (Path(args.model_path).name if Path(args.model_path).is_dir()
-                                      else args.model_path)
-    metrics = ServerMetrics(backend, name)
-    monitor = Monitor(backend, metrics, decode_log_interval=args.decode_log_interval)
-    app = create_app(backend, tokenizer=tokenizer, served_model_name=name, model_path=args.model_path,
-                     server_args=server_args, api_key=args.api_key, metrics=metrics, limits=server_limits(args),
-                     bind=(args.host, args.port))
+def serve_http(config: ServeConfig, backend: ReplicaSet, tokenizer) -> int:
+    """The HTTP API over `backend` until SIGTERM (then a graceful drain)."""
+    http, layout = config.http, config.layout
+    server_args = {**config.flags, "layout": layout.describe(), "mesh": layout.spec(),
+                   "context_length": backend.context_len(), "num_pages": [e.facts.num_pages for e in backend.engines]}
+    metrics = ServerMetrics(backend, http.served_model_name)
+    monitor = Monitor(backend, metrics, decode_log_interval=http.decode_log_interval)
+    app = create_app(backend, tokenizer=tokenizer, served_model_name=http.served_model_name,
+                     model_path=config.model.path, server_args=server_args, api_key=http.api_key, metrics=metrics,
+                     limits=config.limits, bind=(http.host, http.port))
     backend.start()
     monitor.start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            log_level=args.log_level, timeout_graceful_shutdown=5, loop="uvloop", http="httptools")
-    server = DrainingServer(config, app.state.ctx)
+    uvicorn_config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,
+                                    log_level=http.log_level, timeout_graceful_shutdown=5, loop="uvloop",
+                                    http="httptools")
+    server = DrainingServer(uvicorn_config, app.state.ctx)
 
     def announce():
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         if server.started:
-            log.info("The server is fired up and ready to roll! http://%s:%d (%d ranks)", args.host, args.port,
+            log.info("The server is fired up and ready to roll! http://%s:%d (%d ranks)", http.host, http.port,
                      backend.num_ranks)
 
     threading.Thread(target=announce, daemon=True).start()

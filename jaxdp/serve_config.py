@@ -1,7 +1,7 @@
-"""The server's flags as one checked ServeConfig: the model's options, the engine's config, each replica's KV pool
-sizing and the HTTP limits (`serve_config`); every flag a user can get wrong is refused here in one sentence
-(`UserError`), before anything loads. `python -m jaxdp.serve` (jaxdp/serve.py) parses the flags and starts
-what this describes.
+"""The server's flags as one checked ServeConfig (`serve_config`): the model's options, the engine's config, each
+replica's KV pool sizing, the HTTP limits and options, the layout and the nodes. Every flag a user can get wrong is
+refused here in one sentence (`UserError`), before anything loads and without starting JAX's backends.
+`python -m jaxdp.serve` (jaxdp/serve.py) parses the flags, builds this once and hands it to the process's role.
 
 KV pool per rank: --max-total-tokens N gives it N tokens. Otherwise, on a GPU, every device may hold
 --mem-fraction-static of its memory (JAX's bytes_limit) for weights and KV cache: the pool is what that leaves after
@@ -12,12 +12,23 @@ A,B,... sizes each replica's pool on its own (to reproduce unequal replicas).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from jaxdp.api.context import Limits
-    from jaxdp.engine.options import EngineConfig, ModelOptions
+import jax
+
+from jaxdp.api.context import Limits
+from jaxdp.config import PRESETS
+from jaxdp.disagg.transfer import TRANSPORTS
+from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
+from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
+from jaxdp.engine.sched.delayer import DelayerConfig
+from jaxdp.engine.step.spec import check_speculative
+from jaxdp.layout import GiB, Layout, layout_from_args
+from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
+from jaxdp.parallel.accounting import decode_buckets
 
 CPU_KV_BUDGET = 2**28  # bytes per rank on a CPU (256 MiB), times --mem-fraction-static
 
@@ -28,8 +39,6 @@ class UserError(ValueError):
 
 def server_limits(args):
     """The HTTP limits of `args`, checked (a UserError names the flag)."""
-    from jaxdp.api.context import Limits
-
     for name, low in (("max_request_bytes", 1024), ("max_queued_requests", 1), ("request_timeout", 1e-3),
                       ("graceful_shutdown_timeout", 1e-3)):
         if (value := getattr(args, name)) is not None and not value >= low:
@@ -41,10 +50,6 @@ def server_limits(args):
 def engine_config(args, num_pages: int | None = None):
     """The engine's options from the flags, checked (a UserError names the flag). `num_pages` unset: the
     runner's (each replica's pool is sized from the memory it has, `pool_pages`)."""
-    from jaxdp.engine import EngineConfig
-    from jaxdp.engine.sched.delayer import DelayerConfig
-    from jaxdp.parallel.accounting import decode_buckets
-
     buckets = args.cuda_graph_bs
     if buckets is None and args.cuda_graph_max_bs is not None:
         buckets = decode_buckets(args.cuda_graph_max_bs)
@@ -62,9 +67,6 @@ def engine_config(args, num_pages: int | None = None):
                         "need --enable-prefill-delayer")
     disagg = None
     if args.disaggregation_mode != "null":
-        from jaxdp.disagg.transfer import TRANSPORTS
-        from jaxdp.engine.options import DisaggConfig
-
         if args.disaggregation_transfer_backend not in TRANSPORTS:
             raise UserError(f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend!r} is not "
                             f"available here; use one of: {', '.join(sorted(TRANSPORTS))}")
@@ -86,8 +88,6 @@ def engine_config(args, num_pages: int | None = None):
 def speculative_config(args):
     """SGLang's --speculative-* flags, with its DeepSeek defaults (3 steps, topk 1, 4 draft tokens) for what is
     not given; None without --speculative-algorithm."""
-    from jaxdp.engine.options import SpeculativeConfig
-
     flags = ("num_steps", "eagle_topk", "num_draft_tokens", "disable_by_batch_size")
     given = [f for f in flags if getattr(args, f"speculative_{f}") is not None]
     if args.speculative_algorithm is None:
@@ -131,45 +131,108 @@ def pool_sizing(args, page_size: int, replicas: int) -> PoolSizing:
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    """What the flags say about the model, the engines, their pools and the HTTP limits: built once from them
-    (`serve_config`, which checks them) and handed down; the HTTP side reads the rest of the flags itself."""
+class HttpOptions:
+    """Where and how the HTTP side listens and logs (node 0's API; a node > 0's /health)."""
 
-    model: ModelOptions
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # every endpoint but /health needs 'Authorization: Bearer KEY'
+    served_model_name: str = "default"  # what /v1/models reports
+    log_level: str = "info"
+    decode_log_interval: int = 40  # decode steps between a rank's Decode batch log lines
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything the flags say, checked: built once from them (`serve_config`) in the process the user started,
+    and handed to the entry function of each process role (`jaxdp.serve`); the engine process receives it as a
+    typed message. Nothing downstream reads the flags again."""
+
+    model: ModelOptions  # (dtype may be "auto": decided where the model is built, once JAX knows its devices)
     engine: EngineConfig  # (num_pages unset: each replica's runner has its own, sized by `pool`)
     pool: PoolSizing
     limits: Limits
+    layout: Layout  # from the flags; checked against the devices where they are (`Layout.validate`)
+    dist: DistConfig
+    http: HttpOptions
+    tokenizer_path: str | None  # the directory to read tokenizer.json from; None: --skip-tokenizer-init
+    compilation_cache_dir: str  # JAX's persistent compilation cache ('' leaves it off)
+    engine_process: bool  # the engines run in a process of their own (the default on one node)
+    flags: dict[str, Any]  # the flags as given, but --api-key and with the model's path: /get_server_info reports them
 
 
-def serve_config(args, layout) -> ServeConfig:
-    """The flags as a ServeConfig (a UserError names a flag to change). After `resolve_model`: the model's path."""
-    from jaxdp.engine.options import ModelOptions
-    from jaxdp.ops.platform import default_dtype
+def engine_in_child(args: argparse.Namespace) -> bool:
+    """Whether this server runs its engines in a child process: by default on one node, never across nodes
+    (node 0's engine takes part in the model world's collectives from the server's own process)."""
+    if args.engine_process and args.nnodes > 1:
+        raise UserError("--engine-process runs one node's engine in a child process; drop it with --nnodes > 1, "
+                        "where node 0 runs its engine in the server's process")
+    return args.nnodes == 1 if args.engine_process is None else args.engine_process
 
+
+def dist_config(args: argparse.Namespace) -> DistConfig:
+    """The --nnodes / --node-rank / --dist-* flags, checked."""
+    check_dist_args(args.nnodes, args.node_rank, args.dist_init_addr)
+    if args.dist_timeout <= 0 or args.dist_init_timeout <= 0:
+        raise UserError("--dist-timeout and --dist-init-timeout must be positive seconds")
+    return DistConfig(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout, args.dist_init_timeout)
+
+
+def model_path(flag: str | None) -> str:
+    """--model-path as the path the model loads from: the embedded model's directory when not given."""
+    if flag is None:
+        path = default_model_path()
+        if not (path / "config.json").exists():
+            raise UserError(f"the embedded default model is not installed at {path}; pass --model-path with a "
+                            "checkpoint directory or a preset (tiny, deepseek-v3, glm-5)")
+        return str(path)
+    if flag not in PRESETS and not Path(flag).is_dir():
+        raise UserError(f"--model-path {flag} is neither a checkpoint directory nor a preset "
+                        f"({', '.join(sorted(PRESETS))})")
+    return flag
+
+
+def tokenizer_path(args: argparse.Namespace, model: str) -> str | None:
+    """Where the tokenizer is read from (--tokenizer-path, else the model's directory); None with
+    --skip-tokenizer-init."""
+    if args.skip_tokenizer_init:
+        return None
+    if args.tokenizer_path and not (Path(args.tokenizer_path) / "tokenizer.json").exists():
+        raise UserError(f"--tokenizer-path {args.tokenizer_path} has no tokenizer.json")
+    return args.tokenizer_path or model
+
+
+def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> ServeConfig:
+    """The flags as a ServeConfig, every one checked before anything loads (a UserError or LayoutError names a flag
+    to change). `layout`: the flags' own (`layout_from_args`) unless given. Starts no JAX backend."""
+    dist = dist_config(args)
+    limits = server_limits(args)
+    engine_process = engine_in_child(args)
+    layout = layout_from_args(args) if layout is None else layout  # logs the --enable-dp-attention deprecation
+    if dist.multi and layout.replicas > 1:
+        raise UserError("--dp-size replicas do not span nodes; run one server per node behind a router, "
+                        "or one model world with --nnodes and attention DP")
+    path = model_path(args.model_path)
+    tokenizer = tokenizer_path(args, path)
     engine = engine_config(args)
-    model = ModelOptions(args.model_path, args.dtype if args.dtype != "auto" else default_dtype(), args.random_seed,
-                         args.quantization, args.attention_backend, args.moe_runner_backend,
-                         None if args.index_key_dtype == "auto" else args.index_key_dtype,
+    model = ModelOptions(path, args.dtype, args.random_seed, args.quantization, args.attention_backend,
+                         args.moe_runner_backend, None if args.index_key_dtype == "auto" else args.index_key_dtype,
                          draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend)
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it
-        from jaxdp.engine.step.spec import check_speculative
-        from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
-
         try:
             check_speculative(engine)
-            path = args.model_path
-            check_mtp_checkpoint(str(default_model_path()) if path in (None, "default") else path)
+            check_mtp_checkpoint(path)
         except ValueError as e:
             raise UserError(f"--speculative-algorithm {engine.speculative.algorithm}: {e}") from None
-    return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), server_limits(args))
+    name = args.served_model_name or (Path(path).name if Path(path).is_dir() else path)
+    http = HttpOptions(args.host, args.port, args.api_key, name, args.log_level, args.decode_log_interval)
+    flags = {k: v for k, v in vars(args).items() if k not in ("api_key", "engine_child")} | {"model_path": path}
+    return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), limits, layout, dist, http,
+                       tokenizer, args.compilation_cache_dir, engine_process, flags)
 
 
 def pool_pages(sizing: PoolSizing, runner, replica: int) -> int:
     """KV pages per rank for one replica (see the module docstring)."""
-    import jax
-
-    from jaxdp.layout import GiB
-
     S = runner.page_size
     if sizing.replica_num_pages:
         return sizing.replica_num_pages[replica]

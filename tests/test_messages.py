@@ -64,7 +64,8 @@ def one_of_each() -> list:
     return [m.Submit(0, sent), m.Abort(1, "r1"), m.Ask(4, 0, "rank_states"), m.Ask(5, 1, "flush_cache"), m.Shutdown(),
             m.Ready([facts()]), m.StepDone(0, [update], [record], 9, 1, None, m.Counters(12, 3, {"delay": 2})),
             m.States(4, {0: {"num_reqs": 2}}), m.Flushed(5, [flush]), m.Flushed(6, None), m.CallFailed(7, "boom"),
-            node, ([Proposal(3, True, False, 2, True, True, 4, held=5, drafting=True)], node), node.rooms[0]]
+            node, ([Proposal(3, True, False, 2, True, True, 4, held=5, drafting=True)], node), node.rooms[0],
+            m.EngineStart("ipc:///tmp/x/commands", "ipc:///tmp/x/events", 4321, {"a config": [1, 2]})]
 
 
 def test_every_message_type_survives_the_codec_whole():
@@ -140,7 +141,7 @@ def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, ca
     threading.Thread(target=lambda: commands.send(b"\x93\xa5Abort"), daemon=True).start()  # blocks until connected
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = serve_engines([engine], f"ipc://{tmp_path}/commands,ipc://{tmp_path}/events,{os.getppid()}")
+        code = serve_engines([engine], f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/events", os.getppid())
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -16,7 +16,7 @@ DEFAULT_PAGE_SIZE, DEFAULT_NUM_PAGES = 16, 256
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     path: str | None = "default"  # a checkpoint directory, "default" (the embedded model) or a preset
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": bfloat16 on a GPU, float32 on a CPU (decided where the model is built)
     seed: int = 0  # a preset's random weights
     quantization: str | None = None  # "nvfp4" | "fp8" (a quantized checkpoint says so itself)
     attention_backend: str | None = None  # MLA decode: one of jaxdp.ops.registry.ATTENTION_BACKENDS (None: the default)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -14,13 +15,22 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_spec, empty_step
+from jaxdp.config import PRESETS
+from jaxdp.engine.options import ModelOptions
 from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS
 from jaxdp.engine.step.prompt_logprobs import prompt_logprobs
 from jaxdp.engine.step.sampling import sample_tokens, top_logprobs
-from jaxdp.parallel.step import StepRunner
+from jaxdp.layout import ensure_host_devices, parse_mesh_spec
+from jaxdp.model.loader import build_model, build_mtp, default_model_path
+from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
+from jaxdp.ops.attention import decode_kernels
+from jaxdp.ops.platform import default_dtype
+from jaxdp.ops.registry import fp8_gemm_backend, moe_runner_backend
+from jaxdp.parallel.spec_step import run_spec_step
+from jaxdp.parallel.step import StepOptions, StepRunner
+from jaxdp.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from jaxdp.engine.options import ModelOptions
     from jaxdp.engine.step.buckets import Buckets
 
 log = logging.getLogger("jaxdp.setup")
@@ -32,8 +42,6 @@ def enable_compilation_cache(directory: str | None) -> None:
     --compilation-cache-dir), a library constructor does not."""
     if not directory:
         return
-    import os
-
     path = os.path.expanduser(directory)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
@@ -78,8 +86,6 @@ def run_idle(runner: StepRunner, shape, dp: int) -> None:
     arrays["rows_R"] = np.zeros(dp, np.int32)
     arrays["logits_idx_B"] = np.zeros((dp, shape.num_logits), np.int32)  # (every row's, in the all_logits shape)
     if shape.draft_tokens:
-        from jaxdp.parallel.spec_step import run_spec_step
-
         arrays |= empty_spec(dp, shape.num_rows, shape.num_requests, shape.draft_tokens, pad_slot)
         arrays["seqs_R"] = np.zeros(dp, np.int32)
         jax.block_until_ready(run_spec_step(runner, shape, arrays))
@@ -89,11 +95,6 @@ def run_idle(runner: StepRunner, shape, dp: int) -> None:
 
 def find_tokenizer(model):
     """The tokenizer beside a checkpoint the engine builds its runner from (none for a preset or a ready runner)."""
-    from jaxdp.config import PRESETS
-    from jaxdp.engine.options import ModelOptions
-    from jaxdp.model.loader import default_model_path
-    from jaxdp.tokenizer import Tokenizer
-
     path = model.path if isinstance(model, ModelOptions) else model
     if not isinstance(path, str) or path in PRESETS:
         return None
@@ -103,8 +104,6 @@ def find_tokenizer(model):
 def model_options(model: str | None | ModelOptions, **options) -> ModelOptions:
     """`model` as ModelOptions: a checkpoint directory, "default" or a preset with ModelOptions' other fields as
     keywords, or ModelOptions (with some fields changed by the keywords)."""
-    from jaxdp.engine.options import ModelOptions
-
     if isinstance(model, ModelOptions):
         return dataclasses.replace(model, **options)
     return ModelOptions(model, **options)
@@ -115,22 +114,17 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     """The one construction path (serve, Engine, one_batch): the model (`model_options(model, **options)`) built
     in its final sharding on the first mesh (`jaxdp.model.loader.build_model`), copied device to device onto each
     further replica's mesh, one StepRunner per mesh, each with a pool of `num_pages` pages of `page_size` tokens
-    per rank. Logs what the weights take per device, by dtype."""
-    from jaxdp.model.loader import build_model
-    from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
-    from jaxdp.ops.attention import decode_kernels
-    from jaxdp.ops.registry import fp8_gemm_backend, moe_runner_backend
-    from jaxdp.parallel.step import StepOptions
-
+    per rank. Logs what the weights take per device, by dtype. A dtype of "auto" is decided here, where JAX
+    knows its devices (`jaxdp.ops.platform.default_dtype`)."""
     o = model_options(model, **options)
+    if o.dtype == "auto":
+        o = dataclasses.replace(o, dtype=default_dtype())
     gemm = fp8_gemm_backend(o.fp8_gemm_backend)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
     draft = None
     if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are
-        from jaxdp.model.loader import build_mtp
-
         draft = build_mtp(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                           num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     step = StepOptions(decode_kernel=decode_kernels(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
@@ -148,8 +142,6 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
 
 def make_runner(options: ModelOptions, mesh, num_pages: int, page_size: int) -> StepRunner:
     """The runner an Engine builds for itself from ModelOptions and a --mesh spec (or Layout)."""
-    from jaxdp.layout import ensure_host_devices, parse_mesh_spec
-
     layout = parse_mesh_spec(mesh) if isinstance(mesh, str) else mesh
     ensure_host_devices(layout.world)
     devices = jax.devices()[: layout.world]

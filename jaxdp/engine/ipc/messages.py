@@ -4,7 +4,8 @@ MessagePack): the engine process's sockets (`jaxdp.engine.ipc.process`, `.remote
 MessagePack, names an unknown kind, or has a field of the wrong type is a `WireError` in one sentence (the
 caller says which peer sent it), never a half-read message, and nothing in a frame is ever imported or run.
 
-- The engine process: the server sends `Command`s (`Submit`, `Abort`, `Ask`, `Shutdown`);
+- The engine process: the server starts it with one `EngineStart` on its stdin (where its sockets are, and the
+  checked config it builds the engines from); then the server sends `Command`s (`Submit`, `Abort`, `Ask`, `Shutdown`);
   the child sends `Event`s (`Ready` once, `StepDone` after every step that changed something, and the answers
   `States`, `Flushed`, `CallFailed`).
 - The node exchange: each iteration every node sends one frame, its ranks' `Proposal`s and a `NodeMessage`.
@@ -13,7 +14,7 @@ caller says which peer sent it), never a half-read message, and nothing in a fra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -143,6 +144,20 @@ def frame_reader(message_kind: Any) -> Reader:
 
 
 # ---- the engine process: the server's commands ---------------------------------------------------------------
+ConfigT = TypeVar("ConfigT")
+
+
+class EngineStart(msgspec.Struct, Generic[ConfigT], frozen=True):
+    """The server's first and only words on its engine process's stdin: the sockets to connect to, the server's pid
+    (the child ends once that is no longer its parent), and the checked config it builds the engines from (the
+    server's `jaxdp.serve_config.ServeConfig`; the child reads it as `EngineStart[ServeConfig]`)."""
+
+    commands: str
+    events: str
+    parent: int
+    config: ConfigT
+
+
 class Submit(msgspec.Struct, tag=True, array_like=True):
     engine: int
     request: SentRequest

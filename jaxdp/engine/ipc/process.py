@@ -2,10 +2,11 @@
 
 SGLang runs its scheduler in one process and HTTP, tokenization and streaming in another (its tokenizer
 manager); vLLM's engine core is a process of its own too. Then the HTTP side takes neither CPU nor the
-interpreter lock from the loop that feeds the devices. Here the server's process spawns this one with the
-same flags; it builds the engines exactly as the server would (every start-up error is the same one sentence
-and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a local
-path, typed messages of `jaxdp.engine.ipc.messages` (one codec, no pickle):
+interpreter lock from the loop that feeds the devices. Here the server's process checks the flags, spawns this
+one and writes it one `EngineStart` on its stdin (`read_start`): the checked config and where its sockets are.
+This process builds the engines from that config exactly as the server would (every start-up error is the same
+one sentence and exit status), starts their loops and then only carries messages, over two ZeroMQ sockets on a
+local path, typed messages of `jaxdp.engine.ipc.messages` (one codec, no pickle):
 
 - in, `Command`s: `Submit` (an engine, a request), `Abort`, `Ask` for the rare questions (the ranks' figures, a
   prefix-cache flush), `Shutdown`;
@@ -28,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from typing import BinaryIO
 
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
@@ -101,15 +103,20 @@ class Outbox:
                                       self.engine.failed, counters))
 
 
-def serve_engines(engines: list, addrs: str) -> int:
-    """Run the engines' loops for the server's process at `addrs` ("commands,events,its pid"); returns the
-    exit status once told to stop (0) or once that process is gone (1)."""
+def read_start(stream: BinaryIO, config_type: type) -> msg.EngineStart:
+    """The server's `EngineStart` from `stream` (this process's stdin, read to its end), its config read as
+    `config_type`; anything else is a WireError in one sentence."""
+    return msg.Reader(msg.EngineStart[config_type])(stream.read())
+
+
+def serve_engines(engines: list, commands_addr: str, events_addr: str, parent: int) -> int:
+    """Run the engines' loops for the server's process `parent` (its pid from before the build: it may have gone
+    meanwhile), its commands read from `commands_addr` and the events sent to `events_addr`; returns the exit
+    status once told to stop (0) or once that process is gone (1)."""
     import zmq
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (or a stop) may reach the whole group: the server
         signal.signal(sig, signal.SIG_IGN)  # drains first, then tells this process to stop
-    commands_addr, events_addr, parent = addrs.split(",")
-    parent = int(parent)  # (the server's pid from before the build: it may have gone meanwhile)
     ctx = zmq.Context()
     commands = _socket(ctx, zmq.PULL, commands_addr)
     replies = _socket(ctx, zmq.PUSH, events_addr)

@@ -1,7 +1,8 @@
 """The engine in a process of its own (`--engine-process`): the server's side. See `jaxdp.engine.ipc.process`.
 
-`EngineProcess` spawns `python -m jaxdp.serve <the same flags> --engine-child ADDRS`, waits until it is ready
-(or repeats its start-up error's exit status), and runs one thread that reads everything the child sends.
+`EngineProcess` spawns `python -m jaxdp.serve --engine-child`, writes it one `EngineStart` on its stdin (the server's
+checked config and the sockets' addresses), waits until it is ready (or repeats its start-up error's exit status),
+and runs one thread that reads everything the child sends.
 `RemoteEngine` is what the server holds for each of the child's engines: an `EngineClient` as `jaxdp.Engine` is
 (requests are made and checked here with the engine's own admission rule, on the facts the child sent; streams,
 the controller and metrics see stand-in requests), so `ReplicaSet`, the endpoints and the monitor do not know
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
@@ -44,7 +46,10 @@ class EngineProcessError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, argv: list[str], tokenizer, *, start_timeout_s: float = 3600.0):
+    """The engine process, seen from the server: `command` is the child's Python arguments (`-m jaxdp.serve
+    --engine-child`), `config` what it builds its engines from (sent in its `EngineStart`)."""
+
+    def __init__(self, command: list[str], config: Any, tokenizer, *, start_timeout_s: float = 3600.0):
         import zmq
 
         self._dir = tempfile.TemporaryDirectory(prefix="jaxdp-engine-")
@@ -61,8 +66,13 @@ class EngineProcess:
         self._read_event = msg.Reader(msg.Event)
         self._calls: dict[int, Result] = {}
         self._call_ids = itertools.count()
-        child = ",".join([*addrs, str(os.getpid())])  # the child ends if this pid is no longer its parent
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.serve", *argv, "--engine-child", child])
+        start = msg.EngineStart(*addrs, os.getpid(), config)  # the child ends if this pid is no longer its parent
+        self.proc = subprocess.Popen([sys.executable, *command], stdin=subprocess.PIPE)
+        try:
+            self.proc.stdin.write(msg.encode(start))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died before reading: `_wait_ready` repeats its exit status
+            pass
         self.engines = self._wait_ready(tokenizer, start_timeout_s)
         self.failed: str | None = None
         self._stopping = False
