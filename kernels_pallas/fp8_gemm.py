@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import words as w16
 from kernels_pallas.mla_decode import by_lowering_platform
-from kernels_pallas.nvfp4_moe import _fit_block, _is_pow2, _row_limit, effective_group_sizes, grouped_call
+from kernels_pallas.nvfp4_moe import _is_pow2, _row_limit, effective_group_sizes, fit_block, grouped_call
 
 BLOCK_K = 128  # DeepSeek's block: one scale per 128 rows of K
 FP8 = jnp.float8_e4m3fn
@@ -49,7 +49,7 @@ MIN_BLOCK_N = 16  # Triton's dot needs tiles of at least 16
 
 def tiles(k: int, n: int, block_n: int = 64) -> bool:
     """Whether a [K, N] weight fits these kernels' tiles: K a multiple of 128, N a multiple of 16."""
-    return k % BLOCK_K == 0 and _fit_block(block_n, n) >= MIN_BLOCK_N
+    return k % BLOCK_K == 0 and fit_block(block_n, n) >= MIN_BLOCK_N
 
 
 def block_columns(n: int, block: int = BLOCK_K) -> np.ndarray:
@@ -152,7 +152,7 @@ def _layer_call(kernel, out_shape, grid, names, layer, col_scale, x, w_stack, sc
 
 def _check(name, x_shape, w_shape, s_shape, col_scale_N, blocks):
     k, n = w_shape[-2:]
-    if _fit_block(blocks["block_n"], n) < MIN_BLOCK_N:
+    if fit_block(blocks["block_n"], n) < MIN_BLOCK_N:
         raise ValueError(f"{name}: N={n} needs a power-of-two divisor of at least {MIN_BLOCK_N} (Triton's dot).")
     if x_shape[-1] != k or k % BLOCK_K or s_shape[-2] != k // BLOCK_K or len(col_scale_N) != n:
         raise ValueError(f"{name}: x {x_shape}, weight {w_shape}, scales {s_shape} and {len(col_scale_N)} scale "
@@ -179,7 +179,7 @@ def fp8_matmul(x_MK, w_LKN, scale_LKbS, col_scale_N, layer=0, *, block_m: int = 
         col_scale_N = np.zeros(w_LKN.shape[2], np.int32)
     _check("fp8_matmul", x_MK.shape, w_LKN.shape, (*w_LKN.shape[:2], w_LKN.shape[1] // BLOCK_K, 1)
            if scale_LKbS is None else scale_LKbS.shape, col_scale_N, {"block_m": block_m, "block_n": block_n})
-    call = functools.partial(_dense_call, block_m=block_m, block_n=_fit_block(block_n, w_LKN.shape[2]),
+    call = functools.partial(_dense_call, block_m=block_m, block_n=fit_block(block_n, w_LKN.shape[2]),
                              num_warps=num_warps, num_stages=num_stages, words=words,
                              out_dtype=None if out_dtype is None else jnp.dtype(out_dtype))
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
@@ -254,8 +254,8 @@ def head_tiles(a: int, width: int, contract: str, block_n: int = 64) -> bool:
     side (A: a multiple of 128, a K tile per scale row block; B: a power-of-two divisor of at least 16) and
     the other one a power-of-two divisor of at least 16 (Triton's dot)."""
     if contract == "A":
-        return a % BLOCK_K == 0 and _fit_block(block_n, width) >= MIN_BLOCK_N
-    return a % BLOCK_K == 0 and _fit_block(BLOCK_K, width) >= MIN_BLOCK_N and _fit_block(block_n, a) >= MIN_BLOCK_N
+        return a % BLOCK_K == 0 and fit_block(block_n, width) >= MIN_BLOCK_N
+    return a % BLOCK_K == 0 and fit_block(BLOCK_K, width) >= MIN_BLOCK_N and fit_block(block_n, a) >= MIN_BLOCK_N
 
 
 def fp8_head_matmul(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer=0, *, offset: int = 0, width: int | None = None,
@@ -291,8 +291,8 @@ def fp8_head_matmul(x_MHK, w_LAHB, scale_LAbHS, col_scale_B, layer=0, *, offset:
         if not _is_pow2(size):
             raise ValueError(f"{label}={size} must be a power of two.")
     call = functools.partial(_head_call, n=n, offset=offset, contract_a=contract == "A", block_m=block_m,
-                             block_n=min(_fit_block(block_n, n), BLOCK_K),
-                             block_k=BLOCK_K if contract == "A" else _fit_block(BLOCK_K, width),
+                             block_n=min(fit_block(block_n, n), BLOCK_K),
+                             block_k=BLOCK_K if contract == "A" else fit_block(BLOCK_K, width),
                              num_warps=num_warps, num_stages=num_stages, words=words,
                              out_dtype=jnp.dtype(x_MHK.dtype if out_dtype is None else out_dtype))
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
@@ -345,7 +345,7 @@ def fp8_grouped_matmul(x_TK, w_LEKN, scale_LEKbS, col_scale_N, group_sizes_E, la
         w_LEKN, scale_LEKbS = w_LEKN[None], scale_LEKbS[None]
     _check("fp8_grouped_matmul", x_TK.shape, w_LEKN.shape, scale_LEKbS.shape, col_scale_N,
            {"block_m": block_m, "block_n": block_n})
-    call = functools.partial(_grouped_call, block_m=block_m, block_n=_fit_block(block_n, w_LEKN.shape[3]),
+    call = functools.partial(_grouped_call, block_m=block_m, block_n=fit_block(block_n, w_LEKN.shape[3]),
                              num_warps=num_warps, num_stages=num_stages, words=words)
     call = by_lowering_platform(call) if interpret is None else functools.partial(call, interpret=interpret)
     return call(x_TK, w_LEKN, scale_LEKbS, jnp.asarray(col_scale_N, jnp.int32), group_sizes_E, layer,

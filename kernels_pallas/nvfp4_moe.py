@@ -34,7 +34,7 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _fit_block(block: int, dim: int) -> int:
+def fit_block(block: int, dim: int) -> int:
     """The largest power of two <= block that divides dim."""
     while block > 1 and dim % block:
         block //= 2
@@ -209,7 +209,7 @@ def nvfp4_grouped_matmul(
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if not _is_pow2(size):
             raise ValueError(f"{name}={size} must be a power of two.")
-    block_n, block_k = _fit_block(block_n, n), _fit_block(block_k, k)
+    block_n, block_k = fit_block(block_n, n), fit_block(block_k, k)
     if block_k < BLOCK_K:
         raise ValueError(f"K={k} needs a power-of-two divisor of at least {BLOCK_K} (one scale block).")
     call = functools.partial(_grouped_call, block_m=block_m, block_n=block_n, block_k=block_k,

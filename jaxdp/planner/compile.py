@@ -19,6 +19,29 @@ import re
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxdp.engine.step.buckets import Buckets
+from jaxdp.layout import ensure_host_devices
+from jaxdp.model.sharded import (
+    ShardedModel,
+    _dotted,
+    abstract_mtp,
+    abstract_state,
+    check_fp8_split,
+    param_table,
+    resolve_quantization,
+    table_of,
+)
+from jaxdp.ops.attention import decode_kernels
+from jaxdp.ops.registry import moe_runner_backend
+from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.planner import xla_target
+from jaxdp.planner.gpu_report import check_step, format_gpu, step_cost
+from jaxdp.planner.hlo_checks import itemsize
 from jaxdp.planner.weights import kv_bytes, total_bytes, weights_per_device
 
 GiB = 2**30
@@ -50,10 +73,6 @@ def abstract_sharded(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
     description of every parameter (shape, dtype, PartitionSpec) as ShapeDtypeStructs on `mesh`, bf16
     where not quantized. A layout whose FP8 weights do not split into whole scale blocks is refused as
     the loader refuses it."""
-    import jax.numpy as jnp
-
-    from jaxdp.model.sharded import ShardedModel, abstract_state, check_fp8_split, param_table, resolve_quantization
-
     quantization = QUANTIZATION[expert_dtype]
     rcfg, _ = resolve_quantization(cfg, quantization)
     if rcfg.fp8_block:
@@ -66,13 +85,6 @@ def abstract_draft(cfg: Any, layout: Any, mesh: Any, expert_dtype: str):
     (`jaxdp.model.sharded.load_mtp_sharded`), without weights: ShapeDtypeStructs in their final sharding on
     `mesh`. Block FP8 as the main layers; NVFP4 exports leave the MTP layer unquantized (bf16 experts, as
     `jaxdp.planner.weights.mtp_component` counts it)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    from jaxdp.model.sharded import ShardedModel, _dotted, abstract_mtp, check_fp8_split, resolve_quantization, table_of
-
     quantization = None if expert_dtype == "nvfp4" else QUANTIZATION[expert_dtype]
     rcfg, _ = resolve_quantization(cfg, quantization)
     abstract = abstract_mtp(cfg, jnp.bfloat16, quantization)
@@ -91,9 +103,6 @@ def step_shapes(layout: Any, case: CompileCase) -> list:
     as `jaxdp.engine.step.buckets.Buckets.shapes` shapes them: the decode bucket's requests verifying only (D + 1 rows
     each, the absorbed form) and the largest extend bucket (the extend form: a prompt chunk beside the other
     requests' verifies, as many requests as the decode bucket holds), in the gather mode the engine gives it."""
-    from jaxdp.engine.step.buckets import Buckets
-    from jaxdp.parallel.step import StepShape
-
     pages = -(-max(case.context, case.extend_rows) // case.page_size)
     if case.draft_tokens:
         d = case.draft_tokens
@@ -116,15 +125,6 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     """Compile the steps of `step_shapes` for `cfg` under `layout` with the planned KV pool; returns the
     JSON part {"compiled": [...], "fit": {...}}. Under XLA:CPU, JAX must not have started with fewer host
     devices than the layout has (`jaxdp.layout.ensure_host_devices` before it starts)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdp.layout import ensure_host_devices
-    from jaxdp.ops.attention import decode_kernels
-    from jaxdp.ops.registry import moe_runner_backend
-    from jaxdp.parallel.step import StepRunner
-    from jaxdp.planner import xla_target
-
     expert_dtype, kv_dtype = plan["expert_dtype"], plan["kv_dtype"]
     if kv_dtype != "bf16":
         raise ValueError("--compile runs jaxdp's own step, whose KV pool is bf16 (an fp8 pool is not implemented "
@@ -179,8 +179,6 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
             "collective_buffers": collective_buffers(text),
         }
         if on_gpu:
-            from jaxdp.planner.gpu_report import check_step, step_cost
-
             entry["cost"] = step_cost(executable, text, shape, gpu, planned_w, kv.per_token, case.page_size)
             entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
                                          kernels.name == "pallas")
@@ -233,7 +231,7 @@ def largest_buffers(hlo_text: str, top: int = 6, in_place: bool = False) -> list
         name, dtype, dims, hlo = m.groups()
         calls = re.search(r"calls=%([\w.-]+)", line)
         op = op or (fused_ops.get(calls.group(1), "") if calls else "") or re.sub(r"\.\d+$", "", name)
-        nbytes = math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
+        nbytes = math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
         key = (dtype, dims, op)
         found[key] = {"bytes": nbytes, "shape": f"{dtype}[{dims}]", "op": op}
     return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
@@ -252,17 +250,10 @@ def collective_buffers(hlo_text: str, top: int = 4) -> list[dict[str, Any]]:
         if not m:
             continue
         arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-        nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(t) for t, dims in arrays)
+        nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * itemsize(t) for t, dims in arrays)
         shape = f"{arrays[0][0]}[{arrays[0][1]}]" + (f" x {len(arrays)}" if len(arrays) > 1 else "")
         found[(m.group(2), shape)] = {"bytes": nbytes, "shape": shape, "op": m.group(2)}
     return sorted(found.values(), key=lambda b: -b["bytes"])[:top]
-
-
-def _itemsize(hlo_dtype: str) -> int:
-    if hlo_dtype == "pred" or hlo_dtype.startswith(("f8", "s8", "u8")):
-        return 1
-    bits = re.search(r"(\d+)", hlo_dtype)
-    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
 def _fit(compiled: list[dict[str, Any]], pool_bytes: int, per_token: int, planned_tokens: int,
@@ -320,7 +311,5 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
                f"tokens per rank: {f['kv_tokens_planned_per_rank']:,} planned, {f['kv_tokens_with_temp_per_rank']:,} "
                "fit beside the temp")
     if on_gpu:
-        from jaxdp.planner.gpu_report import format_gpu
-
         out += format_gpu(result["compiled"], plan["gpu"])
     return out

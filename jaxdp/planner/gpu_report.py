@@ -7,7 +7,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxdp.model import mla_prompt
+from jaxdp.model.indexer import query_block, selection_size
+from jaxdp.model.mla import ONE_ROW_BLOCK
+from jaxdp.model.mla_prompt import ABSORBED_BLOCK, KEY_BLOCK
 from jaxdp.planner import hlo_checks
+from jaxdp.planner.hlo_cost import hlo_cost
+from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
+from kernels_pallas.mla_decode import default_num_splits
+from kernels_pallas.nvfp4_moe import fit_block
 
 GiB = 2**30
 CHECKS = ("fp8_weights", "layer_copies", "kernels", "experts", "collectives")
@@ -26,8 +34,6 @@ def step_cost(executable: Any, hlo_text: str, shape: Any, gpu: Any, weight_bytes
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     source = "XLA"
     if not cost:
-        from jaxdp.planner.hlo_cost import hlo_cost
-
         cost, source = hlo_cost(hlo_checks.parse(hlo_text)), "HLO"
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     # tokens of cache the step's rows can read (a verify's rows read their request's: once a request)
@@ -63,12 +69,6 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
                                                 pallas_attention).items():
                 merged.setdefault(name, []).extend(grids)
         return merged
-    from jaxdp.model.indexer import query_block
-    from jaxdp.model.mla import ONE_ROW_BLOCK
-    from jaxdp.model.mla_prompt import KEY_BLOCK
-    from kernels_pallas.mla_decode import default_num_splits
-    from kernels_pallas.nvfp4_moe import _fit_block
-
     expected: dict[str, list[tuple[int, int, int]]] = {}
     path = prompt_path(cfg, layout, shape, page_size)
     if pallas_attention and path in ("decode", "split", "blocked"):
@@ -86,7 +86,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         experts, inter = moe_shards(cfg, layout)
         widths = [2 * inter, cfg.hidden_size]
         expected["nvfp4_grouped_matmul"] = [
-            (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
+            (_cdiv(r, 16) + min(experts, r), n // fit_block(64, n), 1)
             for r in moe_rows(cfg, layout, shape) for n in widths]
     expected.update(mla_kv_b_kernels(cfg, layout, shape, page_size, expert_dtype))
     if cfg.hidden_size % 128:  # the GEMMs tile K by 128: such a model multiplies as XLA does
@@ -96,33 +96,33 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
     full = {cfg.q_lora_rank or 0, cfg.num_heads * cfg.qk_head_dim, cfg.kv_cache_dim, cfg.hidden_size,
             2 * cfg.intermediate_size, 2 * cfg.moe_intermediate_size * cfg.n_shared_experts}
     widths = {n // d for n in full if n for d in {1, layout.tp, layout.world} if n % d == 0}
-    widths = {n for n in widths if _fit_block(64, n) >= 16}  # (kernels_pallas.fp8_gemm.tiles)
-    linear = [(_cdiv(r, 64), n // _fit_block(64, n), 1) for r in rows for n in widths]
+    widths = {n for n in widths if fit_block(64, n) >= 16}  # (kernels_pallas.fp8_gemm.tiles)
+    linear = [(_cdiv(r, 64), n // fit_block(64, n), 1) for r in rows for n in widths]
     heads = cfg.num_heads // layout.tp
     kv_b = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and _fit_block(64, kv_b) >= 16:
+    if path not in ("decode", "selected") and cfg.kv_lora_rank % 128 == 0 and fit_block(64, kv_b) >= 16:
         # the prompt's expansion of the latents by kv_b_proj [L, H * (N + V)]: the context's keys at once (B x C,
         # `mla_prompt.attend_dense`), the step's own rows (`attend_split`) and a key block (`attend_blocked`)
         contexts = {"dense": {shape.num_seqs * shape.pages_per_seq * page_size}, "split": {shape.num_rows},
                     "blocked": set()}[path]
         if path != "dense":
             contexts.add(max(1, min(KEY_BLOCK // page_size, shape.pages_per_seq)) * page_size)
-        linear += [(_cdiv(r, 64), kv_b // _fit_block(64, kv_b), 1) for r in contexts]
+        linear += [(_cdiv(r, 64), kv_b // fit_block(64, kv_b), 1) for r in contexts]
     expected["fp8_matmul" if expert_dtype == "fp8" else "stacked_matmul"] = linear
     if cfg.index_topk:  # the DSA indexer's projections (plain weights): the rank's rows, or its blocks of queries
         index_rows = {shape.num_rows, query_block(shape.num_rows, shape.pages_per_seq * page_size,
                                                   cfg.index_head_dim, cfg.index_n_heads)}
         expected.setdefault("stacked_matmul", []).extend(
-            (_cdiv(r, 64), n // _fit_block(64, n), 1) for r in index_rows
+            (_cdiv(r, 64), n // fit_block(64, n), 1) for r in index_rows
             for n in (cfg.index_n_heads * cfg.index_head_dim, cfg.index_head_dim, cfg.index_n_heads)
-            if _fit_block(64, n) >= 16)
-    if moe_backend == "pallas" and cfg.n_routed_experts and _fit_block(64, cfg.n_routed_experts) >= 16:
+            if fit_block(64, n) >= 16)
+    if moe_backend == "pallas" and cfg.n_routed_experts and fit_block(64, cfg.n_routed_experts) >= 16:
         e = cfg.n_routed_experts  # the router, float32, in place
-        expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // _fit_block(64, e), 1) for r in rows)
+        expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // fit_block(64, e), 1) for r in rows)
         if expert_dtype == "fp8":
             experts, inter = moe_shards(cfg, layout)
             expected["fp8_grouped_matmul"] = [
-                (_cdiv(r, 16) + min(experts, r), n // _fit_block(64, n), 1)
+                (_cdiv(r, 16) + min(experts, r), n // fit_block(64, n), 1)
                 for r in rows for n in (2 * inter, cfg.hidden_size)]
     return expected
 
@@ -130,9 +130,6 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
 def prompt_path(cfg: Any, layout: Any, shape: Any, page_size: int) -> str:
     """Which of MLA's attention forms the step runs (`jaxdp.model.mla.MLA.attend_expanded`): "decode" (absorbed),
     "selected" (a DSA selection), "dense", "split" or "blocked" (`jaxdp.model.mla_prompt`)."""
-    from jaxdp.model import mla_prompt
-    from jaxdp.model.indexer import selection_size
-
     capacity = shape.pages_per_seq * page_size
     if shape.absorbed:
         return "decode"
@@ -149,11 +146,6 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     decode step or of a prompt step's selected attention (DSA), or the prompt's absorbed windows of one or a few
     rows (`mla_prompt.attend_blocked`, also inside `attend_split`) and its one-row sequences in blocks
     (`MLA.attend_one_rows`); none in `attend_dense`."""
-    from jaxdp.model.mla import ONE_ROW_BLOCK
-    from jaxdp.model.mla_prompt import ABSORBED_BLOCK
-    from kernels_pallas.fp8_gemm import BLOCK_K, head_tiles
-    from kernels_pallas.nvfp4_moe import _fit_block
-
     heads, lat = cfg.num_heads // layout.tp, cfg.kv_lora_rank
     products = [n for n, w, c in ((lat, cfg.qk_nope_head_dim, "B"), (cfg.v_head_dim, cfg.v_head_dim, "A"))
                 if head_tiles(lat, w, c)]
@@ -161,7 +153,7 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     if not products or path == "dense":
         return {}
     rows = {t} if path in ("decode", "selected") else {1, min(ABSORBED_BLOCK, t), min(ONE_ROW_BLOCK, shape.num_seqs)}
-    grids = [(_cdiv(r, 64), heads, n // min(_fit_block(64, n), BLOCK_K)) for r in rows for n in products]
+    grids = [(_cdiv(r, 64), heads, n // min(fit_block(64, n), BLOCK_K)) for r in rows for n in products]
     return {"fp8_head_matmul" if expert_dtype == "fp8" else "stacked_head_matmul": grids}
 
 

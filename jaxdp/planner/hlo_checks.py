@@ -26,11 +26,19 @@ import re
 from typing import Any
 
 _FLOAT_WIDE = ("bf16", "f16", "f32")
-_VIEWS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "copy-start", "copy-done"}
+VIEWS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "copy-start", "copy-done"}
 _GEMM_CALLS = ("__cublas", "__cudnn", "__triton_gemm", "gemm")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute", "collective-broadcast")
 _COMPUTE = {"fusion", "custom-call", "dot", "convolution", "while", "conditional", "call"}
+
+
+def itemsize(hlo_dtype: str) -> int:
+    """Bytes per element of an HLO element type (bf16: 2, f8e4m3fn: 1, pred: 1; an unknown one: 4)."""
+    if hlo_dtype == "pred" or hlo_dtype.startswith(("f8", "s8", "u8")):
+        return 1
+    bits = re.search(r"(\d+)", hlo_dtype)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
 @dataclasses.dataclass
@@ -65,7 +73,7 @@ class Module:
             if comp in self.fused:
                 continue
             for ins in instrs:
-                if ins.opcode not in _VIEWS:
+                if ins.opcode not in VIEWS:
                     yield comp, ins
 
     def reaches(self, comp: str, pred, seen: set[str] | None = None) -> bool:
@@ -184,8 +192,6 @@ def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
     the layer scan's stack), costs a write and a second read of that layer. (An activation whose shape happens
     to be a layer's, e.g. 512 decode rows x the hidden size against a shared expert's [512, hidden] slice, is
     not a slice of anything.)"""
-    from jaxdp.planner.compile import _itemsize
-
     def squeeze(dims):
         return tuple(d for d in dims if d != 1)
 
@@ -198,7 +204,7 @@ def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
                 or not any(mod.reaches(c, lambda i: i.opcode == "dynamic-slice") for c in ins.calls()))):
             continue
         for dtype, dims in ins.arrays:
-            nbytes = _elements(dims) * _itemsize(dtype)
+            nbytes = _elements(dims) * itemsize(dtype)
             if nbytes >= min_bytes and (dtype, squeeze(dims)) in layers:
                 copies.append({"shape": f"{dtype}[{','.join(map(str, dims))}]", "bytes": nbytes,
                                "instruction": ins.name, "computation": comp, "op": _op_name(ins.line)})

@@ -17,13 +17,11 @@ from __future__ import annotations
 import math
 import re
 
-from jaxdp.planner.hlo_checks import _VIEWS, Instr, Module
+from jaxdp.planner.hlo_checks import VIEWS, Instr, Module, itemsize
 
 
 def _bytes(ins: Instr) -> int:
-    from jaxdp.planner.compile import _itemsize
-
-    return sum(math.prod(d) * _itemsize(t) for t, d in ins.arrays)
+    return sum(math.prod(d) * itemsize(t) for t, d in ins.arrays)
 
 
 def _dims(line: str, key: str) -> list[int]:
@@ -118,7 +116,7 @@ class _Counter:
     def count(self, comp: str) -> tuple[float, float]:
         flops = accessed = 0.0
         for ins in self.mod.computations.get(comp, []):
-            if ins.opcode in _VIEWS or ins.opcode.endswith("-done"):
+            if ins.opcode in VIEWS or ins.opcode.endswith("-done"):
                 continue
             if ins.opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.line)
