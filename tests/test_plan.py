@@ -1,6 +1,7 @@
 """The planner reproduces the article's memory and roofline figures for GLM-5.3 on 4 B300s."""
 
 import json
+import sys
 
 import pytest
 
@@ -79,6 +80,16 @@ def test_report_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "article (measured)" in text and "768.0 KiB" in text and "48.6 MiB" in text
     assert png.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_one_sentence(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (what `import matplotlib` finds where it is not installed)
+    png = tmp_path / "five.png"
+    assert main([*ARTICLE, "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err == 'plan: error: --plot needs matplotlib: pip install "jaxdp[bench]" (or matplotlib), or leave ' \
+                  "--plot out.\n"
+    assert not png.exists()
 
 
 def test_rows_and_other_layouts(tmp_path):

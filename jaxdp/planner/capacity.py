@@ -29,7 +29,7 @@ from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situ
 from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
 from jaxdp.planner.gpus import PRESETS as GPU_PRESETS
 from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory, with_overrides
-from jaxdp.planner.report import ASSUMPTIONS, format_report, plot_situations
+from jaxdp.planner.report import ASSUMPTIONS, PlotError, format_report, plot_situations
 from jaxdp.planner.roofline import decode_roofline
 from jaxdp.planner.weights import (
     EXPERT_DTYPES,
@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             plot_situations(plan, args.plot)
     except OSError as e:
         print(f"plan: error: cannot write {e.filename}: {e.strerror}.", file=sys.stderr)
+        return 2
+    except PlotError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -8,6 +8,10 @@ from jaxdp.planner.roofline import ARTICLE_EXPERT_GEMM_EXTRA_MS, ARTICLE_MS, ART
 
 GiB = 2**30
 
+
+class PlotError(RuntimeError):
+    """`--plot` cannot draw here (its library is missing); the message says what to install."""
+
 ASSUMPTIONS = [
     "weights: SGLang's placement for the DeepSeek-V3 family (docs/plan.md); routed experts in "
     "--expert-dtype (fp8: a block-FP8 checkpoint, its attention, shared expert and dense layers FP8 too), "
@@ -158,9 +162,13 @@ def _roofline_lines(plan: dict[str, Any], article: bool) -> list[str]:
 
 
 def plot_situations(plan: dict[str, Any], path: str) -> None:
-    """Rows per rank, padding and the experts' ratio for each situation (the article's Figures 5, 13)."""
-    import matplotlib
-
+    """Rows per rank, padding and the experts' ratio for each situation (the article's Figures 5, 13). matplotlib
+    is the benchmarks' dependency, not the planner's: without it, PlotError."""
+    try:  # (optional: imported only to draw)
+        import matplotlib
+    except ImportError:
+        raise PlotError('--plot needs matplotlib: pip install "jaxdp[bench]" (or matplotlib), or leave --plot out.'
+                        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
