@@ -55,7 +55,7 @@ class Engine(ClientBase):
     def __init__(self, model: str | ModelOptions | StepRunner = "default", mesh: str = "dp=1",
                  config: EngineConfig | None = None, *, tokenizer=None, warmup: bool = True,
                  hosts: HostExchange | None = None, **model_options):
-        """`model`: a ready StepRunner (or a stand-in of its interface: `jaxdp.bench.engine.HostOnlyRunner`),
+        """`model`: a ready StepRunner (or a stand-in of its interface: `jaxdp.testing.HostOnlyRunner`),
         or what to build one from: a checkpoint directory, "default" (the embedded model) or a preset (random
         weights, seeded), with `model_options` (`ModelOptions`' fields: dtype, seed, ...), or a ModelOptions.
         `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset). The runner owns the pool's
