@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One prepared session on a GPU machine (the device tool's H200): what the CPU machine cannot show.
+# Superseded by `python -m jaxdp.bench.gpu --deadline-s 500` (docs/h200.md) for its words, kernels and decode
+# stages (its tests and trace stages); kept for `smoke` and the kernel bench's full grid (`bench`).
 #   bash benchmarks/gpu_session.sh     # outputs in $OUT (default ./gpu_session); DEADLINE_S (default 400);
 #                                      # STAGES: which stages, in this order (default: all)
 # Stages, each cut to the time left before the deadline:
