@@ -62,6 +62,10 @@ def check_counts(result: dict, printed: str) -> None:
         assert c["unique_ids_logprobs"] == len(with_logprobs), c
         assert 1 <= c["unique_ids_logprobs"] <= c["samples"]
         assert (c["max_logprob_gap"] > 0) == (c["unique_ids_logprobs"] > 1)
+        for part, served in (("cold", [s for s in mine if s["cached_tokens"] == 0]),
+                             ("cached", [s for s in mine if s["cached_tokens"] > 0])):
+            sets = {json.dumps([s["output_ids"], [repr(v) for v in s["logprobs"]]]) for s in served}
+            assert c[part] == [len(served), len(sets)], (part, c)
         assert (f"Prompt {c['prompt']}: total samples: {c['samples']}, Unique samples: 1 (token ids), "
                 f"{c['unique_ids_logprobs']} (token ids + logprobs, bit for bit)") in printed
     assert result["stopped_early"] is None
@@ -102,18 +106,19 @@ def test_prefix_mode_shares_prefixes_from_a_flushed_cache(server, tmp_path, caps
     print("prefix mode, dp=4: logprob-unique samples", [c["unique_ids_logprobs"] for c in result["counts"]])
 
 
-def sample(lps: list[float], ids: tuple[int, ...] = (5, 6)) -> Sample:
-    return Sample(0, 0, 1, None, 0, 0, "stop", list(ids), lps)
+def sample(lps: list[float], ids: tuple[int, ...] = (5, 6), cached: int = 0) -> Sample:
+    return Sample(0, 0, 1, None, 0, cached, "stop", list(ids), lps)
 
 
 def test_counting_tells_one_bit_apart():
     lp = -0.25
     one_bit_off = math.nextafter(lp, 0.0)
-    counts = count(["p"], [sample([lp, -1.0]), sample([lp, -1.0]), sample([one_bit_off, -1.0]),
+    counts = count(["p"], [sample([lp, -1.0]), sample([lp, -1.0], cached=3), sample([one_bit_off, -1.0], cached=3),
                            sample([lp, -1.0], ids=(5, 7))])
     c = counts[0]
     assert (c.samples, c.unique_ids, c.unique_ids_logprobs) == (4, 2, 3)
     assert c.max_logprob_gap == abs(one_bit_off - lp) > 0
+    assert (c.cold, c.cached) == ((2, 2), (2, 2))
 
 
 @pytest.mark.parametrize("flags, says", [

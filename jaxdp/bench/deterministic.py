@@ -73,6 +73,8 @@ class PromptCount:
     unique_ids: int
     unique_ids_logprobs: int
     max_logprob_gap: float  # largest |logprob - the first sample's| over the samples with the first's ids
+    cold: tuple[int, int]  # (samples, distinct ids + logprobs) among those served with no prefix-cache hit
+    cached: tuple[int, int]  # the same among those served after a prefix-cache hit (cached_tokens > 0)
     ranks: dict[str, int] = field(default_factory=dict)
 
 
@@ -199,9 +201,15 @@ def logprob_key(lps: list[float | None]) -> tuple:
     return tuple("none" if v is None else float(v).hex() for v in lps)
 
 
+def distinct(samples: list[Sample]) -> int:
+    """How many different (token ids, logprobs bit for bit) the samples hold."""
+    return len({(tuple(s.output_ids), logprob_key(s.logprobs)) for s in samples})
+
+
 def count(prompts: list[str], samples: list[Sample]) -> list[PromptCount]:
-    """Per prompt: samples, distinct token-id sequences, distinct (ids, logprobs bit for bit), and the largest
-    logprob gap to the first sample among those with the same ids."""
+    """Per prompt: samples, distinct token-id sequences, distinct (ids, logprobs bit for bit), the largest
+    logprob gap to the first sample among those with the same ids, and the distinct ones apart for the samples
+    served without and with a prefix-cache hit."""
     out = []
     for i, text in enumerate(prompts):
         mine = [s for s in samples if s.prompt == i]
@@ -212,8 +220,10 @@ def count(prompts: list[str], samples: list[Sample]) -> list[PromptCount]:
                 if s.output_ids == first.output_ids:
                     gap = max([gap, *(abs(a - b) for a, b in zip(s.logprobs, first.logprobs, strict=True)
                                       if a is not None and b is not None)])
-        out.append(PromptCount(i, text, len(mine), len({tuple(s.output_ids) for s in mine}),
-                               len({(tuple(s.output_ids), logprob_key(s.logprobs)) for s in mine}), gap,
+        cold = [s for s in mine if not s.cached_tokens]
+        cached = [s for s in mine if s.cached_tokens]
+        out.append(PromptCount(i, text, len(mine), len({tuple(s.output_ids) for s in mine}), distinct(mine), gap,
+                               (len(cold), distinct(cold)), (len(cached), distinct(cached)),
                                dict(sorted(Counter(str(s.dp_rank) for s in mine).items()))))
     return out
 
@@ -280,15 +290,18 @@ def report(result: dict) -> str:
     counts = result["counts"]
     lines = [f"Prompt {c['prompt']}: total samples: {c['samples']}, Unique samples: {c['unique_ids']} "
              f"(token ids), {c['unique_ids_logprobs']} (token ids + logprobs, bit for bit)" for c in counts]
-    head = ("prompt", "samples", "unique ids", "unique ids+logprobs", "max |dlogprob|", "served by rank: count")
+    head = ("prompt", "samples", "unique ids", "unique ids+logprobs", "cold", "cached", "max |dlogprob|",
+            "served by rank: count")
+    split = lambda pair: f"{pair[1]} of {pair[0]}" if pair[0] else "-"
     rows = [(f"{c['prompt']}: {c['text'][:20]!r} ({len(c['text'])} ch)", str(c["samples"]), str(c["unique_ids"]),
-             str(c["unique_ids_logprobs"]), f"{c['max_logprob_gap']:.3g}",
+             str(c["unique_ids_logprobs"]), split(c["cold"]), split(c["cached"]), f"{c['max_logprob_gap']:.3g}",
              " ".join(f"{r}:{n}" for r, n in c["ranks"].items()) or "-") for c in counts]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: " | ".join(v.ljust(w) if i in (0, 5) else v.rjust(w) for i, (v, w) in
+    fmt = lambda r: " | ".join(v.ljust(w) if i in (0, len(head) - 1) else v.rjust(w) for i, (v, w) in
                                enumerate(zip(r, widths, strict=True))).rstrip()
     lines += ["", fmt(head), "-" * (sum(widths) + 3 * (len(widths) - 1)), *map(fmt, rows)]
     mode = result["config"]["mode"]
+    lines.append("cold / cached: distinct ids + logprobs among the samples served without / with a prefix-cache hit")
     lines.append(f"mode {mode}, {len(result['trials'])} trials in {result['duration_s']:.1f} s, "
                  f"ranks pinned: {result['ranks_pinned'] or 'none'}")
     if result["stopped_early"]:
@@ -382,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     except DeterminismError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(result))
-    if args.output:
+    if args.output:  # first: a report cut short (a closed pipe) still leaves the samples
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
+    print(report(result))
     return 0
 
 
