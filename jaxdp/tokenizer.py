@@ -9,12 +9,15 @@ alphabet, no merges), so any text round-trips; a few special tokens come first: 
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -73,6 +76,21 @@ def _token_text(value: Any) -> str | None:
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: plain JSON (jinja2's own escapes <, > and & for HTML, which
+    would change the tool schemas a template writes into the prompt)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+# what apply_chat_template itself hands the template; a template keyword argument may not replace these
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class Tokenizer:
@@ -141,16 +159,27 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The prompt text of a conversation, rendered with the checkpoint's jinja2 chat template."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The prompt text of a conversation, rendered with the checkpoint's jinja2 chat template as transformers
+        renders it: `messages`, `tools` (OpenAI's tool definitions, None when there are none) and
+        `add_generation_prompt`, the special tokens, then `kwargs` (a request's chat_template_kwargs, such as
+        `thinking` or `enable_thinking`), with transformers' `tojson`, `raise_exception`, `strftime_now` and loop
+        controls. A keyword argument may not replace one of TEMPLATE_ARGUMENTS (ValueError)."""
         if self.chat_template is None:
             raise ValueError(f"the tokenizer in {self.dir} has no chat_template; send a plain completion "
                              "prompt instead")
+        clash = sorted(TEMPLATE_ARGUMENTS & kwargs.keys())
+        if clash:
+            raise ValueError(f"{clash[0]} is an argument of the chat template itself, not a keyword argument to "
+                             "add to it")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                              extensions=[jinja2.ext.loopcontrols])
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **(special | kwargs))
