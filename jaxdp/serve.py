@@ -36,9 +36,11 @@ import jax
 import uvicorn
 
 from jaxdp.api.app import create_app
+from jaxdp.api.context import ChatParsing
 from jaxdp.api.draining import DrainingServer
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.monitor import Monitor, RankFormatter
+from jaxdp.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.cache import cache_dir
 from jaxdp.engine.ipc.messages import WireError
@@ -111,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--index-key-dtype", choices=["auto", "fp8"], default="auto",
                    help="DSA models (GLM-5, DeepSeek-V3.2): the indexer's cached keys in the KV cache's dtype, or fp8 "
                         "(e4m3 plus one fp32 scale per 128 values: 132 bytes a token for GLM-5, as SGLang holds them)")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="read tool calls in chat outputs, in this model family's format (SGLang's names: "
+                        f"{', '.join(TOOL_CALL_PARSER_NAMES)}); docs/api.md")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the reasoning off chat outputs as reasoning_content (SGLang's names: "
+                        f"{', '.join(REASONING_PARSER_NAMES)}); docs/api.md")
     g = ap.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=30000, metavar="N", help="port (default 30000)")
@@ -382,7 +390,8 @@ def serve_http(config: ServeConfig, backend: ReplicaSet, tokenizer) -> int:
     monitor = Monitor(backend, metrics, decode_log_interval=http.decode_log_interval)
     app = create_app(backend, tokenizer=tokenizer, served_model_name=http.served_model_name,
                      model_path=config.model.path, server_args=server_args, api_key=http.api_key, metrics=metrics,
-                     limits=config.limits, bind=(http.host, http.port))
+                     limits=config.limits, bind=(http.host, http.port),
+                     parsing=ChatParsing(config.tool_call_parser, config.reasoning_parser))
     backend.start()
     monitor.start()
     uvicorn_config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from jaxdp.api.context import Limits
+from jaxdp.api.parsers import UnknownParserError, reasoning_parser, tool_call_parser
 from jaxdp.config import PRESETS
 from jaxdp.disagg.transfer import TRANSPORTS
 from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
@@ -159,6 +160,8 @@ class ServeConfig:
     compilation_cache_dir: str  # JAX's persistent compilation cache ('' leaves it off)
     engine_process: bool  # the engines run in a process of their own (the default on one node)
     flags: dict[str, Any]  # the flags as given, but --api-key and with the model's path: /get_server_info reports them
+    tool_call_parser: str | None = None  # --tool-call-parser: SGLang's name of the checkpoint's tool-call format
+    reasoning_parser: str | None = None  # --reasoning-parser: SGLang's name of the checkpoint's reasoning format
 
 
 def engine_in_child(args: argparse.Namespace) -> bool:
@@ -202,6 +205,17 @@ def tokenizer_path(args: argparse.Namespace, model: str) -> str | None:
     return args.tokenizer_path or model
 
 
+def chat_parsers(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--tool-call-parser and --reasoning-parser, each None or one of the parsers' names (`jaxdp.api.parsers`)."""
+    try:
+        for name, make in ((args.tool_call_parser, tool_call_parser), (args.reasoning_parser, reasoning_parser)):
+            if name is not None:
+                make(name)
+    except UnknownParserError as e:
+        raise UserError(str(e)) from None
+    return args.tool_call_parser, args.reasoning_parser
+
+
 def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> ServeConfig:
     """The flags as a ServeConfig, every one checked before anything loads (a UserError or LayoutError names a flag
     to change). `layout`: the flags' own (`layout_from_args`) unless given. Starts no JAX backend."""
@@ -214,6 +228,7 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
                         "or one model world with --nnodes and attention DP")
     path = model_path(args.model_path)
     tokenizer = tokenizer_path(args, path)
+    tool_parser, thinking_parser = chat_parsers(args)
     engine = engine_config(args)
     model = ModelOptions(path, args.dtype, args.random_seed, args.quantization, args.attention_backend,
                          args.moe_runner_backend, None if args.index_key_dtype == "auto" else args.index_key_dtype,
@@ -228,7 +243,7 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     http = HttpOptions(args.host, args.port, args.api_key, name, args.log_level, args.decode_log_interval)
     flags = {k: v for k, v in vars(args).items() if k not in ("api_key", "engine_child")} | {"model_path": path}
     return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), limits, layout, dist, http,
-                       tokenizer, args.compilation_cache_dir, engine_process, flags)
+                       tokenizer, args.compilation_cache_dir, engine_process, flags, tool_parser, thinking_parser)
 
 
 def pool_pages(sizing: PoolSizing, runner, replica: int) -> int:

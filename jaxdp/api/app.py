@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxdp.api.common import ApiError
-from jaxdp.api.context import Limits, ServerContext
+from jaxdp.api.context import ChatParsing, Limits, ServerContext
 from jaxdp.api.guard import Guard, allowed_hosts
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.native import router as native_router
@@ -59,9 +59,10 @@ async def render_error(request: HttpRequest, e: Exception):
 def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_name: str = "default",
                model_path: str = "", server_args: dict[str, Any] | None = None, api_key: str | None = None,
                metrics: ServerMetrics | None = None, limits: Limits | None = None,
-               bind: tuple[str, int] | None = None) -> FastAPI:
+               bind: tuple[str, int] | None = None, parsing: ChatParsing | None = None) -> FastAPI:
     """The app over `backend` (an Engine is wrapped in a one-engine ReplicaSet). Starts nothing. `bind`: the
-    address the server listens on (a loopback one makes the app check the Host header)."""
+    address the server listens on (a loopback one makes the app check the Host header); `parsing`: the chat
+    output parsers (--tool-call-parser, --reasoning-parser)."""
     if isinstance(backend, Engine):
         backend = ReplicaSet([backend], backend.cfg.load_balance_method)
     tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
@@ -69,7 +70,7 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
                   "with data-parallel attention", version="0.1.0")
     metrics = metrics or ServerMetrics(backend, served_model_name)
     ctx = ServerContext(backend, tokenizer, metrics, served_model_name, model_path, server_args or {}, api_key,
-                        limits or Limits())
+                        limits or Limits(), parsing or ChatParsing())
     app.state.ctx = ctx
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts(*bind) if bind else None)
     for kind in (ApiError, BadRequest, EngineFailed, RequestValidationError, StarletteHTTPException):

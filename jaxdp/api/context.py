@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +45,15 @@ class Limits:
     graceful_shutdown_timeout_s: float = 30.0
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatParsing:
+    """How a chat's output text becomes OpenAI's message fields (`--tool-call-parser`, `--reasoning-parser`):
+    SGLang's parser names (`jaxdp.api.parsers`), None for no parser (the text is all content)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
     """One request of an HTTP call, with how its text is shown."""
@@ -64,6 +74,7 @@ class ServerContext:
     server_args: dict[str, Any]
     api_key: str | None = None
     limits: Limits = dataclasses.field(default_factory=Limits)
+    parsing: ChatParsing = dataclasses.field(default_factory=ChatParsing)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     live: set[Job] = dataclasses.field(default_factory=set)  # submitted and not yet ended (the event loop's)
     draining: bool = False  # a shutdown is under way: new requests get a 503
@@ -96,16 +107,33 @@ class ServerContext:
             self.check_text_length(len(text), "the prompt", rank)
         return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def encode_chat(self, messages: list[dict[str, str]], rank: int | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], rank: int | None = None, *,
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The conversation's prompt tokens: rendered by the checkpoint's chat template with `tools` and the
+        request's chat_template_kwargs, then tokenized, off the event loop. Assistant tool calls go to the template
+        with their arguments as the client sent them (a JSON string, which DeepSeek's templates write as it
+        stands); a template that cannot read that is given them again as objects (SGLang's shape, which GLM's
+        templates iterate)."""
         self._need_tokenizer("chat messages")
-        self.check_text_length(sum(len(text) for m in messages for text in m.values()), "the conversation", rank)
+        self.check_text_length(_text_chars([messages, tools, template_kwargs]), "the conversation", rank)
+        kwargs = template_kwargs or {}
+
+        def apply(conversation: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tools=tools, **kwargs)
 
         def render() -> list[int]:
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = apply(messages)
             except Exception as e:  # a template that refuses the conversation (jinja2 raise_exception, none)
-                why = (str(e).splitlines() or [type(e).__name__])[0][:200]
-                raise ApiError(f"the chat template refused these messages: {why}", param="messages") from None
+                objects = _arguments_as_objects(messages)
+                try:
+                    if objects is None:
+                        raise
+                    text = apply(objects)
+                except Exception:
+                    why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                    raise ApiError(f"the chat template refused these messages: {why}", param="messages") from None
             return self.tokenizer.encode(text)
 
         return await asyncio.to_thread(render)
@@ -196,6 +224,46 @@ class ServerContext:
             deadline = time.monotonic() + 5.0  # time for the engine to end them and their answers to go out
             while self.live and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+
+
+def _text_chars(value: Any) -> int:
+    """The characters of every string in a JSON value (keys included): what a template can copy into a prompt."""
+    chars, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            chars += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return chars
+
+
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`messages` with each assistant tool call's JSON arguments parsed into an object, or None when none was a
+    JSON object written as a string (there is nothing else to try)."""
+    changed, out = False, []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            new_calls = []
+            for call in calls:
+                function = call.get("function") or {}
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        parsed = json.loads(arguments)
+                    except ValueError:
+                        parsed = None
+                    if isinstance(parsed, dict):
+                        call = call | {"function": function | {"arguments": parsed}}
+                        changed = True
+                new_calls.append(call)
+            message = message | {"tool_calls": new_calls}
+        out.append(message)
+    return out if changed else None
 
 
 async def read_json(http: HttpRequest) -> dict[str, Any]:
