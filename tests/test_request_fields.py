@@ -151,7 +151,7 @@ def test_neutral_means_the_json_value_itself():
     penalty, bias, tool_choice = CHAT["frequency_penalty"], CHAT["logit_bias"], CHAT["tool_choice"]
     assert penalty.is_neutral(0) and penalty.is_neutral(0.0) and not penalty.is_neutral(False)
     assert bias.is_neutral({}) and bias.is_neutral({"5": 0}) and not bias.is_neutral({"5": 0.5})
-    assert tool_choice.is_neutral("none") and tool_choice.is_neutral("auto") and not tool_choice.is_neutral("required")
+    assert [tool_choice.refusal(v) is None for v in ("none", "auto", "required")] == [True, True, False]
     assert not CHAT["response_format"].is_neutral({"type": "text", "json_schema": {}})
 
 
@@ -216,7 +216,7 @@ def test_rank_pins_and_bootstrap_fields_are_read():
 class TemplateCtx(SimpleNamespace):
     """What chat_prompt needs of the server: the messages it would hand the chat template."""
 
-    async def encode_chat(self, messages, rank):
+    async def encode_chat(self, messages, rank, **template):
         self.rendered = messages
         return [1, 2, 3]
 
@@ -229,11 +229,8 @@ def test_messages_carry_role_content_and_name_to_the_template():
     assert asyncio.run(chat_prompt(ctx, messages, None)) == [1, 2, 3]
     assert ctx.rendered == [{"role": "system", "content": "be brief", "name": "ops"},
                             {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
-    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
-    for bad, says in (([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": calls}],
-                       "messages[1].tool_calls is not supported by this server yet; leave it out or send []"),
-                      ([{"role": "tool", "content": "3", "tool_call_id": "c1"}],
-                       "messages[0] has role 'tool': tool results are not supported by this server yet"),
+    for bad, says in (([{"role": "function", "name": "add", "content": "3"}], "messages[0] has role 'function'"),
+                      ([{"role": "user", "content": None}], "a message's content must be a string"),
                       ([{"role": "user", "content": "x", "name": 5}], "messages[0].name must be a string")):
         with pytest.raises(ApiError) as e:
             asyncio.run(chat_prompt(ctx, bad, None))
@@ -260,7 +257,7 @@ async def refusals() -> list[str]:
         tools = MEANT["tools"][0]
         calls = [
             client.chat.completions.create(model="default", messages=messages, frequency_penalty=0.5),
-            client.chat.completions.create(model="default", messages=messages, tools=tools, tool_choice="auto"),
+            client.chat.completions.create(model="default", messages=messages, tools=tools, tool_choice="required"),
             client.chat.completions.create(model="default", messages=messages,
                                            response_format=MEANT["response_format"][1]),
             client.completions.create(model="default", prompt="1+1=", logit_bias={"7": 5}),
@@ -279,6 +276,7 @@ async def refusals() -> list[str]:
 
 def test_the_openai_client_gets_a_400_naming_the_field():
     said = asyncio.run(refusals())
-    assert [s.split(" ")[0] for s in said] == ["frequency_penalty", "tools", "response_format", "logit_bias",
+    assert [s.split(" ")[0] for s in said] == ["frequency_penalty", "tool_choice", "response_format", "logit_bias",
                                                "repetition_penalty", "sampling_params.presence_penalty"]
-    assert all("is not supported by this server yet; leave it out or send" in s for s in said)
+    assert all("is not supported by this server yet; leave it out or send" in s for s in said[:1] + said[2:])
+    assert said[1].startswith('tool_choice "required" needs constrained decoding (a grammar)')

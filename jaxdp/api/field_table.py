@@ -29,21 +29,24 @@ class Field:
     """One request field. `where`: for an honoured field the test that shows it is served
     (`tests/file.py::test_name`), for a field without effect why it has none, for a refused one the neutral
     value(s) the refusal names ("leave it out or send ..."). A refused field may carry null, one of
-    `neutral_values`, or a value `neutral_when` accepts."""
+    `neutral_values`, or a value `neutral_when` accepts. An honoured field that serves some of its values only
+    has `refusal`: for a value it does not serve, the rest of the sentence that refuses it (after the field's
+    name), else None."""
 
     status: Status
     accepts: str
     where: str
     neutral_values: tuple[Any, ...] = ()
     neutral_when: Callable[[Any], bool] | None = None
+    refusal: Callable[[Any], str | None] | None = None
 
     def is_neutral(self, value: Any) -> bool:
         return (value is None or any(_same(value, v) for v in self.neutral_values)
                 or (self.neutral_when is not None and self.neutral_when(value)))
 
 
-def honoured(accepts: str, test: str) -> Field:
-    return Field(Status.HONOURED, accepts, test)
+def honoured(accepts: str, test: str, *, refusal: Callable[[Any], str | None] | None = None) -> Field:
+    return Field(Status.HONOURED, accepts, test, refusal=refusal)
 
 
 def no_effect(accepts: str, why: str) -> Field:
@@ -87,6 +90,16 @@ def _zero_bias(value: Any) -> bool:
     return isinstance(value, dict) and all(_same(v, 0) for v in value.values())
 
 
+def _tool_choice_needs_grammar(value: Any) -> str | None:
+    """tool_choice "required" and a named function oblige the model to call: only a grammar can make it, and the
+    server has none yet. (Other values that are not "auto" or "none" are refused where tool_choice is read.)"""
+    if value == "required" or isinstance(value, dict):
+        shown = '"required"' if value == "required" else "naming a function"
+        return (f"{shown} needs constrained decoding (a grammar), which this server does not have yet; leave it "
+                'out or send "auto" or "none"')
+    return None
+
+
 # ---- the tests that show a field honoured -------------------------------------------------------------------
 FIELDS_TEST = "tests/test_request_fields.py"
 OPENAI_SAMPLING_TEST = f"{FIELDS_TEST}::test_openai_sampling_fields_reach_the_sampling_params"
@@ -99,6 +112,10 @@ ECHO_TEST = ("tests/test_eval_endpoints.py::"
 GENERATE_TEST = "tests/test_server.py::test_generate_pins_ranks_and_streams"
 TOP_LOGPROBS_TEST = "tests/test_reliability.py::test_9_top_logprobs_hold_the_real_top_k"
 ROLES_TEST = f"{FIELDS_TEST}::test_messages_carry_role_content_and_name_to_the_template"
+TOOLS_TEST = "tests/test_tool_calls_api.py::test_a_tool_call_streamed_and_not_with_the_text_before_it"
+PARALLEL_TOOLS_TEST = "tests/test_tool_calls_api.py::test_parallel_tool_calls_false_keeps_the_first_call"
+TOOL_TURN_TEST = "tests/test_tool_calls_api.py::test_a_two_turn_tool_conversation_reaches_the_template"
+REASONING_TEST = "tests/test_tool_calls_api.py::test_reasoning_content_streamed_and_not"
 
 # ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
 _NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
@@ -176,9 +193,11 @@ CHAT: dict[str, Field] = OPENAI_COMMON | {
     "prompt_cache_retention": no_effect("a string", "the prefix cache keeps pages while there is room"),
     "prompt_cache_options": no_effect("an object", "the prefix cache finds shared prefixes by their tokens"),
     "prediction": no_effect("predicted output content", "a latency hint: the answer is the same without it"),
-    "parallel_tool_calls": no_effect("true or false", "means something only with tools, which are refused"),
-    "tools": refused("a list of tool definitions", []),
-    "tool_choice": refused('"none", "auto", "required" or a named tool', "none", "auto"),
+    "parallel_tool_calls": honoured("true or false (false: the first call only)", PARALLEL_TOOLS_TEST),
+    "tools": honoured('a list of {"type": "function", "function": {name, description, parameters}}, handed to '
+                      "the chat template", TOOLS_TEST),
+    "tool_choice": honoured('"auto" or "none" ("required" and a named tool need a grammar: refused)', TOOLS_TEST,
+                            refusal=_tool_choice_needs_grammar),
     "functions": refused("a list of function definitions (deprecated tools)", []),
     "function_call": refused('"none", "auto" or a named function (deprecated tool_choice)', "none", "auto"),
     "audio": refused("audio output parameters"),
@@ -192,21 +211,25 @@ CHAT: dict[str, Field] = OPENAI_COMMON | {
     "add_generation_prompt": refused("true or false", True),
     "continue_final_message": refused("true or false", False),
     "chat_template": refused("a jinja2 template"),
-    "chat_template_kwargs": refused("an object", {}),
+    "chat_template_kwargs": honoured("an object of keyword arguments for the chat template (thinking, "
+                                     "enable_thinking, ...)", REASONING_TEST),
+    "separate_reasoning": honoured("true or false (default true): reasoning_content apart, with --reasoning-parser",
+                                   REASONING_TEST),
 }
 
-# One message of a chat's messages. The role is the chat template's to judge; tool and function roles are refused.
+# One message of a chat's messages. The role is the chat template's to judge; the deprecated function role is refused.
 MESSAGE: dict[str, Field] = {
-    "role": honoured('"system", "developer", "user" or "assistant" (what the chat template takes)', ROLES_TEST),
-    "content": honoured("a string or a list of text parts", ROLES_TEST),
+    "role": honoured('"system", "developer", "user", "assistant" or "tool" (what the chat template takes)',
+                     ROLES_TEST),
+    "content": honoured("a string or a list of text parts (null beside an assistant's tool_calls)", ROLES_TEST),
     "name": honoured("a string, handed to the chat template with the message", ROLES_TEST),
-    "tool_calls": refused("the assistant's tool calls", []),
-    "tool_call_id": refused("the tool call a tool message answers"),
+    "tool_calls": honoured("the assistant's tool calls, handed to the chat template", TOOL_TURN_TEST),
+    "tool_call_id": honoured("the tool call a tool message answers, handed to the chat template", TOOL_TURN_TEST),
     "function_call": refused("the assistant's function call (deprecated tool_calls)"),
     "refusal": refused("the assistant's refusal text"),
     "audio": refused("a previous audio answer"),
 }
-REFUSED_ROLES = ("tool", "function")
+REFUSED_ROLES = ("function",)
 
 GENERATE: dict[str, Field] = {
     "text": honoured("a string or a list of 1 to 256 strings", GENERATE_TEST),

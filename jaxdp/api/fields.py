@@ -70,9 +70,9 @@ def _check_unicode(value: Any) -> None:
 
 def check_fields(body: dict, table: str, *, where: str = "") -> list[str]:
     """Check `body` against its endpoint's (or object's) row of the field table (`jaxdp.api.field_table`): a
-    field jaxdp does not serve, carrying a value that would change the output, is refused in one sentence
-    naming it. Returns the keys the table does not list (a table that refuses them has raised already), for the
-    caller to log."""
+    field jaxdp does not serve, carrying a value that would change the output, or an honoured field carrying a
+    value it does not serve (tool_choice "required"), is refused in one sentence naming it. Returns the keys the
+    table does not list (a table that refuses them has raised already), for the caller to log."""
     fields, strict = TABLES[table]
     unknown = []
     for name, value in body.items():
@@ -82,6 +82,8 @@ def check_fields(body: dict, table: str, *, where: str = "") -> list[str]:
         elif f.status is Status.REFUSED and not f.is_neutral(value):
             raise ApiError(f"{where}{name} is not supported by this server yet; leave it out or send {f.where}",
                            param=name)
+        elif f.refusal is not None and value is not None and (why := f.refusal(value)) is not None:
+            raise ApiError(f"{where}{name} {why}", param=name)
     if strict and unknown:
         raise ApiError(f"{where}{unknown[0][:60]} is not a field this server knows; leave it out (docs/api.md "
                        "lists the fields it takes)", param=unknown[0][:60])

@@ -7,12 +7,19 @@ tokens and logprobs first; `max_tokens: 0` with it) and vLLM's `prompt_logprobs`
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `routed_dp_rank`. Completions take a prompt as text,
 token ids, or a batch of either. Without a tokenizer the text fields are empty and each choice carries
 `token_ids`. Every other field of OpenAI's schemas is in the field table (`jaxdp.api.field_table`, docs/api.md):
-accepted without effect (`user`, `metadata`, ...), or refused unless neutral (`tools`, `response_format`,
-`logit_bias`, the penalties, ...); chat messages with tool calls or the tool role are refused.
+accepted without effect (`user`, `metadata`, ...), or refused unless neutral (`response_format`, `logit_bias`, the
+penalties, ...).
+
+Chat tools and reasoning (docs/api.md): `tools`, assistant messages' `tool_calls`, `role: "tool"` messages and
+`chat_template_kwargs` go to the checkpoint's chat template. With `--tool-call-parser` and tools in the request, the
+output's calls become `message.tool_calls` (stream: `delta.tool_calls`) and `finish_reason: "tool_calls"`; with
+`--reasoning-parser`, the reasoning becomes `reasoning_content` (unless `separate_reasoning: false`). `ChoiceReader`
+does both, one delta at a time, for a stream and for a whole answer alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -46,6 +53,8 @@ from jaxdp.api.fields import (
     token_ids,
 )
 from jaxdp.api.logprobs import completion_logprobs, token_text, vllm_prompt_logprobs
+from jaxdp.api.parsers import ReasoningParser, ToolCallDelta, ToolCallParser, reasoning_parser, tool_call_parser
+from jaxdp.tokenizer import TEMPLATE_ARGUMENTS
 
 router = APIRouter()
 
@@ -94,7 +103,12 @@ async def _completion_prompts(ctx: ServerContext, prompt: Any, rank: int | None)
                    "an empty prompt is not allowed", param="prompt")
 
 
-async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> list[int]:
+async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None, *,
+                      tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt tokens of a conversation: each message checked and handed to the chat template (role, content,
+    name, an assistant's tool_calls, a tool message's tool_call_id), with the request's tools and template
+    keyword arguments."""
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages is required: a non-empty list of {role, content} objects", param="messages")
     flat = []
@@ -102,20 +116,196 @@ async def chat_prompt(ctx: ServerContext, messages: Any, rank: int | None) -> li
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError("each message must be an object with a role and a content", param="messages")
         if m["role"] in REFUSED_ROLES:
-            raise ApiError(f"messages[{i}] has role {m['role']!r}: tool results are not supported by this server "
-                           "yet; send the conversation without tool messages", param="messages")
+            raise ApiError(f"messages[{i}] has role {m['role']!r}, OpenAI's deprecated form of tool results, which "
+                           'this server does not read; send role "tool" with the tool_call_id instead',
+                           param="messages")
         checked_fields(ctx, m, "messages[]", where=f"messages[{i}].")
         name = field(m, "name", str, where=f"messages[{i}].")
+        calls = _message_tool_calls(m, i)
+        call_id = field(m, "tool_call_id", str, where=f"messages[{i}].")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
                 raise ApiError("this server reads text message parts only", param="messages")
             content = "".join(parts)
+        if content is None and calls:
+            content = ""  # (SGLang's: a template may add the content to a string)
         if not isinstance(content, str):
             raise ApiError("a message's content must be a string or a list of text parts", param="messages")
-        flat.append({"role": m["role"], "content": content} | ({"name": name} if name else {}))
-    return await ctx.encode_chat(flat, rank)
+        flat.append({"role": m["role"], "content": content} | ({"name": name} if name else {})
+                    | ({"tool_calls": calls} if calls else {}) | ({"tool_call_id": call_id} if call_id else {}))
+    return await ctx.encode_chat(flat, rank, tools=tools, template_kwargs=template_kwargs)
+
+
+def _message_tool_calls(message: dict, i: int) -> list[dict[str, Any]] | None:
+    """An assistant message's tool_calls, checked, in OpenAI's shape (arguments as sent: JSON text, or an object)."""
+    where = f"messages[{i}].tool_calls"
+    calls = field(message, "tool_calls", list, where=f"messages[{i}].")
+    if not calls:
+        return None
+    if message["role"] != "assistant":
+        raise ApiError(f"{where} belongs to an assistant message, not a {message['role']!r} one", param="messages")
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]
+                or not isinstance(function.get("arguments", ""), str | dict)
+                or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"):
+            raise ApiError(f'{where}[{k}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                           '"arguments": "<JSON text>"}}', param="messages")
+        out.append(({"id": call["id"]} if call.get("id") else {})
+                   | {"type": "function", "function": {"name": function["name"],
+                                                       "arguments": function.get("arguments", "")}})
+    return out
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """The request's tools, checked (None when there are none)."""
+    tools = field(body, "tools", list)
+    for k, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not function["name"]
+                or not isinstance(function.get("parameters", {}), dict | None)):
+            raise ApiError(f'tools[{k}] must be {{"type": "function", "function": {{"name": ..., "description": ..., '
+                           '"parameters": {...}}}}', param="tools")
+    return tools or None
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """chat_template_kwargs: keyword arguments for the chat template, none of which replaces what it is given."""
+    kwargs = field(body, "chat_template_kwargs", dict, {})
+    clash = sorted(TEMPLATE_ARGUMENTS & kwargs.keys())
+    if clash:
+        raise ApiError(f"chat_template_kwargs.{clash[0]} is an argument the chat template gets already; send it at "
+                       "the top of the request (messages, tools, ...) instead", param="chat_template_kwargs")
+    return kwargs
+
+
+# A reasoning format whose template opens the reasoning in the prompt when a template keyword argument is true
+# (DeepSeek-V3.1's `thinking`, as SGLang reads it): the output then starts inside the reasoning.
+OPENED_BY_TEMPLATE_KWARG = {"deepseek-v3": "thinking"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOutput:
+    """What a chat request makes of its output text: the tools it hands the template, whether their calls are read
+    out of the text (`--tool-call-parser`, tools, tool_choice not "none"), how many, and whether the reasoning is
+    split off (`--reasoning-parser`, separate_reasoning)."""
+
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    first_call_only: bool
+
+    def reader(self) -> ChoiceReader:
+        """A reader for one choice's output."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            kwarg = OPENED_BY_TEMPLATE_KWARG.get(self.reasoning_parser)
+            opened = True if kwarg is not None and self.template_kwargs.get(kwarg) is True else None
+            reasoning = reasoning_parser(self.reasoning_parser, starts_open=opened)
+        tools = None if self.tool_call_parser is None else tool_call_parser(self.tool_call_parser, tools=self.tools)
+        return ChoiceReader(reasoning, tools, self.first_call_only)
+
+
+def chat_output(ctx: ServerContext, body: dict) -> ChatOutput:
+    """The chat fields that shape the prompt and the reading of the output (tool_choice "required" or a named tool
+    have been refused by the field table already)."""
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise ApiError(f'tool_choice must be "auto" or "none", got {str(choice)[:40]!r}', param="tool_choice")
+    if choice == "none":
+        tools = None  # (SGLang's: the template is not told of them, and nothing is read as a call)
+    parallel = field(body, "parallel_tool_calls", bool, True)
+    separate = field(body, "separate_reasoning", bool, True)
+    parsing = ctx.parsing
+    return ChatOutput(tools, _template_kwargs(body), parsing.tool_call_parser if tools else None,
+                      parsing.reasoning_parser if separate else None, not parallel)
+
+
+class ChoiceReader:
+    """One chat choice's output text as OpenAI's message fields, one delta at a time: the reasoning split off
+    first, then tool calls read from the rest, the remaining text content. `read` returns a delta's fields
+    (`reasoning_content`, `content`, `tool_calls` with at most one entry per call); a whole answer is one read with
+    `final`, so a stream's deltas assembled equal it. With neither parser a delta is all content."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, first_call_only: bool):
+        self.reasoning, self.tools, self.first_call_only = reasoning, tools, first_call_only
+        self.reads_reasoning = reasoning is not None
+        self.calls = 0  # tool calls read so far
+        self._done = False
+
+    def read(self, delta: str, final: bool) -> dict[str, Any]:
+        if self._done:
+            return {}
+        self._done = final
+        thought, text = "", delta
+        if self.reasoning is not None:
+            split = self.reasoning.feed(delta)
+            thought, text = split.reasoning_content, split.content
+            if final:
+                rest = self.reasoning.finish()
+                thought, text = thought + rest.reasoning_content, text + rest.content
+        out: dict[str, Any] = {}
+        if thought:
+            out["reasoning_content"] = thought
+        if self.tools is None:
+            if text:
+                out["content"] = text
+            return out
+        pieces = self.tools.feed(text) + (self.tools.finish() if final else [])
+        content = "".join(p for p in pieces if isinstance(p, str))
+        if content:
+            out["content"] = content
+        calls: dict[int, dict[str, Any]] = {}
+        for piece in pieces:
+            if not isinstance(piece, ToolCallDelta) or (self.first_call_only and piece.index > 0):
+                continue
+            if piece.name is not None:
+                self.calls += 1
+            if piece.index in calls:
+                calls[piece.index]["function"]["arguments"] += piece.arguments
+            else:
+                calls[piece.index] = piece.to_openai()
+        if calls:
+            out["tool_calls"] = list(calls.values())
+        return out
+
+
+def chat_message(reader: ChoiceReader, text: str) -> dict[str, Any]:
+    """A whole answer's `message`: content ("" when empty; null beside tool calls), reasoning_content (with a
+    reasoning parser: null when empty), tool_calls (when the text held calls)."""
+    fields = reader.read(text, final=True)
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in fields.get("tool_calls", [])]
+    message: dict[str, Any] = {"role": "assistant", "content": fields.get("content") or (None if calls else "")}
+    if reader.reads_reasoning:
+        message["reasoning_content"] = fields.get("reasoning_content") or None
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def output_text(ctx: ServerContext, job: Job) -> str:
+    """The choice's text as the client sees it. Where it is read with special tokens (a request with tools), the
+    stop token that ended it is left out."""
+    text, req, view = job.view.text(job.req), job.req, job.view
+    if view.skip or not req.finished or req.finish_reason != "stop" or view.matched is not None:
+        return text
+    ids = done_ids(req)
+    tail = ctx.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ctx.tokenizer else ""
+    return text[: len(text) - len(tail)] if tail and text.endswith(tail) else text
+
+
+def chat_finish(reader: ChoiceReader, job: Job) -> tuple[str | None, str | int | None]:
+    """finish_reason and matched_stop: "tool_calls" (and no matched stop) when a choice that stopped made calls."""
+    finish = openai_finish(job.req)
+    if finish == "stop" and reader.calls:
+        return "tool_calls", None
+    return finish, _matched_stop(job)
 
 
 def _logprobs_chat(ctx: ServerContext, job: Job, start: int = 0, k: int | None = None) -> dict:
@@ -175,23 +365,32 @@ async def _handle(http: HttpRequest, chat: bool):
         raise ApiError("echo is not supported with stream: true; send stream: false to get the prompt back",
                        param="echo")
     usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False, where="stream_options.")
-    prompts = [await chat_prompt(ctx, body.get("messages"), rank)] if chat else \
-        await _completion_prompts(ctx, body.get("prompt"), rank)
+    output = chat_output(ctx, body) if chat else None
+    if output is not None:
+        prompts = [await chat_prompt(ctx, body.get("messages"), rank, tools=output.tools,
+                                     template_kwargs=output.template_kwargs)]
+    else:
+        prompts = await _completion_prompts(ctx, body.get("prompt"), rank)
     n = check_n(body, len(prompts))
     if prompt_top is not None and n > 1:
         raise ApiError("prompt_logprobs needs n: 1 (the prompt's logprobs are the same for every choice)",
                        param="prompt_logprobs")
-    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank, bootstraps=bootstraps(body, len(prompts)))
+    # with tools the text keeps its special tokens (SGLang's rule: DeepSeek's and Kimi's call markers are special)
+    with_tools = output is not None and output.tools is not None
+    jobs = ctx.make_jobs(prompts, [params] * len(prompts), n, rank=rank, bootstraps=bootstraps(body, len(prompts)),
+                         skip_special_tokens=not with_tools)
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if stream:
-        return event_stream(_stream(ctx, jobs, cid, chat, want_logprobs, usage))
+        return event_stream(_stream(ctx, jobs, cid, output, want_logprobs, usage))
     await complete_jobs(http, ctx, jobs)
     choices = []
     for i, job in enumerate(jobs):
-        text, req = job.view.text(job.req), job.req
+        text, req = output_text(ctx, job), job.req
         choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(req), "matched_stop": _matched_stop(job)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        if output is not None:
+            reader = output.reader()
+            choice["message"] = chat_message(reader, text)
+            choice["finish_reason"], choice["matched_stop"] = chat_finish(reader, job)
             choice["logprobs"] = _logprobs_chat(ctx, job, k=top or 0) if want_logprobs else None
         else:
             if hide_output:
@@ -213,11 +412,15 @@ async def _handle(http: HttpRequest, chat: bool):
     return out
 
 
-async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, want_logprobs: bool, usage: bool):
+async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, output: ChatOutput | None, want_logprobs: bool,
+                  usage: bool):
+    """The stream of a chat (`output` given: each choice's text read by its ChoiceReader) or of a completion."""
+    chat = output is not None
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     sent_text = [""] * len(jobs)
     sent_tokens = [0] * len(jobs)
+    readers = [output.reader() for _ in jobs] if output is not None else []
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse({"id": cid, "object": kind, "created": created, "model": ctx.served_model_name,
@@ -231,15 +434,16 @@ async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, wan
         if (err := job_error(job)) is not None:
             yield sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
             continue
-        text, req = job.view.text(job.req), job.req
+        text, req = output_text(ctx, job), job.req
         delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
         finish = openai_finish(req)
-        if not delta and finish is None and ctx.tokenizer is not None:
-            continue
         sent_text[i] += delta
+        fields = readers[i].read(delta, final=finish is not None) if chat else {}
+        if not (fields if chat else delta) and finish is None and ctx.tokenizer is not None:
+            continue
         choice: dict[str, Any] = {"index": i, "finish_reason": finish}
         if chat:
-            choice["delta"] = {"content": delta} if delta or finish is None else {}
+            choice["delta"] = fields
             choice["logprobs"] = _logprobs_chat(ctx, job, sent_tokens[i]) if want_logprobs else None
         else:
             choice["text"] = delta
@@ -248,6 +452,8 @@ async def _stream(ctx: ServerContext, jobs: list[Job], cid: str, chat: bool, wan
             choice["token_ids"] = done_ids(req)[sent_tokens[i]:]
         if finish is not None:
             choice["matched_stop"] = _matched_stop(job)
+            if chat:
+                choice["finish_reason"], choice["matched_stop"] = chat_finish(readers[i], job)
         sent_tokens[i] = len(done_ids(req))
         yield chunk([choice])
     if usage:
