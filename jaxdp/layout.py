@@ -146,6 +146,20 @@ class Layout:
             check_memory_balance(free, [[str(d) for d in group] for group in groups])
 
 
+def check_redundant_experts(layout: Layout, n_routed_experts: int, num_redundant: int) -> None:
+    """Refuse, in one sentence, `--ep-num-redundant-experts R` that this layout cannot hold: R only under moe=ep,
+    and the E + R physical expert slots must split evenly over the layout's devices."""
+    if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
+        raise LayoutError(f"--ep-num-redundant-experts {num_redundant} is not a count; give 0 or more.")
+    if num_redundant and layout.moe != "ep":
+        raise LayoutError(f"--ep-num-redundant-experts {num_redundant} needs expert parallelism, but the MoE is "
+                          f"moe={layout.moe}; add moe=ep to --mesh or drop the flag.")
+    if num_redundant and (n_routed_experts + num_redundant) % layout.world:
+        raise LayoutError(f"--ep-num-redundant-experts {num_redundant} gives {n_routed_experts + num_redundant} "
+                          f"expert slots, which do not split over {layout.world} devices; give a count that makes "
+                          f"{n_routed_experts} + R a multiple of {layout.world}.")
+
+
 def available_presets() -> list[str]:
     return sorted(p.stem for p in MESHES_DIR.glob("*.toml"))
 

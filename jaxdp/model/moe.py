@@ -26,6 +26,12 @@ matching up rows; the down projection's K is I, so TP needs I / devices to be a 
 (checked by the step). `runner_backend` (`--moe-runner-backend`, a static field) picks the grouped expert GEMM's
 backend; the backends (xla, blocked, pallas, native, auto) and what each reads are `jaxdp.ops.experts`'s. The
 model never multiplies an expert no row chose on the default paths.
+
+Redundant experts under EP (`--ep-num-redundant-experts R`, `jaxdp.eplb`): the expert weights hold P = E + R
+physical slots (`jaxdp.eplb.slots` builds them from the logical experts), and the layer holds its
+logical-to-physical map as data (`ExpertMap` variables, inputs of the compiled step like every weight):
+`physical_choices` sends each (row, choice) to one replica of its expert (static dispatch: replica
+(row + choice) mod the expert's replica count). Without the map the slots are the logical experts.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ NVFP4_AXES = {
     "w_down_scale": ("experts", "embed", "expert_mlp"),
     "w_down_gscale": ("experts",),
 }
+
+
+class ExpertMap(nnx.Variable):
+    """The EP step's logical-to-physical expert map (`jaxdp.eplb`): data the compiled step reads, not a weight;
+    a new map of the same shape is a new input, never a new program."""
 
 
 class MoE(nnx.Module):
@@ -94,6 +105,25 @@ class MoE(nnx.Module):
         """Experts held here (the leading axis of the expert weights inside a layer)."""
         w = self.w_gate_up_packed if self.quantization == "nvfp4" else self.w_gate_up_ED2I
         return w.get_value().shape[0]
+
+    @property
+    def has_expert_map(self) -> bool:
+        """Whether the experts are held as physical slots with a logical-to-physical map (redundant experts)."""
+        return hasattr(self, "expert_slots_ES")
+
+    def physical_choices(self, idx_TK: jax.Array, num_physical: int, first_row: jax.Array | int = 0) -> jax.Array:
+        """The router's logical expert ids [T, K] -> physical slot ids (static dispatch): row t's choice k of
+        expert e goes to e's replica (first_row + t + k) mod replicas(e); the padding sentinel E becomes P, one
+        past the last slot (num_physical: the slots over all devices). Without a map the ids are the slots already."""
+        if not self.has_expert_map:
+            return idx_TK
+        slots_ES, replicas_E = self.expert_slots_ES[...], self.expert_replicas_E[...]
+        T, K = idx_TK.shape
+        E = slots_ES.shape[0]
+        e_TK = jnp.minimum(idx_TK, E - 1)
+        turn_TK = first_row + jnp.arange(T, dtype=jnp.int32)[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
+        slot_TK = slots_ES[e_TK, turn_TK % jnp.maximum(replicas_E[e_TK], 1)]
+        return jnp.where(idx_TK < E, slot_TK, num_physical).astype(jnp.int32)
 
     @jax.named_scope("router")
     def route(self, x_TD: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -162,6 +162,8 @@ def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
     """Expert-parallel routed experts: each device holds E/world whole experts; the XLA:CPU path, and the
     reference of `ragged_dispatch_combine_moe` in the tests.
 
+    idx_TK holds physical slot ids (`MoE.physical_choices`; the logical ids when there are no redundant experts),
+    the sentinel one past the last slot for padding rows.
     Dispatch sends every (row, choice) pair to the device holding its expert through an all-to-all
     with a fixed capacity of T*K slots per destination (exact, nothing dropped), so each device sends
     `world` times the rows that travel. Padding rows carry the sentinel expert and are never sent.
@@ -278,6 +280,9 @@ class MeshComm:
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
         if self.moe_mode == "ep":  # no gather, no return: rows travel inside dispatch and combine
             idx_nK, w_nK = moe.route(h_nD, valid_n)
+            # logical experts -> physical slots (redundant experts: the map is an input, jaxdp.eplb)
+            first_row = jax.lax.axis_index(ALL) * h_nD.shape[0]
+            idx_nK = moe.physical_choices(idx_nK, moe.num_local_experts * self.world, first_row)
             dispatch = ragged_dispatch_combine_moe if self.ep_ragged else dispatch_combine_moe
             y_nD, rows_E = dispatch(h_nD, idx_nK, w_nK, moe, self.world)
             return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), rows_E

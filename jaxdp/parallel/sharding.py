@@ -41,6 +41,7 @@ WHOLE = (
     "latent",  # kv_a's output: kv_lora_rank + rope, the cache entry
     "head_dim",  # per head: q/k (nope + rope), v, or kv_b's nope + v
     "expert_scores",  # the router's output, one score per expert
+    "expert_replicas",  # an expert's physical slots in the EP expert map (jaxdp.model.moe.ExpertMap)
     "gate_up",  # SwiGLU's gate and up, stored side by side
     "index_heads", "index_dim",  # the DSA indexer's heads and head dim
 )

@@ -24,6 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.batch import STEP_FIELDS, STEP_SPEC, step_sizes
+from jaxdp.eplb.algorithm import PlacementError
+from jaxdp.eplb.slots import check_map, held_physical_to_logical
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.indexer import fp8_key_width
@@ -185,6 +187,33 @@ class StepRunner:
         """Free the weights, the caches and the executables."""
         self.state = self.cache = self.draft_state = self._no_prev = None
         self._compiled.clear()
+
+    def expert_map(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The logical-to-physical expert map the steps read (slots [L, E, R + 1], replica counts [L, E]; redundant
+        experts, `jaxdp.eplb.slots`), None when the experts are held without one."""
+        moe = self.state["moe_layers"]["ffn"] if "moe_layers" in self.state else None
+        if moe is None or "expert_slots_ES" not in moe:
+            return None
+        return np.asarray(moe["expert_slots_ES"].get_value()), np.asarray(moe["expert_replicas_E"].get_value())
+
+    def set_expert_map(self, slots_LES, replicas_LE) -> None:
+        """Read a new logical-to-physical expert map from the next step on: new values of the compiled steps' map
+        inputs, same shapes and shardings, so nothing compiles. The map may only name slots that hold its expert
+        (the weights stay where they are); anything else is refused in one sentence."""
+        held = self.expert_map()
+        if held is None:
+            raise PlacementError("these experts are held without an expert map; start the server with "
+                                 "--ep-num-redundant-experts (moe=ep) to give them one.")
+        slots, replicas = np.asarray(slots_LES), np.asarray(replicas_LE)
+        if slots.ndim != 3 or replicas.ndim != 2:
+            raise PlacementError(f"an expert map must be slots {held[0].shape} and replica counts {held[1].shape}, "
+                                 f"not {slots.shape} and {replicas.shape}.")
+        num_physical = held[1].shape[1] + held[0].shape[2] - 1
+        check_map(slots, replicas, held_physical_to_logical(*held, num_physical))
+        moe = self.state["moe_layers"]["ffn"]
+        for name, value in (("expert_slots_ES", slots), ("expert_replicas_E", replicas)):
+            old = moe[name].get_value()
+            moe[name].set_value(jax.device_put(value.astype(np.int32), old.sharding))
 
     def ensure_token_carry(self, width: int) -> None:
         """Let steps read at least `width` of the previous step's tokens (recompiles on change)."""
