@@ -18,7 +18,10 @@ A command that is not one of these ends this process with one line saying so (th
 requests with a 503), never a guess at what it meant.
 
 The server's side (`jaxdp.engine.ipc.remote`) applies the updates to its stand-in requests and wakes the
-streams. This process ends when told to, or when the server's process is gone.
+streams. This process ends when told to, or within moments once the server's process is gone, at any point of its
+life, start-up included (`ServerWatch`): the server holds the write end of a pipe whose read end only this process
+has (its fd in `LIFELINE_ENV`); the kernel closes that end when the server dies however it dies, and the read here
+then sees its end.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import signal
+import sys
 import threading
 import time
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
@@ -38,6 +43,66 @@ from jaxdp.engine.step.step_stats import compiles_total
 log = logging.getLogger("jaxdp.serve")
 
 SNAPSHOT_EVERY_S = 0.25  # the delayer's counters and the compile count: four times a second is enough
+LIFELINE_ENV = "JAXDP_ENGINE_LIFELINE"  # the engine process's fd of the pipe whose write end only the server holds
+WATCH_EVERY_S = 0.5  # how often the watch also checks this process's parent (without a lifeline, the only check)
+SERVER_GONE_STATUS = 1
+
+
+class ServerWatch:
+    """Ends this process within moments once the server's process is gone, whatever this process is doing then
+    (importing, loading the model, compiling the steps, serving): a daemon thread waits on the lifeline pipe (its
+    read end `lifeline_fd`, the server holding the only write end), which reads its end when the server dies, even
+    by SIGKILL; it checks too that this process's parent is still the server's pid `parent`. Then it logs one line
+    and `os._exit`s with SERVER_GONE_STATUS: nothing here is worth keeping for a server that is gone, and an orderly
+    stop could wait on a compilation for minutes.
+
+    Not PR_SET_PDEATHSIG: that signal follows the thread that spawned this process (a server that started it
+    from a worker thread would lose it when that thread ends), and a SIGKILL leaves no line in the log."""
+
+    def __init__(self, lifeline_fd: int | None, parent: int):
+        self.lifeline_fd, self.parent = lifeline_fd, parent
+        self._ending = threading.Lock()  # one line, however many places find the server gone at once
+
+    @classmethod
+    def from_env(cls) -> ServerWatch:
+        """The watch of this process's parent, over the lifeline the server passed in LIFELINE_ENV (if any)."""
+        fd = os.environ.pop(LIFELINE_ENV, None)
+        return cls(int(fd) if fd and fd.isdigit() else None, os.getppid())
+
+    def start(self) -> ServerWatch:
+        threading.Thread(target=self._watch, name="jaxdp-server-watch", daemon=True).start()
+        return self
+
+    def expect(self, parent: int) -> None:
+        """The server's pid as it wrote it in its `EngineStart`: ends this process at once if that is not (any
+        longer) the parent."""
+        self.parent = parent
+        self.check()
+
+    def check(self) -> None:
+        if os.getppid() != self.parent:
+            self.server_gone()
+
+    def _watch(self) -> None:
+        while True:
+            if self.lifeline_fd is None:
+                time.sleep(WATCH_EVERY_S)
+            elif select.select([self.lifeline_fd], [], [], WATCH_EVERY_S)[0]:
+                try:
+                    if not os.read(self.lifeline_fd, 4096):
+                        self.server_gone()
+                except OSError:
+                    self.server_gone()
+            self.check()
+
+    def server_gone(self) -> NoReturn:
+        with self._ending:
+            log.warning("the server's process is gone; the engine process ends")
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(SERVER_GONE_STATUS)
 
 
 def _socket(ctx, kind: int, addr: str):
@@ -109,10 +174,10 @@ def read_start(stream: BinaryIO, config_type: type) -> msg.EngineStart:
     return msg.Reader(msg.EngineStart[config_type])(stream.read())
 
 
-def serve_engines(engines: list, commands_addr: str, events_addr: str, parent: int) -> int:
-    """Run the engines' loops for the server's process `parent` (its pid from before the build: it may have gone
-    meanwhile), its commands read from `commands_addr` and the events sent to `events_addr`; returns the exit
-    status once told to stop (0) or once that process is gone (1)."""
+def serve_engines(engines: list, commands_addr: str, events_addr: str, watch: ServerWatch) -> int:
+    """Run the engines' loops for the server's process that `watch` watches (it ends this process once that is
+    gone), its commands read from `commands_addr` and the events sent to `events_addr`; returns the exit status
+    once told to stop (0) or on a command that is not the engine process's (1)."""
     import zmq
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C (or a stop) may reach the whole group: the server
@@ -127,15 +192,11 @@ def serve_engines(engines: list, commands_addr: str, events_addr: str, parent: i
     read = msg.Reader(msg.Command)
     code = 1
     try:
-        if os.getppid() != parent:
-            log.warning("the server's process is gone; the engine process ends")
-            return code
+        watch.check()  # (it may have gone during the build)
         _send(replies, msg.Ready([e.facts for e in engines]))
         while True:
             if not commands.poll(1000):
-                if os.getppid() != parent:
-                    log.warning("the server's process is gone; the engine process ends")
-                    break
+                watch.check()
                 continue
             try:
                 cmd = read(commands.recv())

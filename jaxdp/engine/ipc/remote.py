@@ -26,6 +26,7 @@ from typing import Any
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
 from jaxdp.engine.ipc.client import ClientBase, DelayerCounters, EngineFailed
+from jaxdp.engine.ipc.process import LIFELINE_ENV
 from jaxdp.engine.ipc.streams import Result, Wakeups
 from jaxdp.engine.sched.request import Request
 from jaxdp.engine.step.step_stats import StepStats
@@ -67,13 +68,27 @@ class EngineProcess:
         self._calls: dict[int, Result] = {}
         self._call_ids = itertools.count()
         start = msg.EngineStart(*addrs, os.getpid(), config)  # the child ends if this pid is no longer its parent
-        self.proc = subprocess.Popen([sys.executable, *command], stdin=subprocess.PIPE)
+        # the child's lifeline (`ServerWatch`): this process holds the only write end, which the kernel closes when
+        # it dies however it dies (os.pipe's ends are not inherited by any other child)
+        lifeline, self._lifeline = os.pipe()
         try:
-            self.proc.stdin.write(msg.encode(start))
-            self.proc.stdin.close()
-        except BrokenPipeError:  # it died before reading: `_wait_ready` repeats its exit status
-            pass
-        self.engines = self._wait_ready(tokenizer, start_timeout_s)
+            self.proc = subprocess.Popen([sys.executable, *command], stdin=subprocess.PIPE, pass_fds=(lifeline,),
+                                         env={**os.environ, LIFELINE_ENV: str(lifeline)})
+        except BaseException:
+            self._close()
+            raise
+        finally:
+            os.close(lifeline)
+        try:
+            try:
+                self.proc.stdin.write(msg.encode(start))
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it died before reading: `_wait_ready` repeats its exit status
+                pass
+            self.engines = self._wait_ready(tokenizer, start_timeout_s)
+        except BaseException:  # stopped while the child starts (SIGTERM, Ctrl-C): no child is left behind
+            self._end_child()
+            raise
         self.failed: str | None = None
         self._stopping = False
         self._reader = start_thread(self._read, "jaxdp-engine-link")
@@ -184,7 +199,21 @@ class EngineProcess:
         self._reader.join(timeout=5)
         self._close()
 
+    def _end_child(self) -> None:
+        """Kill the child if it still runs, wait for it, and close everything (a start that does not finish)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        if not self._commands.closed:
+            self._close()
+
     def _close(self) -> None:
+        if self._lifeline is not None:  # (a child still running sees its lifeline end)
+            os.close(self._lifeline)
+            self._lifeline = None
         with self._send_lock:
             self._commands.close(linger=0)
         if not self._events.closed:  # (the reader never started)
