@@ -44,7 +44,7 @@ from jaxdp.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from jaxdp.api.replicas import ReplicaSet
 from jaxdp.cache import cache_dir
 from jaxdp.engine.ipc.messages import WireError
-from jaxdp.engine.ipc.process import read_start, serve_engines
+from jaxdp.engine.ipc.process import ServerWatch, read_start, serve_engines
 from jaxdp.engine.ipc.remote import EngineProcess, EngineProcessError
 from jaxdp.engine.loop import Engine
 from jaxdp.engine.nodes.hosts import (
@@ -357,7 +357,9 @@ def run_node(config: ServeConfig) -> int:
 
 def run_engine_child(stdin: BinaryIO) -> int:
     """The server's engine process (`jaxdp.engine.ipc.process`): reads its `EngineStart` (the server's checked
-    config, its sockets) from `stdin`, builds the engines as the server would, and runs them for the server."""
+    config, its sockets) from `stdin`, builds the engines as the server would, and runs them for the server. From
+    its first moment it ends once the server's process is gone (`ServerWatch`), start-up included."""
+    watch = ServerWatch.from_env().start()
     try:
         start = read_start(stdin, ServeConfig)
     except WireError as e:
@@ -366,19 +368,28 @@ def run_engine_child(stdin: BinaryIO) -> int:
         return 2
     config = start.config
     setup_logging(config.http.log_level)
+    watch.expect(start.parent)
     faulthandler.register(signal.SIGUSR1)
     with one_line_errors():
         backend, _ = start_engines(config)
-    return serve_engines(backend.engines, start.commands, start.events, start.parent)
+    return serve_engines(backend.engines, start.commands, start.events, watch)
 
 
 def start_engine_process(config: ServeConfig, tokenizer) -> ReplicaSet:
     """A child (`run_engine_child`) builds and runs the engines from `config`; this process serves HTTP over them.
-    Exits with the child's status if it fails to start (it said why, in one sentence)."""
+    Exits with the child's status if it fails to start (it said why, in one sentence), and with 0 on SIGTERM while
+    the child starts (an operator's stop; the child is killed and waited for, none is left behind)."""
+    def stop_starting(_sig, _frame) -> None:
+        log.info("SIGTERM during start-up: the engine process is stopped and the server exits")
+        raise SystemExit(0)
+
+    before = signal.signal(signal.SIGTERM, stop_starting)  # (the HTTP server installs its own once it runs)
     try:
         return ReplicaSet(EngineProcess(ENGINE_CHILD, config, tokenizer).engines, config.engine.load_balance_method)
     except EngineProcessError as e:
         raise SystemExit(e.code) from None
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def serve_http(config: ServeConfig, backend: ReplicaSet, tokenizer) -> int:
