@@ -146,18 +146,31 @@ class Layout:
             check_memory_balance(free, [[str(d) for d in group] for group in groups])
 
 
-def check_redundant_experts(layout: Layout, n_routed_experts: int, num_redundant: int) -> None:
+def check_redundant_experts(layout: Layout, n_routed_experts: int | None, num_redundant: int) -> None:
     """Refuse, in one sentence, `--ep-num-redundant-experts R` that this layout cannot hold: R only under moe=ep,
-    and the E + R physical expert slots must split evenly over the layout's devices."""
+    and the E + R physical expert slots must split evenly over the layout's devices (n_routed_experts None: not
+    checked yet)."""
     if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
         raise LayoutError(f"--ep-num-redundant-experts {num_redundant} is not a count; give 0 or more.")
     if num_redundant and layout.moe != "ep":
         raise LayoutError(f"--ep-num-redundant-experts {num_redundant} needs expert parallelism, but the MoE is "
                           f"moe={layout.moe}; add moe=ep to --mesh or drop the flag.")
-    if num_redundant and (n_routed_experts + num_redundant) % layout.world:
+    if num_redundant and n_routed_experts is not None and (n_routed_experts + num_redundant) % layout.world:
         raise LayoutError(f"--ep-num-redundant-experts {num_redundant} gives {n_routed_experts + num_redundant} "
                           f"expert slots, which do not split over {layout.world} devices; give a count that makes "
                           f"{n_routed_experts} + R a multiple of {layout.world}.")
+
+
+def check_expert_location_flags(layout: Layout, num_redundant: int, location: str | None) -> None:
+    """The EPLB flags' checks that need no model (before anything loads): R a count, only under moe=ep, and an
+    --init-expert-location file that exists; the slots' split over the devices is checked at load."""
+    check_redundant_experts(layout, None, num_redundant)
+    if location and layout.moe != "ep":
+        raise LayoutError(f"--init-expert-location places experts under expert parallelism, but the MoE is "
+                          f"moe={layout.moe}; add moe=ep to --mesh or drop the flag.")
+    if location and not Path(location).is_file():
+        raise LayoutError(f"--init-expert-location {location} is not a file; give a placement or recorded load "
+                          f"file (.json or .npz).")
 
 
 def available_presets() -> list[str]:

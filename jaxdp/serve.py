@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocked (by blocks of rows, not expanded) or pallas (NVFP4's kernel, blocked for bf16 and "
                         "FP8 experts) or auto (few rows gather their chosen experts, many run blocked) "
                         "or native (jaxdp's CPU kernels) (default: pallas on a GPU, auto on a CPU)")
+    g.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="R",
+                   help="moe=ep: R redundant expert slots (E + R over the devices), hot experts held several times "
+                        "(docs/eplb.md)")
+    g.add_argument("--init-expert-location", default=None, metavar="PATH",
+                   help="moe=ep: the expert placement to start from, a JSON or .npz file holding a map "
+                        "(physical_to_logical_map) or a recorded load (logical_count) (default: the EPLB "
+                        "algorithm's placement of a uniform load)")
     g.add_argument("--fp8-gemm-backend", choices=FP8_GEMM_BACKENDS, default=None,
                    help="the layers' projection GEMMs (block-FP8 or plain weights read in place): pallas, native "
                         "(jaxdp's CPU kernels) or xla (the layer dequantized, then XLA's dot) (default: pallas on a "

@@ -27,7 +27,7 @@ from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
 from jaxdp.engine.sched.delayer import DelayerConfig
 from jaxdp.engine.step.spec import check_speculative
-from jaxdp.layout import GiB, Layout, layout_from_args
+from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 from jaxdp.parallel.accounting import decode_buckets
 
@@ -232,7 +232,10 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     engine = engine_config(args)
     model = ModelOptions(path, args.dtype, args.random_seed, args.quantization, args.attention_backend,
                          args.moe_runner_backend, None if args.index_key_dtype == "auto" else args.index_key_dtype,
-                         draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend)
+                         draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend,
+                         ep_num_redundant_experts=args.ep_num_redundant_experts,
+                         init_expert_location=args.init_expert_location)
+    check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it
         try:
             check_speculative(engine)

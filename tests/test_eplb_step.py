@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.engine.options import ModelOptions
+from jaxdp.engine.setup import build_runners
 from jaxdp.eplb.algorithm import PlacementError
 from jaxdp.eplb.placement import ExpertPlacement
 from jaxdp.eplb.slots import initial_placement, map_arrays, with_expert_slots
@@ -22,6 +24,7 @@ from jaxdp.layout import LayoutError, check_redundant_experts, parse_mesh_spec
 from jaxdp.model.loader import load_model
 from jaxdp.model.sharded import shard_model
 from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.serve import build_parser, serve_config
 
 PAGE, NPAGES, PAGES_PER_SEQ, T, B = 8, 16, 2, 16, 4
 EP_LAYOUTS = ["dp=8,moe=ep", "dp=4,tp=2,moe=ep"]  # (no tp=8,moe=ep layout exists: tp=8 is one attention group)
@@ -173,3 +176,37 @@ def test_initial_placement_is_the_algorithms_on_a_uniform_load(model, tmp_path):
     with pytest.raises(LayoutError):
         initial_placement(cfg, parse_mesh_spec("dp=8"), R)
     assert dataclasses.is_dataclass(loaded)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--mesh", "dp=8", "--ep-num-redundant-experts", "8"), "needs expert parallelism"),
+    (("--mesh", "dp=8,moe=ep", "--ep-num-redundant-experts", "-2"), "is not a count"),
+    (("--mesh", "dp=8", "--init-expert-location", "map.json"), "under expert parallelism"),
+    (("--mesh", "dp=8,moe=ep", "--init-expert-location", "no/such/map.json"), "is not a file"),
+])
+def test_the_servers_flags_are_checked_before_anything_loads(argv, words):
+    with pytest.raises(LayoutError) as e:
+        serve_config(build_parser().parse_args(list(argv)))
+    assert words in str(e.value)
+    one_sentence(str(e.value))
+
+
+def test_the_servers_flags_land_in_the_model_options(tmp_path):
+    path = tmp_path / "map.json"
+    ExpertPlacement.identity(2, 8, 8, R).save(path)
+    argv = ["--mesh", "dp=8,moe=ep", "--ep-num-redundant-experts", "8", "--init-expert-location", str(path)]
+    model = serve_config(build_parser().parse_args(argv)).model
+    assert (model.ep_num_redundant_experts, model.init_expert_location) == (R, str(path))
+
+
+def test_the_engine_builds_the_slots_from_the_flags(model):
+    """The one place the engine feeds the map: `build_runners` with the options the flags give."""
+    lay = parse_mesh_spec("dp=8,moe=ep")
+    options = ModelOptions("tiny", "float32", seed=7, ep_num_redundant_experts=R)
+    runner = build_runners(options, lay, [lay.make_mesh(jax.devices()[:8])], num_pages=NPAGES, page_size=PAGE)[0]
+    slots, replicas = runner.expert_map()
+    assert slots.shape == (runner.cfg.num_moe_layers, 8, R + 1) and (replicas == 2).all()
+    cfg, _ = model
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(run_two_steps(runner, cfg)[1], run_two_steps(runner_for("dp=8,moe=ep", model, None),
+                                                                                cfg)[1], atol=1e-4, rtol=0)

@@ -26,6 +26,8 @@ class ModelOptions:
     tiny_width: bool = False  # the model's layers at a tiny width (experiments)
     draft: bool = False  # also build the checkpoint's MTP layer (speculative decoding's draft model)
     fp8_gemm_backend: str | None = None  # the projection GEMM: one of jaxdp.ops.registry.FP8_GEMM_BACKENDS
+    ep_num_redundant_experts: int = 0  # moe=ep: R redundant expert slots (jaxdp.eplb.slots)
+    init_expert_location: str | None = None  # a placement or recorded load file (jaxdp.eplb.placement)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from jaxdp.engine.options import ModelOptions
 from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS
 from jaxdp.engine.step.prompt_logprobs import prompt_logprobs
 from jaxdp.engine.step.sampling import sample_tokens, top_logprobs
+from jaxdp.eplb.slots import initial_placement, with_expert_slots
 from jaxdp.layout import ensure_host_devices, parse_mesh_spec
 from jaxdp.model.loader import build_model, build_mtp, default_model_path
 from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
@@ -122,6 +123,9 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     gemm = fp8_gemm_backend(o.fp8_gemm_backend)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
+    if o.ep_num_redundant_experts or o.init_expert_location:  # redundant experts: E + R slots and the map
+        placement = initial_placement(first.cfg, layout, o.ep_num_redundant_experts, o.init_expert_location)
+        first = with_expert_slots(first, placement, layout, meshes[0])
     log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
     draft = None
     if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are
