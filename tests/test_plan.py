@@ -117,6 +117,12 @@ def test_rows_and_other_layouts(tmp_path):
     (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--kv-dtype", "fp8"], "--kv-dtype bf16"),
     (["--gpus", "4", "--mesh", "dp=4", "--expert-dtype", "nvfp4", "--compile", "--compile-steps", "x"], "decode,"),
     (["--gpus", "4", "--mesh", "dp=4", "--compile", "--extend-rows", "0"], "must be positive"),
+    (["--gpus", "4", "--mesh", "dp=4", "--ep-num-redundant-experts", "4"], "needs expert parallelism"),
+    (["--gpus", "8", "--mesh", "dp=8,moe=ep", "--model", "deepseek-v3", "--expert-dtype", "fp8",
+      "--ep-num-redundant-experts", "4"], "do not split over 8 devices"),
+    (["--gpus", "8", "--mesh", "dp=8,moe=ep", "--model", "deepseek-v3", "--expert-dtype", "fp8",
+      "--balancedness", "1.5"], "(0, 1]"),
+    (["--gpus", "4", "--mesh", "dp=4", "--balancedness", "0.5"], "under expert parallelism"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, words, capsys):
     assert _exit_code(argv) == 2
@@ -200,3 +206,51 @@ def test_a_bad_hand_off_prompt_list_is_one_sentence(capsys):
     assert main([*ARTICLE, "--handoff-prompts", "1k"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--handoff-prompts '1k' must be prompt lengths" in err
+
+
+V3_EP = ["--model", "deepseek-v3", "--gpus", "8", "--gpu", "H200", "--mesh", "dp=8,moe=ep", "--expert-dtype", "fp8"]
+
+
+def test_redundant_experts_memory_and_the_most_loaded_gpu(tmp_path):
+    """--ep-num-redundant-experts 32 on 8 GPUs: 4 more whole experts a GPU in every MoE layer; --balancedness b
+    prices the routed experts on the most loaded GPU (1 / b of the mean GPU's pairs); TP is priced as before."""
+    def v3(*extra):
+        out = tmp_path / "p.json"
+        assert main([*V3_EP, *extra, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    def experts_ms(p):
+        return next(t["ms"] for t in p["plan"]["roofline"]["batch"]["jaxdp"]["terms"] if t["name"] == "routed experts")
+
+    prefill_sized = ("--rows", ",".join(["4096"] * 8))  # rows whose experts' FLOPs, not their bytes, set the time
+    even, redundant = v3(*prefill_sized), v3(*prefill_sized, "--ep-num-redundant-experts", "32")
+    half = v3(*prefill_sized, "--ep-num-redundant-experts", "32", "--balancedness", "0.5")
+    weights = {w["name"]: w for w in redundant["plan"]["weights"]}
+    routed = weights["routed experts"]["bytes_per_device"]
+    assert near(weights["redundant experts"]["bytes_per_device"], routed * 4 / 32, 1e-9)  # 4 slots beside 32
+    assert near(redundant["plan"]["weights_per_device_gib"] - even["plan"]["weights_per_device_gib"],
+                routed * 4 / 32 / GiB, 1e-9)
+    assert "redundant experts" not in {w["name"] for w in even["plan"]["weights"]}
+    assert redundant["num_redundant_experts"] == 32 and half["balancedness"] == 0.5
+    assert redundant["plan"]["kv_tokens_per_rank"] < even["plan"]["kv_tokens_per_rank"]
+    # the most loaded GPU computes twice the mean's pairs at balancedness 0.5: the experts' term doubles
+    assert near(experts_ms(half), 2 * experts_ms(redundant), 1e-6) and near(experts_ms(redundant), experts_ms(even),
+                                                                              1e-6)
+    assert half["tp"]["roofline"] == redundant["tp"]["roofline"] == even["tp"]["roofline"]
+
+
+def test_the_ep_price_without_redundancy_is_the_uniform_one():
+    """R = 0 and balancedness 1: the most-loaded-GPU price is the old uniform one (same bytes and FLOPs)."""
+    from jaxdp.config import PRESETS
+    from jaxdp.layout import Layout
+    from jaxdp.planner.gpus import get_gpu as gpu_of
+    from jaxdp.planner.roofline import decode_roofline, expected_experts
+    from jaxdp.planner.weights import weights_per_device
+
+    cfg, lay, rows = PRESETS["deepseek-v3"], Layout(dp=8, moe="ep"), (16,) * 8
+    term = decode_roofline(cfg, lay, gpu_of("H200"), rows, expert_dtype="fp8", padding="jaxdp").term("routed experts")
+    experts = next(c for c in weights_per_device(cfg, lay, "fp8") if c.name == "routed experts")
+    E = cfg.n_routed_experts
+    assert near(term.hbm_bytes, experts.bytes_total * expected_experts(128, E, 8) / E / 8, 1e-9)
+    with pytest.raises(ValueError, match="moe=ep"):
+        weights_per_device(cfg, Layout(dp=8), "fp8", num_redundant_experts=8)

@@ -58,6 +58,19 @@ def test_xla_argument_bytes_agree_with_the_plan(mid_model, tmp_path, capsys, mes
     assert "Compiled by XLA" in capsys.readouterr().out
 
 
+def test_redundant_experts_compile_as_planned(mid_model, tmp_path):
+    """--ep-num-redundant-experts 8 (64 + 8 slots, 9 a device): the compiled step holds the planned weights, the
+    redundant experts and the expert map among them, to well under the redundant experts' own bytes."""
+    plan = compile_plan(mid_model, tmp_path, "dp=8,moe=ep", "fp8", "--compile-steps", "decode",
+                        "--ep-num-redundant-experts", "8")
+    redundant = next(w for w in plan["plan"]["weights"] if w["name"] == "redundant experts")["bytes_per_device"]
+    (c,) = plan["compiled"]
+    planned = c["planned_weight_bytes_per_device"] + c["planned_kv_bytes_per_device"]
+    assert abs(c["argument_bytes_per_device"] / planned - 1) < 0.03, c
+    # a plan without the redundant experts would be `redundant` short; the compiled step is within 2% of that
+    assert abs(c["argument_bytes_per_device"] - planned) < 0.02 * redundant, (c, redundant)
+
+
 @pytest.mark.slow
 def test_the_speculative_steps_compile_on_host_devices(tmp_path):
     """--speculative-algorithm under XLA:CPU (1-2 minutes): both speculative steps compile with the MTP layer's

@@ -91,7 +91,8 @@ def held_physical_to_logical(slots_LES: np.ndarray, replicas_LE: np.ndarray, num
 
 def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: Layout, mesh) -> ShardedModel:
     """The model with its MoE stack's experts held as the placement's physical slots (each parameter with the
-    "experts" axis gathered by the physical-to-logical map, in its EP sharding on `mesh`) and the map as data."""
+    "experts" axis gathered by the physical-to-logical map, in its EP sharding on `mesh`) and the map as data. An
+    abstract model (ShapeDtypeStructs, `plan --compile`) gets the shapes and shardings only."""
     cfg = model.cfg
     check_redundant_experts(layout, cfg.n_routed_experts, placement.num_redundant)
     if placement.num_layers != cfg.num_moe_layers or placement.num_logical != cfg.n_routed_experts:
@@ -107,6 +108,7 @@ def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: L
         raise PlacementError("the model's MoE stack already holds physical expert slots; build it from the logical "
                              "experts.")
     p2l = jnp.asarray(placement.physical_to_logical)
+    abstract = False
     for name, variable in list(vars(moe).items()):
         if not isinstance(variable, nnx.Variable) or "experts" not in (axes_of(variable) or ()):
             continue
@@ -115,12 +117,20 @@ def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: L
         if axes[0] != "layers" or axis != 1:
             raise PlacementError(f"the expert parameter {name} has axes {axes}; expected the layer then the expert.")
         out = NamedSharding(mesh, logical_spec(axes, layout, name))
-        gathered = jax.jit(_gather_slots, out_shardings=out)(variable.get_value(), p2l)
+        value = variable.get_value()
+        abstract = isinstance(value, jax.ShapeDtypeStruct)
+        if abstract:  # an abstract model (plan --compile): shapes only
+            gathered = jax.ShapeDtypeStruct((value.shape[0], p2l.shape[1], *value.shape[2:]), value.dtype,
+                                            sharding=out)
+        else:
+            gathered = jax.jit(_gather_slots, out_shardings=out)(value, p2l)
         variable.set_value(gathered)  # (its metadata, the axes among them, stays)
     slots, replicas = map_arrays(placement)
     for name, value in (("expert_slots_ES", slots), ("expert_replicas_E", replicas)):
-        spec = logical_spec(MAP_AXES[name], layout, name)
-        setattr(moe, name, ExpertMap(jax.device_put(value, NamedSharding(mesh, spec)), **{AXES: MAP_AXES[name]}))
+        sharding = NamedSharding(mesh, logical_spec(MAP_AXES[name], layout, name))
+        held = (jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) if abstract
+                else jax.device_put(value, sharding))
+        setattr(moe, name, ExpertMap(held, **{AXES: MAP_AXES[name]}))
     graphdef, state = nnx.split(merged)
     return ShardedModel(cfg, graphdef, state)
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from jaxdp.config import UnsupportedConfigError, get_config
-from jaxdp.layout import Layout, LayoutError, add_layout_args, layout_from_args
+from jaxdp.layout import Layout, LayoutError, add_layout_args, check_redundant_experts, layout_from_args
 from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
 from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
@@ -92,14 +92,16 @@ def _merge(s: Situation, dp: int) -> Situation:
 def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, budget: float,
                 situations: dict[str, Situation], batch: tuple[int, ...]) -> dict[str, Any]:
     spec = args.speculative_algorithm is not None  # the MTP layer and its draft KV on every device too
-    comps = weights_per_device(cfg, layout, args.expert_dtype, include_mtp=spec, **_placement(args))
+    eplb = _eplb(layout, args)
+    comps = weights_per_device(cfg, layout, args.expert_dtype, include_mtp=spec, **_placement(args),
+                               num_redundant_experts=eplb["num_redundant_experts"])
     wbytes = total_bytes(comps)
     per_token = kv_bytes(cfg, args.kv_dtype, include_mtp=spec).per_token
     tokens = kv_tokens(budget, wbytes, per_token)
     accts = {name: account_step(layout, cfg, s.rows, is_extend=s.kind == EXTEND, lm_rows=s.lm_rows)
              for name, s in situations.items()}
     roof_kw = dict(context=args.context, expert_dtype=args.expert_dtype, kv_dtype=args.kv_dtype,
-                   latency_us=args.latency_us, **_placement(args))
+                   latency_us=args.latency_us, **_placement(args), **eplb)
     single = (1,) + (0,) * (layout.dp - 1)
     return {
         "layout": dataclasses.asdict(layout), "describe": _describe(layout),
@@ -136,6 +138,14 @@ def _fitting_layout(cfg: Any, gpus: int, budget: float, args: argparse.Namespace
     return f"no layout on up to {counts[-1]} GPUs holds it; use --expert-dtype fp8 or nvfp4, or larger GPUs."
 
 
+def _eplb(layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    """The redundant experts and the balancedness a layout is priced with: the flags' under moe=ep; none under
+    moe=tp (the TP comparison), where every device computes a slice of every expert."""
+    if layout.moe != "ep":
+        return {"num_redundant_experts": 0, "balancedness": 1.0}
+    return {"num_redundant_experts": args.ep_num_redundant_experts, "balancedness": args.balancedness}
+
+
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
     return {"placement": args.placement, "absorbed_copy": False if args.no_absorbed_copy else None}
 
@@ -157,6 +167,12 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"the layout uses {layout.total_devices} GPUs but --gpus is {args.gpus}; make them "
                         "equal.")
     layout.validate(num_devices=args.gpus, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
+    check_redundant_experts(layout, cfg.n_routed_experts, args.ep_num_redundant_experts)
+    if not 0 < args.balancedness <= 1:
+        raise PlanError(f"--balancedness {args.balancedness} is mean / max tokens a GPU; give a value in (0, 1].")
+    if args.balancedness != 1 and layout.moe != "ep":
+        raise PlanError(f"--balancedness prices the most loaded GPU under expert parallelism, but the MoE is "
+                        f"moe={layout.moe}; add moe=ep to --mesh or drop the flag.")
     draft_tokens = _draft_tokens(cfg, args)
     spec = draft_tokens > 0
     tp_layout = Layout(dp=1, tp=layout.total_devices)
@@ -199,7 +215,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "gpus": args.gpus, "gpu": dataclasses.asdict(gpu),
         "mem_fraction_static": fraction, "budget_gib": budget / GiB,
         "expert_dtype": args.expert_dtype, "kv_dtype": args.kv_dtype,
-        "placement": args.placement,
+        "placement": args.placement, **_eplb(layout, args),
         "absorbed_copy": not args.no_absorbed_copy and args.placement == "sglang",
         "context": args.context, "latency_us": args.latency_us,
         "row_bytes": cfg.hidden_size * 2,
@@ -301,6 +317,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="whose placement rules: SGLang's (explains the article) or jaxdp's sharding table")
     p.add_argument("--no-absorbed-copy", action="store_true",
                    help="do not count SGLang's w_kc/w_vc copies of kv_b_proj")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="R",
+                   help="moe=ep: R redundant expert slots (SGLang's flag): their memory per GPU, and --compile "
+                        "holds them")
+    p.add_argument("--balancedness", type=float, default=1.0,
+                   help="moe=ep: mean / max tokens a GPU's experts receive; the step is priced by the most loaded "
+                        "GPU (default 1.0: even)")
     p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")
     p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxdp.engine.step.buckets import Buckets
+from jaxdp.eplb.slots import initial_placement, with_expert_slots
 from jaxdp.layout import ensure_host_devices
 from jaxdp.model.sharded import (
     ShardedModel,
@@ -140,11 +141,15 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     spec = case.draft_tokens > 0  # the MTP layer's weights and its draft KV (one more layer of entries) too
     kv = kv_bytes(cfg, kv_dtype, include_mtp=spec)
     planned_kv = num_pages * case.page_size * kv.per_token  # latents and (DSA) index keys, bf16
-    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=spec))
+    redundant = plan.get("num_redundant_experts", 0)
+    planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=spec,
+                                               num_redundant_experts=redundant))
 
     mesh = layout.make_mesh(devices)
     platform = devices[0].platform
     model = abstract_sharded(cfg, layout, mesh, expert_dtype)
+    if redundant:  # E + R expert slots and the expert map, as the server holds them (jaxdp.eplb.slots)
+        model = with_expert_slots(model, initial_placement(cfg, layout, redundant), layout, mesh)
     draft = abstract_draft(cfg, layout, mesh, expert_dtype) if spec else None
     kernels, moe = decode_kernels(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size, draft=draft,

@@ -87,16 +87,24 @@ def expected_experts(rows: int, n_experts: int, top_k: int) -> float:
 def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int, ...], *,
                     context: int = 1024, expert_dtype: str = "bf16", kv_dtype: str = "bf16",
                     absorbed_copy: bool | None = None, placement: str = "sglang", latency_us: float = 10.0,
-                    padding: str = "sglang", tokens_per_row: int = 1, weight_dtype: str = "bf16") -> Roofline:
+                    padding: str = "sglang", tokens_per_row: int = 1, weight_dtype: str = "bf16",
+                    num_redundant_experts: int = 0, balancedness: float = 1.0) -> Roofline:
     """One decode step on the busiest device; `padding` is "sglang" (padding rows reach the experts)
     or "jaxdp" (the router masks them). `tokens_per_row` > 1: an extend step (rows are sequences);
-    `weight_dtype` "fp32": the weights held in float32 (twice the bytes of bf16, experts included)."""
+    `weight_dtype` "fp32": the weights held in float32 (twice the bytes of bf16, experts included).
+    Under moe=ep the routed experts are priced on the most loaded device: with `balancedness` b (mean / max
+    (row, choice) pairs a device, 1.0 even) it computes 1 / b times the mean device's pairs and reads the slots
+    they touch among its (E + R) / N (`num_redundant_experts` R); under moe=tp every device computes a slice of
+    every pair, so b does not change the step."""
     if weight_dtype not in ("bf16", "fp32"):
         raise ValueError(f"weight dtype {weight_dtype!r} is unknown; use bf16 or fp32")
+    if not 0 < balancedness <= 1:
+        raise ValueError(f"balancedness {balancedness} is mean / max tokens a device; give a value in (0, 1]")
     held = 2.0 if weight_dtype == "fp32" else 1.0  # bytes relative to the bf16 / expert_dtype figures
     t = tokens_per_row
     acct = account_step(layout, cfg, [r * t for r in rows], is_extend=t > 1)
-    comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement)}
+    comps = {c.name: c for c in weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement,
+                                                   num_redundant_experts=num_redundant_experts)}
     bw, peak, link = gpu.hbm_bytes_per_s, gpu.flops_per_s, gpu.link_bytes_per_s
     n, tp = layout.world, layout.tp
     L, Lm, h, k = cfg.num_layers, cfg.num_moe_layers, cfg.hidden_size, cfg.num_experts_per_tok
@@ -130,7 +138,13 @@ def decode_roofline(cfg: ModelConfig, layout: Layout, gpu: GPU, rows: tuple[int,
     add("KV cache", kv_read, kv_flops)
     weights("router", moe_rows)
     experts = comps.get("routed experts")  # none where every layer is dense (a preset cut to its first layers)
-    if experts is not None:
+    if experts is not None and layout.moe == "ep":  # the most loaded device: 1 / balancedness of the mean's pairs
+        E, hot_rows = cfg.n_routed_experts, moe_rows / balancedness
+        slots = (E + num_redundant_experts) // n
+        touched = 1 - (1 - k / E) ** hot_rows  # each of its slots, as one logical expert of hot_rows rows
+        add("routed experts", experts.bytes_total / E * slots * touched * held,
+            2 * 3 * h * cfg.moe_intermediate_size * Lm * hot_rows * k / n)
+    elif experts is not None:
         touched = expected_experts(moe_rows, cfg.n_routed_experts, k) / cfg.n_routed_experts
         add("routed experts", experts.bytes_total * touched / n * held,
             2 * 3 * h * cfg.moe_intermediate_size * Lm * moe_rows * k / n)

@@ -95,11 +95,14 @@ def indexer_params(cfg: ModelConfig) -> int:
 
 def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf16",
                        absorbed_copy: bool | None = None, placement: str = "sglang",
-                       include_mtp: bool = False) -> list[Component]:
+                       include_mtp: bool = False, num_redundant_experts: int = 0) -> list[Component]:
     """The weights one device of one model copy holds, component by component; `include_mtp` adds the
-    model's MTP layer (speculative decoding's draft model, `mtp_component`)."""
+    model's MTP layer (speculative decoding's draft model, `mtp_component`, held without redundant experts);
+    `num_redundant_experts` R (moe=ep, `--ep-num-redundant-experts`): R more expert slots per MoE layer, R / N a
+    device, and under jaxdp's placement the logical-to-physical map every device holds (`jaxdp.eplb.slots`)."""
     if include_mtp and cfg.num_nextn_predict_layers:
-        return [*weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement),
+        return [*weights_per_device(cfg, layout, expert_dtype, absorbed_copy, placement,
+                                    num_redundant_experts=num_redundant_experts),
                 mtp_component(cfg, layout, expert_dtype, absorbed_copy, placement)]
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert dtype {expert_dtype!r} is unknown; use one of {', '.join(EXPERT_DTYPES)}")
@@ -138,6 +141,14 @@ def weights_per_device(cfg: ModelConfig, layout: Layout, expert_dtype: str = "bf
     else:
         add("routed experts", 3 * h * inter * e * Lm, expert_bytes * e * Lm, 1 / n,
             f"1/{n} of every expert per device ({expert_dtype})", read=False)
+    r = num_redundant_experts
+    if r and layout.moe != "ep":
+        raise ValueError(f"{r} redundant experts need moe=ep, not moe={layout.moe}")
+    if r and Lm:
+        add("redundant experts", 3 * h * inter * r * Lm, expert_bytes * r * Lm, 1 / n,
+            f"{r // n} more whole experts per device, {(e + r) // n} slots of {e + r} ({expert_dtype})", read=False)
+        if not sglang:  # the map [L, E, R + 1] and the replica counts [L, E], int32
+            add("expert map", e * (r + 2) * Lm, 4 * e * (r + 2) * Lm, 1.0, "whole on every device (int32)")
     shared = 3 * h * inter * cfg.n_shared_experts * Lm
     add("shared expert", shared, 3 * matrix_bytes(inter * cfg.n_shared_experts, h, lin) * Lm,
         1.0 if layout.moe == "ep" else 1 / n,
