@@ -38,6 +38,8 @@ class Server:
         raise RuntimeError(f"the server did not come up in {timeout} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        """SIGTERM, SIGKILL after 20 s; then nothing of the server's process group is left (its engine process
+        included, even if the server was still starting or died first): what remains after 10 s is killed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -45,6 +47,28 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        t0 = time.time()
+        while group_alive(self.proc.pid) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        if group_alive(self.proc.pid):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group `pgid` still runs (not counting zombies nobody reaped)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]
+            if int(group) == pgid and state != "Z":
+                return True
+    return False
 
 
 def completion_text(url: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 300) -> str:
