@@ -27,7 +27,7 @@ from jaxdp.parallel.step import StepRunner, StepShape
 from jaxdp.serve import build_parser, serve_config
 
 PAGE, NPAGES, PAGES_PER_SEQ, T, B = 8, 16, 2, 16, 4
-EP_LAYOUTS = ["dp=8,moe=ep", "dp=4,tp=2,moe=ep"]  # (no tp=8,moe=ep layout exists: tp=8 is one attention group)
+EP_LAYOUTS = ["dp=8,moe=ep", "dp=4,tp=2,moe=ep", "tp=8,moe=ep"]
 R = 8  # 8 experts + 8 redundant = 2 slots on each of 8 devices
 
 
