@@ -135,7 +135,7 @@ def test_speculation_switched_off_above_a_batch_size_keeps_the_greedy_tokens(mod
         queue = self.pipeline._queue
 
         def _queue(plans, shape, *rest):
-            if getattr(self.pipeline, "plain", False):  # (the plain engine has no stretches)
+            if self.pipeline.switch is not None and self.pipeline.switch.plain:  # (the plain engine: no stretches)
                 queued_in_flight.append(self.pipeline.inflight is not None)
             return queue(plans, shape, *rest)
         self.pipeline._queue = _queue
@@ -184,7 +184,7 @@ def test_a_stretch_goes_on_while_no_request_drafts_and_a_new_request_still_specu
     assert len(draftless) <= 1, [(r.kind, r.rows) for r in e.pipeline.stats.records]  # (the first: not yet known)
     # a quiet stretch whose requests all finished as its last step was booked: the request that arrives then is
     # held back a pass in which nothing runs, and run_until_idle must not stop there
-    e.pipeline.plain = e.pipeline.quiet = True
+    e.pipeline.switch.plain = e.pipeline.switch.quiet = True
     again = e.submit(e.make_request(prompts(1, 10)[0], GREEDY))
     e.run_until_idle()
     assert again.finished and again.spec_verify_ct > 0

@@ -32,6 +32,7 @@ from jaxdp.engine.ipc.updates import end as end_request
 from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, PeerStopped
 from jaxdp.engine.nodes.link import NodeLink, Nodes, OneNode
 from jaxdp.engine.options import EngineConfig, ModelOptions
+from jaxdp.engine.sched.policy import NO_DISAGG, SpecSwitch
 from jaxdp.engine.sched.pool import PagePool, PrefixCache
 from jaxdp.engine.sched.request import Request, SamplingParams
 from jaxdp.engine.sched.rows import RankRows, RowArrays
@@ -40,8 +41,9 @@ from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
 from jaxdp.engine.setup import model_options as model_options_of
 from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.pd_sides import make_disagg
-from jaxdp.engine.step.pipeline import StepPipeline
-from jaxdp.engine.step.spec import SpecPipeline, SpecScheduler, check_speculative
+from jaxdp.engine.step.pipeline import PlainStep, StepPipeline
+from jaxdp.engine.step.prompt_logprobs import PromptLogprobs
+from jaxdp.engine.step.spec import SpecScheduler, VerifyStep, check_speculative
 from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.engine.threads import start_thread
 from jaxdp.parallel.step import StepRunner
@@ -95,27 +97,34 @@ class Engine(ClientBase):
         sched_cfg = SchedulerConfig(chunk, max_running, context_len, conservativeness, model_cfg.eos_token_ids,
                                     model_cfg.vocab_size, c.seed)
         rows = RowArrays.zeros(dp, max_running, pages_per_seq)  # the persistent batch
+        self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
+        self.hosts = hosts
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        # the schedulers' policies: disaggregation's side (or none), speculation's switch (shared with the pipeline)
+        self.disagg = make_disagg(c.disaggregation, runner, dp, self._post, self.nodes.local_ranks,
+                                  hosts.node_rank if hosts is not None else 0)
+        switch = SpecSwitch(spec.disable_by_batch_size) if spec else None
         self.schedulers = []
         for r in range(dp):
             pool = PagePool(num_pages, page_size)
-            args = (r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg, RankRows(rows.rank(r), page_size))
-            self.schedulers.append(SpecScheduler(*args, draft_tokens=draft_tokens) if spec else Scheduler(*args))
+            args = (r, pool, PrefixCache(pool, c.enable_prefix_cache), sched_cfg, RankRows(rows.rank(r), page_size),
+                    self.disagg or NO_DISAGG)
+            self.schedulers.append(SpecScheduler(*args, draft_tokens=draft_tokens, switch=switch) if switch
+                                   else Scheduler(*args))
         runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
                                c.max_len_extend_rows, draft_tokens,
                                spec.disable_by_batch_size if spec else None).with_pages(pages_per_seq, page_size)
-        self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
-        self.hosts = hosts
-        self.pipeline = (SpecPipeline if spec else StepPipeline)(runner, c, self.schedulers, rows, buckets, self.nodes)
+        # the step kinds: plain (with its prompt-logprob part), and the verify when speculating
+        plain = PlainStep(runner, buckets, rows, c.overlap, PromptLogprobs(buckets))
+        verify = VerifyStep(runner, buckets, rows) if spec else None
+        self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes, plain, verify, switch)
         self.facts = EngineFacts(layout, c, buckets, model_cfg, context_len, self.nodes.local_ranks, sched_cfg,
                                  num_pages, page_size, 0, {r: self.schedulers[r].state() for r in range(dp)})
         self._init_intake()
         self._fail_lock = threading.Lock()
         self.wakeups = Wakeups()  # the streams' event loops, woken once per step
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self.disagg = make_disagg(c.disaggregation, runner, self.schedulers, self._post, self.nodes.local_ranks,
-                                  hosts.node_rank if hosts is not None else 0)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.requests: dict[str, Request] = {}
@@ -196,7 +205,8 @@ class Engine(ClientBase):
             elif cmd == "flush":  # every node's ranks (the others' through the exchange)
                 self.nodes.flush(arg, self.busy)
             elif cmd == "kv":  # disaggregation's decode side: a request's KV arrived (or failed to)
-                self.disagg.arrived(*arg, now)
+                req, fut = arg
+                self.disagg.arrived(self.schedulers[req.rank], req, fut, now)
 
     @property
     def busy(self) -> bool:

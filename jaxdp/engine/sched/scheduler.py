@@ -18,6 +18,7 @@ import numpy as np
 from jaxdp.batch import Piece
 from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.mixed import add_decoders, decoders_to_carry
+from jaxdp.engine.sched.policy import NO_DISAGG, Disagg
 from jaxdp.engine.sched.pool import PagePool, PrefixCache
 from jaxdp.engine.sched.rank_plan import RankPlan
 from jaxdp.engine.sched.request import BadRequest, Request, State
@@ -63,20 +64,20 @@ PASS_OVER_LIMIT = 16  # requests that cannot fit now tried per step: a long queu
 
 
 class Scheduler:
-    def __init__(self, rank: int, pool: PagePool, cache: PrefixCache, cfg: SchedulerConfig, rows: RankRows):
+    """A rank's scheduler; `disagg`: prefill/decode disaggregation's policy (`jaxdp.engine.sched.policy`), and
+    `lookahead`: slots past a prompt's end its last chunk holds (speculative decoding's draft positions)."""
+
+    def __init__(self, rank: int, pool: PagePool, cache: PrefixCache, cfg: SchedulerConfig, rows: RankRows,
+                 disagg: Disagg = NO_DISAGG, lookahead: int = 0):
         self.rank, self.pool, self.cache, self.cfg, self.rows = rank, pool, cache, cfg, rows
+        self.disagg, self.lookahead = disagg, lookahead
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # by rid, in the order they started decoding
         self.retracted_total = 0
         self._finishing = 0  # prompts whose reading the last plan finishes (they leave `waiting` at commit)
         self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        # prefill/decode disaggregation (jaxdp.engine.step.pd_sides sets one of the two hooks):
-        self.handoff = None  # prefill: handoff(rank, req, reason) as a request with a room finishes, pages held
-        self.fetch_kv = None  # decode: fetch_kv(rank, req) once pages for its prompt's KV are allocated
-        self.kv_waiting: dict[str, Request] = {}  # decode: requests waiting for pages, then for their KV
-        self.lookahead = 0  # slots past a prompt's end its last chunk holds (speculative decoding's draft positions)
-        self.disagg_state = None  # either: disagg_state() -> this rank's hand-off figures, added to `state`
+        self.kv_waiting: dict[str, Request] = {}  # disaggregated decode: requests waiting for pages, then for KV
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -84,7 +85,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.top_logprob_requests += req.params.wants_top
-        if self.fetch_kv is not None and req.bootstrap is not None:  # its prompt is read on a prefill server
+        if self.disagg.reads_elsewhere(req):  # its prompt is read on a prefill server
             self.kv_waiting[req.rid] = req
             return
         self.waiting.append(req)
@@ -118,8 +119,8 @@ class Scheduler:
                     "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
                     "retracted_reqs": self.retracted_total,
                 }
-                if self.disagg_state is not None:
-                    out["disagg"] = self.disagg_state()
+                if (disagg := self.disagg.state(self.rank, list(self.kv_waiting.values()))) is not None:
+                    out["disagg"] = disagg
                 return out
             except RuntimeError:  # a dict resized mid-read
                 continue
@@ -223,7 +224,7 @@ class Scheduler:
                 return  # in order: the next ones wait too
             req.pages = pages
             reserved += reserve
-            self.fetch_kv(self.rank, req)
+            self.disagg.fetch(self.rank, req)
 
     def join_prefilled(self, req: Request, token: int, logprob: float, now: float) -> None:
         """Decode side: a request whose prompt's KV was written into its pages starts decoding from the first
@@ -355,8 +356,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv_waiting.pop(req.rid, None)
         req.output_ids = list(req.done_ids)  # an abort may leave tokens in flight: they are dropped
-        if self.handoff is not None and req.bootstrap is not None:
-            self.handoff(self.rank, req, reason)  # (prefill side: its KV is read from the pages before they go)
+        self.disagg.finished(self.rank, req, reason)  # (prefill side: its KV is read from the pages before they go)
         if req.pages:
             self.cache.insert(req.all_ids[: req.computed], req.pages, req.shared_pages)
             req.pages = []

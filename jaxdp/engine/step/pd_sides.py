@@ -1,5 +1,6 @@
-"""An engine's side of prefill/decode disaggregation (`--disaggregation-mode`): the schedulers' hooks wired to
-`jaxdp.disagg`'s two ends.
+"""An engine's side of prefill/decode disaggregation (`--disaggregation-mode`): the schedulers' policy
+(`jaxdp.engine.sched.policy.Disagg`, given to each rank's Scheduler at construction) wired to `jaxdp.disagg`'s two
+ends.
 
 - **prefill**: a request comes with its bootstrap room (SGLang's router adds it) and asks for one token: its
   prompt is read as usual (chunked, prefix cache, DP attention, the delayer); when it finishes, its KV is
@@ -43,25 +44,44 @@ class PrefillMode:
     exchange (`rooms_out`, as `RoomOutcome`s naming that node's transfer server) and node 0 publishes them
     (`rooms_in`). Node 0's board then counts every rank's offers in flight (`remote_state`)."""
 
-    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], local_ranks: range, node_rank: int):
+    def __init__(self, cfg: DisaggConfig, runner, dp: int, local_ranks: range, node_rank: int):
         self.runner = runner
         fmt = KVFormat.of(runner.cache, CHUNK_TOKENS)
         self._outbox: list[RoomOutcome] = []  # the other nodes: rooms for node 0's bootstrap endpoint
-        self.side = PrefillSide(fmt, len(schedulers), cfg.model, backend=cfg.backend, host=cfg.host,
+        self.side = PrefillSide(fmt, dp, cfg.model, backend=cfg.backend, host=cfg.host,
                                 bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s,
                                 publish=None if node_rank == 0 else self._to_node_0)
-        self.stats = [RankKV() for _ in schedulers]
-        for s in schedulers:
-            s.handoff = self.handoff
-            s.disagg_state = self._state_of(s.rank)
+        self.stats = [RankKV() for _ in range(dp)]
         for rank in local_ranks:  # compiled at start-up (for each rank's devices), never while serving
             jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt))
 
-    def _state_of(self, rank: int):
-        def state() -> dict:
-            inflight, dropped = self.side.board.inflight(rank)
-            return self.stats[rank].state("prefill", inflight=inflight, dropped=dropped)
-        return state
+    # ---- the schedulers' policy (jaxdp.engine.sched.policy.Disagg) -------------------------------------
+    def reads_elsewhere(self, req: Request) -> bool:
+        return False
+
+    def fetch(self, rank: int, req: Request) -> None:
+        raise AssertionError("a prefill server reads every prompt itself")
+
+    def state(self, rank: int, kv_waiting: list[Request]) -> dict:
+        inflight, dropped = self.side.board.inflight(rank)
+        return self.stats[rank].state("prefill", inflight=inflight, dropped=dropped)
+
+    def finished(self, rank: int, req: Request, reason: str) -> None:
+        """A request with a room finished, its pages still held: its KV is offered under its room, or the room
+        is refused when it ended otherwise (or before its prompt was read)."""
+        if req.bootstrap is None:
+            return
+        room = req.bootstrap.room
+        if reason in ("stop", "length") and req.output_ids and req.pages and req.computed >= len(req.prompt_ids):
+            lp = req.output_logprobs[0] if req.output_logprobs else 0.0
+            t0 = time.perf_counter()
+            self.side.hand_off(self.runner.cache, room, rank, req.pages, len(req.prompt_ids), req.output_ids[0], lp)
+            self.stats[rank].offered(self.side.fmt.nbytes(len(req.prompt_ids)), time.perf_counter() - t0)
+        else:
+            self.side.refuse(room, req.error or f"the prefill server ended the request ({reason}) before its KV "
+                                                f"was ready")
+
+    # ---- the engine's --------------------------------------------------------------------------------
 
     def _to_node_0(self, room: int, outcome: dict) -> None:
         self._outbox.append(RoomOutcome(room=int(room), **outcome))  # (the engine loop's thread, as rooms_out)
@@ -84,17 +104,6 @@ class PrefillMode:
         inflight, dropped = self.side.board.inflight(rank)
         return {**state, "disagg": {**state["disagg"], "inflight": inflight, "dropped": dropped}}
 
-    def handoff(self, rank: int, req: Request, reason: str) -> None:
-        room = req.bootstrap.room
-        if reason in ("stop", "length") and req.output_ids and req.pages and req.computed >= len(req.prompt_ids):
-            lp = req.output_logprobs[0] if req.output_logprobs else 0.0
-            t0 = time.perf_counter()
-            self.side.hand_off(self.runner.cache, room, rank, req.pages, len(req.prompt_ids), req.output_ids[0], lp)
-            self.stats[rank].offered(self.side.fmt.nbytes(len(req.prompt_ids)), time.perf_counter() - t0)
-        else:
-            self.side.refuse(room, req.error or f"the prefill server ended the request ({reason}) before its KV "
-                                                f"was ready")
-
     def engine_failed(self, req: Request, message: str) -> None:
         """The engine stopped serving (another node died or stalled): the decode side need not wait for the room
         (node 0's board; another node's outbox goes nowhere, harmlessly)."""
@@ -109,16 +118,13 @@ class DecodeMode:
     """On several nodes every node allocates, pulls and writes the KV of its own ranks' requests (their pages
     are in its devices' pool shards); nothing of it crosses the node exchange but the requests and their tokens."""
 
-    def __init__(self, cfg: DisaggConfig, runner, schedulers: list[Scheduler], post, local_ranks: range):
+    def __init__(self, cfg: DisaggConfig, runner, dp: int, post, local_ranks: range):
         """post(("kv", (req, future))): puts an arrival into the engine's inbox (thread-safe)."""
-        self.runner, self.schedulers, self.post = runner, schedulers, post
+        self.runner, self.post = runner, post
         self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
                                host=cfg.host, timeout_s=cfg.timeout_s)
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxdp-kv")
-        self.stats = [RankKV() for _ in schedulers]
-        for s in schedulers:
-            s.fetch_kv = self.fetch
-            s.disagg_state = self._state_of(s)
+        self.stats = [RankKV() for _ in range(dp)]
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
         fmt = self.side.fmt  # the write compiled at start-up for each rank's devices, never while serving: zeros
@@ -128,12 +134,16 @@ class DecodeMode:
             runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros)
         jax.block_until_ready(runner.cache)
 
-    def _state_of(self, sched: Scheduler):
-        def state() -> dict:
-            waiting = list(sched.kv_waiting.values())  # (a snapshot: the loop changes it)
-            travelling = sum(bool(r.pages) for r in waiting)
-            return self.stats[sched.rank].state("decode", prealloc=len(waiting) - travelling, transfer=travelling)
-        return state
+    # ---- the schedulers' policy (jaxdp.engine.sched.policy.Disagg) -------------------------------------
+    def reads_elsewhere(self, req: Request) -> bool:
+        return req.bootstrap is not None
+
+    def state(self, rank: int, kv_waiting: list[Request]) -> dict:
+        travelling = sum(bool(r.pages) for r in kv_waiting)
+        return self.stats[rank].state("decode", prealloc=len(kv_waiting) - travelling, transfer=travelling)
+
+    def finished(self, rank: int, req: Request, reason: str) -> None:
+        pass  # (its pages go back to the pool as any request's)
 
     def _device(self, rank: int):
         x = next(iter(self.runner.cache.values()))
@@ -141,13 +151,15 @@ class DecodeMode:
                                                                                                  x.shape[0]))
 
     def fetch(self, rank: int, req: Request) -> None:
+        """Its pages are held: a worker thread pulls its KV; the arrival goes to the engine's inbox."""
         b = req.bootstrap
         fut = self.workers.submit(self.side.fetch, b.host, b.port, b.room, len(req.prompt_ids), self._device(rank))
         fut.add_done_callback(lambda f: self.post(("kv", (req, f))))
 
-    def arrived(self, req: Request, fut: Future, now: float) -> None:
-        """On the loop, between steps: the request's KV into the pool and the request into its rank's batch."""
-        sched = self.schedulers[req.rank]
+    # ---- the engine's --------------------------------------------------------------------------------
+    def arrived(self, sched: Scheduler, req: Request, fut: Future, now: float) -> None:
+        """On the loop, between steps: the request's KV into the pool and the request into its rank's (`sched`'s)
+        batch."""
         if req.finished:  # aborted while its KV travelled: its pages are back already
             return
         try:
@@ -185,16 +197,17 @@ class DecodeMode:
         self.side.close()
 
 
-def make_disagg(cfg: DisaggConfig | None, runner, schedulers: list[Scheduler], post, local_ranks: range | None = None,
-                node_rank: int = 0):
-    """`local_ranks`: the ranks this node schedules (default: all); `node_rank`: this node's (0: one node)."""
+def make_disagg(cfg: DisaggConfig | None, runner, dp: int, post, local_ranks: range | None = None,
+                node_rank: int = 0) -> PrefillMode | DecodeMode | None:
+    """The side `cfg` asks for over `dp` ranks, built before the schedulers (each is given it as its policy);
+    `local_ranks`: the ranks this node schedules (default: all); `node_rank`: this node's (0: one node)."""
     if cfg is None:
         return None
     if not cfg.model:  # both servers must serve one model: its architecture, as config.json would say it
         cfg = dataclasses.replace(cfg, model=model_fingerprint(dataclasses.asdict(runner.cfg)))
-    local_ranks = range(len(schedulers)) if local_ranks is None else local_ranks
+    local_ranks = range(dp) if local_ranks is None else local_ranks
     if cfg.mode == "prefill":
-        return PrefillMode(cfg, runner, schedulers, local_ranks, node_rank)
+        return PrefillMode(cfg, runner, dp, local_ranks, node_rank)
     if cfg.mode == "decode":
-        return DecodeMode(cfg, runner, schedulers, post, local_ranks)
+        return DecodeMode(cfg, runner, dp, post, local_ranks)
     raise ValueError(f"--disaggregation-mode {cfg.mode!r} is not prefill or decode")

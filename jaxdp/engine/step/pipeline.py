@@ -12,6 +12,11 @@ is still in flight carry a marker (-1-j: the j-th token step N sampled on this r
 the device, and step N is booked while N+1 runs. A step that fails on one node is retried in parts until the
 request that fails it is alone (`_isolate`); across nodes every node must run every step, so the failure goes
 to the loop (`jaxdp.engine.loop`), which fails the engine.
+
+The pipeline owns that order, the timing and the figures; what a step holds is a step kind's (`StepKind`), which
+the pipeline is given: `PlainStep` here (prompt chunks and decodes, sampled on the device, with its prompt-logprob
+part, `jaxdp.engine.step.prompt_logprobs.PromptLogprobs`) and, under speculative decoding, the verify step
+(`jaxdp.engine.step.spec.VerifyStep`), chosen step by step by speculation's switch (`SpecSwitch`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,38 +33,136 @@ from jaxdp.engine.nodes.hosts import first_line
 from jaxdp.engine.nodes.link import Nodes
 from jaxdp.engine.options import EngineConfig
 from jaxdp.engine.sched.delayer import PrefillDelayer
+from jaxdp.engine.sched.policy import SpecSwitch
 from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
 from jaxdp.engine.sched.rows import RowArrays, plan_arrays
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
-from jaxdp.engine.step.prompt_logprobs import book_prompt_logprobs, chosen_ids, prompt_inputs, prompt_logprobs
+from jaxdp.engine.step.prompt_logprobs import PromptLogprobs, chosen_ids
 from jaxdp.engine.step.sampling import book_top_logprobs, sample_tokens, top_logprobs
-from jaxdp.engine.step.step_stats import InFlight, StepStats, compiles_on_this_thread
-from jaxdp.parallel.places import agree_on_step
+from jaxdp.engine.step.step_stats import InFlight, Launched, StepStats, compiles_on_this_thread
+from jaxdp.parallel.places import Agreement, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
 log = logging.getLogger("jaxdp.engine")
 
 
+class StepKind(Protocol):
+    """One kind of step: the ranks' proposals for its agreement, its compiled shape, its arrays, queueing it on the
+    device and booking its results to the schedulers."""
+
+    overlaps: bool  # the next step may be queued before this one is booked
+
+    def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
+        ...
+
+    def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
+        ...
+
+    def arrays(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int]) -> Any:
+        """The step's host arrays (whatever `launch` takes)."""
+        ...
+
+    def launch(self, shape: StepShape, host: Any, plans: list[RankPlan | None], agreement: Agreement,
+               prev_tokens: Any) -> Launched:
+        """Queue the step (and its sampling) on the device; `prev_tokens`: the step in flight's, or None."""
+        ...
+
+    def book(self, schedulers: list[Scheduler], plans: list[RankPlan | None], out: Launched, now: float) -> int:
+        """Book the step's results (`out`, read back) to the schedulers; returns the tokens booked."""
+        ...
+
+
+class PlainStep:
+    """Prompt chunks and decodes over the persistent batch, sampled on the device (with the overlap, when on):
+    top logprobs when a request asks, and the every-row variant of an extend when a prompt asks for its logprobs
+    (`prompt`, its part)."""
+
+    def __init__(self, runner: StepRunner, buckets: Buckets, rows: RowArrays, overlap: bool,
+                 prompt: PromptLogprobs):
+        self.runner, self.buckets, self.rows, self.overlaps, self.prompt = runner, buckets, rows, overlap, prompt
+        self.sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
+
+    def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
+        tops = [s.top_logprob_requests > 0 for s in schedulers]  # ("a request asks for top logprobs": a count)
+        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
+
+    def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
+        if agreement.any_prompt_logprobs:  # a prompt read in this step asks for logprobs: every row's logits
+            return self.prompt.shape()
+        return self.buckets.shape_for(rows, agreement, plain=True)
+
+    def arrays(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int]):
+        runner = self.runner
+        out = plan_arrays(plans, self.rows, shape, runner.page_size, runner.num_pages * runner.page_size)
+        out["rows_R"] = np.asarray(rows, np.int32)
+        params = [runner.put(out[k]) for k in SAMPLING_KEYS]
+        asks = self.prompt.inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
+        return out, params, asks
+
+    def launch(self, shape: StepShape, host, plans: list[RankPlan | None], agreement: Agreement,
+               prev_tokens) -> Launched:
+        out, params, asks = host
+        runner = self.runner
+        logits, _ = runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev_tokens)
+        extra = {}
+        if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
+            logits, extra["prompt"] = self.prompt.reduce(runner, logits, asks)
+        tokens, logprobs = self.sample(logits, *params, width=runner.token_carry)
+        if agreement.any_top:  # top logprobs: on every node together (the agreement says), or on none
+            extra["top"] = top_logprobs(logits, runner.put(chosen_ids(plans, shape.num_seqs)))
+        return Launched(tokens, logprobs, extra)
+
+    def book(self, schedulers: list[Scheduler], plans: list[RankPlan | None], out: Launched, now: float) -> int:
+        prompt, top = out.extra.get("prompt"), out.extra.get("top")
+        for r, plan in enumerate(plans):
+            if plan:
+                if prompt is not None and plan.pieces:
+                    self.prompt.book(plan, [a[r] for a in prompt])
+                if top is not None:
+                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, *(a[r] for a in top))
+                schedulers[r].book(plan, out.tokens[r], out.logprobs[r], now)
+        return sum(p.num_sampled for p in plans if p)
+
+
 class StepPipeline:
-    """plan -> agree -> queue -> book, over `schedulers` (every DP rank's; this node plans its own) and `runner`."""
+    """plan -> agree -> queue -> book, over `schedulers` (every DP rank's; this node plans its own) and `runner`,
+    with the step kinds it is given: `plain`, and under speculative decoding `verify` with its `switch` (shared with
+    the schedulers), which says after each step whether the next is a plain stretch's."""
 
     def __init__(self, runner: StepRunner, cfg: EngineConfig, schedulers: list[Scheduler], rows: RowArrays,
-                 buckets: Buckets, nodes: Nodes):
+                 buckets: Buckets, nodes: Nodes, plain: PlainStep, verify: StepKind | None = None,
+                 switch: SpecSwitch | None = None):
         self.runner, self.cfg, self.schedulers, self.rows, self.buckets, self.nodes = (
             runner, cfg, schedulers, rows, buckets, nodes)
-        self.sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
+        self.plain, self.verify, self.switch = plain, verify, switch
+        self.sample = plain.sample
+        self.kind: StepKind = plain if verify is None else verify  # this step's
         self.stats = StepStats(len(schedulers))
         self.delayer = PrefillDelayer(cfg.prefill_delayer, len(schedulers)) if cfg.prefill_delayer else None
         self.inflight: InFlight | None = None
-        self.overlap = cfg.overlap  # the next step is queued before this one is booked (speculation turns it off)
         self.last_agreement = None
         self.blocked: tuple[float, str] | None = None  # (since, what): a wait on another node in progress
-        self.prompt_logprob_steps = 0  # steps that returned every row's logits (a request asked for prompt logprobs)
         self._steps = itertools.count()
+
+    @property
+    def prompt_logprob_steps(self) -> int:
+        """Steps that returned every row's logits (a request asked for prompt logprobs)."""
+        return self.plain.prompt.steps
 
     def step(self) -> bool:
         """One iteration; False when every rank is idle and nothing is in flight."""
+        self.kind = self.plain if self.switch is None or self.switch.plain else self.verify
+        if not self.kind.overlaps and self.inflight is not None:  # (a verify needs the last step's tokens)
+            self._book(self.inflight, time.perf_counter())
+            self.inflight = None
+        busy = self._step()
+        if self.switch is None:
+            return busy
+        self.switch.after(self.last_agreement)
+        return busy or any(s.held_prompt for s in self.schedulers)  # (a request held back: the next pass reads it)
+
+    def _step(self) -> bool:
         t0 = time.perf_counter()
         d = self.delayer  # prefill delayer: a new prompt waits while the last agreement says so
         plans: list[RankPlan | None] = [s.schedule(d is None or d.may_start_prompt(r), self.cfg.enable_mixed_chunk)
@@ -82,7 +186,7 @@ class StepPipeline:
             self.inflight = None
             return True
         rows = list(agreement.rows_per_rank)  # every node's ranks (only this node's have plans here)
-        shape = self._shape_for(rows, agreement)
+        shape = self.kind.shape_for(rows, agreement)
         compiles_before = compiles_on_this_thread()
         step = next(self._steps)
         try:
@@ -103,45 +207,29 @@ class StepPipeline:
         previous, self.inflight = self.inflight, current
         if previous is not None:
             self._book(previous, time.perf_counter())
-        if current is not None and not self.overlap:
+        if current is not None and not self.kind.overlaps:
             self._book(current, time.perf_counter())
             self.inflight = None
         self.stats.compiles_in_steps += compiles_on_this_thread() - compiles_before
         return True
 
-    def _shape_for(self, rows: list[int], agreement) -> StepShape:
-        """The compiled step of this batch; the every-row variant when a prompt read in it asks for logprobs."""
-        if agreement.any_prompt_logprobs:
-            self.prompt_logprob_steps += 1
-            return self.buckets.prompt_logprob_shape()
-        return self.buckets.shape_for(rows, agreement)
-
     def _queue(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int], agreement,
                t0: float, agree_s: float) -> InFlight:
         """Build the step's arrays from the plans and queue it (and its sampling) on the device."""
-        runner = self.runner
-        out = plan_arrays(plans, self.rows, shape, runner.page_size, runner.num_pages * runner.page_size)
-        out["rows_R"] = np.asarray(rows, np.int32)
-        params = [runner.put(out[k]) for k in SAMPLING_KEYS]
-        asks = prompt_inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
+        kind = self.kind
+        host = kind.arrays(plans, shape, rows)
         t1 = time.perf_counter()
-        prev = self.inflight.tokens if self.inflight is not None else None
-        runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
+        prev = self.inflight.out.tokens if self.inflight is not None else None
+        self.runner.compile(shape)  # (a no-op after warm-up) not counted as waiting for the other nodes
         self.blocked = (time.perf_counter(), "queueing a step that runs on every node")  # may wait for the last
-        logits, _ = runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev)
-        prompt = None
-        if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
-            logits, *prompt = prompt_logprobs(logits, *(runner.put(a) for a in asks))
-        tokens, logprobs = self.sample(logits, *params, width=runner.token_carry)
+        out = kind.launch(shape, host, plans, agreement, prev)
         self.blocked = None
-        t2 = time.perf_counter()  # top logprobs: on every node together (the agreement says), or on none
-        top = top_logprobs(logits, runner.put(chosen_ids(plans, shape.num_seqs))) if agreement.any_top else None
-        return InFlight(plans, tokens, logprobs, shape, rows, agreement, runner.last_account,
-                        host_s=t1 - t0, dispatch_s=t2 - t1, agree_s=agree_s, top=top, prompt=prompt)
+        return InFlight(kind, plans, out, shape, rows, agreement, self.runner.last_account, host_s=t1 - t0,
+                        dispatch_s=time.perf_counter() - t1, agree_s=agree_s)
 
-    def _proposals(self, plans: list[RankPlan | None]):  # "a request asks for top logprobs" is a count per rank
-        tops = [s.top_logprob_requests > 0 for s in self.schedulers]
-        return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages, tops)
+    def _proposals(self, plans: list[RankPlan | None]) -> list[Proposal]:
+        out = self.kind.proposals(self.schedulers, plans)
+        return out if self.switch is None else self.switch.with_held(out, self.schedulers)
 
     def _isolate(self, plans: list[RankPlan | None]) -> None:
         """A step failed: run its plans again as steps of their own, each rank's alone, then halves of a plan
@@ -157,7 +245,7 @@ class StepPipeline:
             only[r] = plan
             agreement = agree_on_step(self._proposals(only))
             rows = list(agreement.rows_per_rank)
-            shape = self._shape_for(rows, agreement)
+            shape = self.kind.shape_for(rows, agreement)
             step, t0 = next(self._steps), time.perf_counter()
             try:
                 f = self._queue(only, shape, rows, agreement, t0, 0.0)
@@ -176,23 +264,15 @@ class StepPipeline:
     def _book(self, f: InFlight, t_start: float) -> None:
         t0 = time.perf_counter()
         self.blocked = (t0, "waiting for a step that runs on every node")
-        tokens = self.runner.local_values(f.tokens)  # waits for the step to finish
-        logprobs = self.runner.local_values(f.logprobs)
+        local = self.runner.local_values
+        tokens, logprobs = local(f.out.tokens), local(f.out.logprobs)  # waits for the step to finish
         self.blocked = None
         t1 = time.perf_counter()
-        top = None if f.top is None else [self.runner.local_values(a) for a in f.top]
-        prompt = None if f.prompt is None else [self.runner.local_values(a) for a in f.prompt]
-        for r, plan in enumerate(f.plans):
-            if plan:
-                if prompt is not None and plan.pieces:
-                    book_prompt_logprobs(plan, *(a[r] for a in prompt))
-                if top is not None:
-                    book_top_logprobs(plan.reqs, plan.out_pos >= 0, *(a[r] for a in top))
-                self.schedulers[r].book(plan, tokens[r], logprobs[r], t1)
+        out = Launched(tokens, logprobs, {k: [local(a) for a in v] for k, v in f.out.extra.items()})
+        booked = f.kind.book(self.schedulers, f.plans, out, t1)
         t2 = time.perf_counter()
         self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
-                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0,
-                          new_tokens=sum(p.num_sampled for p in f.plans if p))
+                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0, new_tokens=booked)
 
     def drop_inflight(self) -> None:
         """Forget the step in flight (its requests are aborted): it is never booked."""

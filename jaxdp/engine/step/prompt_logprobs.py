@@ -7,7 +7,8 @@ prompt position p gives the logprob of token p + 1, the next token of the prompt
 prompt read in several chunks gets its logprobs chunk by chunk (the last row of a chunk predicts the first token
 of the next). `prompt_logprobs` reduces those logits on the device to what the host reads back (one value per
 row, the top alternatives, the chosen ids), and hands the sampler one row per sequence as usual. The first
-prompt token has no logprob (nothing predicts it): None, as in SGLang and vLLM.
+prompt token has no logprob (nothing predicts it): None, as in SGLang and vLLM. `PromptLogprobs` is that part of
+the plain step (`jaxdp.engine.step.pipeline.PlainStep`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from jaxdp.engine.sched.rank_plan import RankPlan
 from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, Request
+from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.sampling import top_logprobs
+from jaxdp.parallel.step import StepShape
 
 
 @jax.jit
@@ -101,3 +104,29 @@ def _book_rows(req: Request, start: int, row: int, n: int, target_T, top_ids_TK,
         if chosen:
             req.input_token_ids_logprobs.append(list(zip(chosen, ids_TM[row + i, : len(chosen)].tolist(),
                                                          strict=True)))
+
+
+class PromptLogprobs:
+    """The plain step's part for prompt logprobs: its every-row shape, its inputs, the reduction on the device and the
+    booking; `steps` counts the steps that returned every row's logits."""
+
+    def __init__(self, buckets: Buckets):
+        self.buckets = buckets
+        self.steps = 0
+
+    def shape(self) -> StepShape:
+        """The every-row variant of an extend (a step in which some prompt asks for its logprobs)."""
+        self.steps += 1
+        return self.buckets.prompt_logprob_shape()
+
+    def inputs(self, plans: list[RankPlan | None], out: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+        return prompt_inputs(plans, out)
+
+    def reduce(self, runner, logits_RTV, asks: tuple[np.ndarray, ...]):
+        """Every row's logits -> (each sequence's sampling row, the prompt's logprobs on the device)."""
+        seq_RBV, *prompt = prompt_logprobs(logits_RTV, *(runner.put(a) for a in asks))
+        return seq_RBV, tuple(prompt)
+
+    def book(self, plan: RankPlan, prompt: list[np.ndarray]) -> None:
+        """A rank's plan gets its prompt logprobs (`prompt`: that rank's arrays, read back)."""
+        book_prompt_logprobs(plan, *prompt)

@@ -10,40 +10,33 @@ others. A verify runs without the overlap: the next verify needs this one's acce
 D + 1 tokens a request, checking stops at each; the request's length, not its pages, says which latents count, so the
 rejected rows' slots are written again by the next verify and only accepted tokens reach the prefix cache.
 
-With --speculative-disable-by-batch-size N (vLLM's), speculation is off while the ranks hold more than N requests
-(running or waiting to be read, as vLLM counts them). After a step whose agreement shows more than N held (the
-agreement, the same on every node) the pipeline runs a plain stretch: the schedulers plan as the plain engine's do
-(prompt chunks, decodes over the persistent batch with markers for tokens in flight), run by the plain steps with
-the plain engine's overlap. A request whose prompt a stretch read has no draft KV of its prompt and never drafts
-(`speculates`), so a stretch also goes on while no request drafts or would (the ranks' `drafting`: a request held
-that speculates); in such a quiet stretch (N held or fewer) a new request waits one step and is read
-speculatively (if N or fewer are still held then). A stretch ends after a step with N held or fewer of which one
-drafts or would: the step in flight is booked and the next step is a speculative one. No draft is made in a
-stretch, so a request's first verify after it offers none (one row, n_draft 0) and its MTP pass drafts again. A
-verify never has more than N requests (the step before it held them all); the one speculative step that may
-(decided before the agreement that shows a burst) reads prompts, and its requests speculate. The prefix cache
-does not know which pages' draft KV was written: a request that speculates and reuses a prefix read in a
-stretch drafts from stale draft KV there (its tokens stay exact; only acceptance may drop).
+With --speculative-disable-by-batch-size N the pipeline runs plain stretches (plain steps, with the plain engine's
+overlap) while more than N requests are held or none drafts; `jaxdp.engine.sched.policy.SpecSwitch` decides them.
+No draft is made in a stretch, so a request's first verify after one offers none (one row, n_draft 0) and its MTP
+pass drafts again; a request whose prompt a stretch read has no draft KV of it and never drafts (`speculates`).
+The prefix cache does not know which pages' draft KV was written: a request that speculates and reuses a prefix
+read in a stretch drafts from stale draft KV there (its tokens stay exact; only acceptance may drop).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 
 import numpy as np
 
 from jaxdp.batch import Piece, empty_spec, empty_step, fill_pieces
 from jaxdp.engine.sched.finish import finish_reason
+from jaxdp.engine.sched.policy import SpecSwitch
 from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
 from jaxdp.engine.sched.request import State
-from jaxdp.engine.sched.rows import fill_sampling
+from jaxdp.engine.sched.rows import RowArrays, fill_sampling
 from jaxdp.engine.sched.scheduler import Scheduler
-from jaxdp.engine.step.pipeline import StepPipeline
+from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.sampling import sampling_row
-from jaxdp.engine.step.step_stats import InFlight
+from jaxdp.engine.step.step_stats import Launched
+from jaxdp.parallel.places import Agreement, Proposal
 from jaxdp.parallel.spec_step import run_spec_step
+from jaxdp.parallel.step import StepShape
 
 log = logging.getLogger("jaxdp.engine")
 
@@ -69,14 +62,12 @@ def check_speculative(cfg):
 
 
 class SpecScheduler(Scheduler):
-    """A rank's scheduler under speculative decoding with `draft_tokens` drafts a request per step."""
+    """A rank's scheduler under speculative decoding with `draft_tokens` drafts a request per step; `switch` (the
+    pipeline's) says whether the step it plans belongs to a plain stretch (module docstring)."""
 
-    def __init__(self, *args, draft_tokens: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.draft_tokens = draft_tokens
-        self.lookahead = draft_tokens  # a prompt's last chunk holds the positions its first drafts take
-        self.plain = False  # the pipeline's plain stretch: plan as the plain engine (module docstring)
-        self.quiet = False  # ... a quiet one: a new request that would speculate waits to be read speculatively
+    def __init__(self, *args, draft_tokens: int, switch: SpecSwitch, **kwargs):
+        super().__init__(*args, lookahead=draft_tokens, **kwargs)  # (a prompt's last chunk: its first drafts' slots)
+        self.draft_tokens, self.switch = draft_tokens, switch
         self.held_prompt = False  # this rank's last plan held such a request back (the next pass reads it)
         self.verify_steps = 0  # verifies this rank ran (a request each), and what they accepted
         self.drafted = 0
@@ -94,7 +85,7 @@ class SpecScheduler(Scheduler):
         return any(r.speculates for r in self.running.values()) or any(r.speculates for r in self.waiting)
 
     def schedule(self, allow_new_prompt: bool = True, mixed_chunk: bool = False) -> RankPlan | None:
-        self.held_prompt = self.quiet and allow_new_prompt and any(r.speculates for r in self.waiting)
+        self.held_prompt = self.switch.quiet and allow_new_prompt and any(r.speculates for r in self.waiting)
         if self.held_prompt:
             allow_new_prompt = False  # (its proposal says `drafting`: the next step reads it, speculatively)
         return super().schedule(allow_new_prompt, mixed_chunk)
@@ -102,7 +93,7 @@ class SpecScheduler(Scheduler):
     def _schedule_decode(self) -> RankPlan | None:
         """Verify every running request that may still grow, each holding pages 2D positions ahead (retracting
         the newest requests when the pool runs dry, as a decode does); in a plain stretch, the plain decode."""
-        if self.plain:
+        if self.switch.plain:
             return super()._schedule_decode()
         reach = 2 * self.draft_tokens
         for req in list(self.running.values()):
@@ -126,7 +117,7 @@ class SpecScheduler(Scheduler):
 
     def commit(self, plan: RankPlan, step: int) -> None:
         if plan.kind != "verify":
-            if self.plain:  # a plain stretch's step: no drafts are made, the next verify offers none
+            if self.switch.plain:  # a plain stretch's step: no drafts are made, the next verify offers none
                 for req in plan.reqs:
                     req.drafts = []
                     if plan.kind == "extend" and req.state == State.WAITING:  # its prompt: no draft KV of it
@@ -224,81 +215,36 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
     return out
 
 
-class SpecPipeline(StepPipeline):
-    """The step pipeline with speculative steps (`jaxdp.engine.step.pipeline`): verifies one at a time; the plain
-    stretches (module docstring) as the plain pipeline, with its overlap."""
+class VerifyStep:
+    """The speculative step as a step kind of the pipeline (`jaxdp.engine.step.pipeline.StepKind`): prompt chunks
+    and verifies laid out by `spec_arrays`, run by `jaxdp.parallel.spec_step`, booked by `SpecScheduler.book_spec`;
+    never overlapped (the next verify needs this one's accepted tokens)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.plain = False  # this iteration belongs to a plain stretch
-        self.quiet = False  # ... a quiet one (N requests or fewer, none drafting)
-        self.overlap = False
+    overlaps = False
 
-    def step(self) -> bool:
-        plain = self.plain
-        if not plain and self.inflight is not None:  # a stretch ended: the next verify needs its last tokens
-            self._book(self.inflight, time.perf_counter())
-            self.inflight = None
-        for s in self.schedulers:
-            s.plain, s.quiet = plain, plain and self.quiet
-        self.overlap = plain and self.cfg.overlap
-        busy = super().step()
-        self.plain, self.quiet = self._stretch_after(self.last_agreement)
-        return busy or any(s.held_prompt for s in self.schedulers)  # (a request held back: the next pass reads it)
+    def __init__(self, runner, buckets: Buckets, rows: RowArrays):
+        self.runner, self.buckets, self.rows = runner, buckets, rows
 
-    def _stretch_after(self, a) -> tuple[bool, bool]:
-        """Whether the next step belongs to a plain stretch, and to a quiet one, from this step's agreement (the
-        same on every node)."""
-        off = self.cfg.speculative.disable_by_batch_size
-        if off is None or not a.run:
-            return False, False
-        many = a.held > off
-        return many or not a.any_drafting, not many
+    def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
+        return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
+                              largest_decode_requests=self.buckets.decode[-1])
 
-    def _shape_for(self, rows: list[int], agreement):
-        return self.buckets.shape_for(rows, agreement, plain=self.plain)
+    def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
+        return self.buckets.shape_for(rows, agreement)
 
-    def _proposals(self, plans: list[RankPlan | None]):  # (a verify after a stretch is one row a request)
-        if self.plain:
-            out = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages)
-        else:
-            out = rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
-                                 largest_decode_requests=self.buckets.decode[-1])
-        off = self.cfg.speculative.disable_by_batch_size
-        if off is None:  # (no stretches: every request speculates)
-            return out
-        # (a rank that alone holds more than N makes the next step a stretch whatever drafts: its requests unscanned)
-        held = [len(s.running) + len(s.waiting) for s in self.schedulers]
-        return [dataclasses.replace(p, held=h, drafting=h <= off and s.drafting)
-                for p, h, s in zip(out, held, self.schedulers, strict=True)]
-
-    def _queue(self, plans: list[RankPlan | None], shape, rows: list[int], agreement, t0: float,
-               agree_s: float) -> InFlight:
-        if self.plain:
-            return super()._queue(plans, shape, rows, agreement, t0, agree_s)
+    def arrays(self, plans: list[RankPlan | None], shape: StepShape, rows: list[int]) -> dict[str, np.ndarray]:
         runner = self.runner
         out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)
-        t1 = time.perf_counter()
-        runner.compile(shape)
-        self.blocked = (time.perf_counter(), "queueing a step that runs on every node")
-        tokens, counts, logprobs, drafts, _ = run_spec_step(runner, shape, out)
-        self.blocked = None
-        return InFlight(plans, tokens, logprobs, shape, rows, agreement, runner.last_account, host_s=t1 - t0,
-                        dispatch_s=time.perf_counter() - t1, agree_s=agree_s, spec=(counts, drafts))
+        return out
 
-    def _book(self, f: InFlight, t_start: float) -> None:
-        if f.spec is None:  # a plain stretch's step
-            return super()._book(f, t_start)
-        t0 = time.perf_counter()
-        self.blocked = (t0, "waiting for a step that runs on every node")
-        tokens, logprobs = self.runner.local_values(f.tokens), self.runner.local_values(f.logprobs)
-        counts, drafts = (self.runner.local_values(a) for a in f.spec)
-        self.blocked = None
-        t1 = time.perf_counter()
-        booked = sum(self.schedulers[r].book_spec(plan, tokens[r], counts[r], logprobs[r], drafts[r], t1)
-                     for r, plan in enumerate(f.plans) if plan)
-        t2 = time.perf_counter()
-        self.stats.record(f.shape, f.rows, f.agreement, f.account, host_s=f.host_s + (t2 - t1),
-                          dispatch_s=f.dispatch_s, wait_s=t1 - t0, agree_s=f.agree_s, compiled=0, new_tokens=booked)
+    def launch(self, shape: StepShape, host: dict[str, np.ndarray], plans: list[RankPlan | None],
+               agreement: Agreement, prev_tokens) -> Launched:
+        tokens, counts, logprobs, drafts, _ = run_spec_step(self.runner, shape, host)
+        return Launched(tokens, logprobs, {"spec": (counts, drafts)})
+
+    def book(self, schedulers: list[Scheduler], plans: list[RankPlan | None], out: Launched, now: float) -> int:
+        counts, drafts = out.extra["spec"]
+        return sum(schedulers[r].book_spec(plan, out.tokens[r], counts[r], out.logprobs[r], drafts[r], now)
+                   for r, plan in enumerate(plans) if plan)

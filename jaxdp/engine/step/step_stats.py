@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from typing import Any
 
 from jax import monitoring
 
@@ -98,19 +99,26 @@ class StepStats:
 
 
 @dataclasses.dataclass
-class InFlight:
-    """A step queued on the device whose tokens have not been read back yet, and its figures so far."""
+class Launched:
+    """A step's results: on the device once queued, read back (numpy, this node's ranks) once booked."""
 
+    tokens: Any  # [dp, token_carry]
+    logprobs: Any
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the step kind's own, by name: tuples of arrays
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step queued on the device whose tokens have not been read back yet, its kind (which books it) and its
+    figures so far."""
+
+    kind: Any  # the StepKind that queued it (jaxdp.engine.step.pipeline)
     plans: list
-    tokens: object  # [dp, token_carry] on the device
-    logprobs: object
+    out: Launched
     shape: StepShape
     rows: list[int]
-    agreement: object
-    account: object
+    agreement: Any
+    account: Any
     host_s: float
     dispatch_s: float
     agree_s: float
-    top: object = None  # top_logprobs' (ids, values, chosen ids') on the device, when a request of the step asks
-    prompt: object = None  # prompt_logprobs' (target, top ids, top values, chosen ids') when a request asks
-    spec: object = None  # a speculative step's (tokens per sequence, next drafts) on the device
