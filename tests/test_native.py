@@ -177,3 +177,18 @@ def test_dense_matmul_is_native_on_a_cpu_and_differentiates():
     g = jax.grad(lambda x: native.dense_matmul(x, w.astype(jnp.float32)).sum())(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(w.astype(jnp.float32)).sum(1)[None].repeat(3, 0),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cache_write_puts_rows_in_their_slots_in_place(dtype):
+    """`cache_write` writes each row into its slot of the cache's flattened leading dims (a slot out of range
+    dropped), as XLA's scatter does, and in the compiled step the result aliases the cache (no copy of it)."""
+    rng = np.random.default_rng(3)
+    cache = jnp.asarray(rng.standard_normal((4, 3, 32)), dtype)
+    rows = jnp.asarray(rng.standard_normal((3, 32)), dtype)
+    slots = jnp.asarray([5, 12, 0], jnp.int32)  # 12: past the 12 slots, dropped
+    want = np.asarray(cache.reshape(12, 32).at[slots].set(rows, mode="drop").reshape(4, 3, 32), np.float32)
+    step = jax.jit(native.cache_write, donate_argnums=0)
+    assert "output_to_operand_aliasing" in step.lower(cache, slots, rows).compile().as_text()
+    got = step(jnp.array(cache), slots, rows)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxdp import native
 from jaxdp.ops import registry
-from jaxdp.ops.attention import decode_kernels, mla_decode_xla, sparse_mla_decode_xla
+from jaxdp.ops.attention import decode_kernels, mla_decode_xla, sparse_mla_decode_xla, write_rows
 from jaxdp.ops.experts import routed_experts, routed_experts_nvfp4
 from jaxdp.ops.gemm import lm_head_product, projection
 from jaxdp.ops.nvfp4 import dequantize_nvfp4, quantize_nvfp4_experts
@@ -273,3 +273,19 @@ def test_sparse_mla_decode_backends_equal_the_dense_decode_over_the_selection(ba
         want = mla_decode_xla(q_latent, q_rope, kv, table, lens, softmax_scale=0.125, kv_lora_rank=64)
     np.testing.assert_allclose(np.asarray(got)[np.asarray(lens) > 0], np.asarray(want)[np.asarray(lens) > 0],
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cache_rows_written_equal_the_scatter_and_bf16_stays_bf16_on_a_cpu(dtype):
+    """`write_rows` equals XLA's scatter for every dtype; a bf16 cache on a CPU is written by the native kernel,
+    so the compiled step holds no float32 copy of the cache (XLA:CPU's bf16 scatter converts it whole)."""
+    rng = np.random.default_rng(4)
+    cache = jnp.asarray(rng.standard_normal((8, 4, 64)), dtype)
+    rows = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    slots = jnp.asarray([0, 31, 7, 32, 9], jnp.int32)  # 32: past the 32 slots, dropped
+    want = cache.reshape(32, 64).at[slots].set(rows.astype(dtype), mode="drop").reshape(8, 4, 64)
+    step = jax.jit(write_rows)
+    np.testing.assert_array_equal(np.asarray(step(cache, slots, rows), np.float32), np.asarray(want, np.float32))
+    if dtype == jnp.bfloat16 and native.available():
+        hlo = step.lower(cache, slots, rows).compile().as_text()
+        assert "jaxdp_cache_write" in hlo and "f32[32,64]" not in hlo and "f32[8,4,64]" not in hlo

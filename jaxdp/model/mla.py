@@ -34,7 +34,7 @@ from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
 from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
 from jaxdp.model.mla_prompt import attend_blocked, attend_dense, attend_selected
-from jaxdp.ops.attention import NEG_INF, gather_context, mla_decode_default, sparse_mla_decode_xla
+from jaxdp.ops.attention import NEG_INF, gather_context, mla_decode_default, sparse_mla_decode_xla, write_rows
 from jaxdp.ops.gemm import einsum as weight_einsum
 from jaxdp.ops.gemm import projection
 from jaxdp.ops.stacked import StackedWeight
@@ -356,5 +356,4 @@ def write_cache(kv_PSK: jax.Array, slots_T: jax.Array, entry_TK: jax.Array, page
         entry_TK = jnp.concatenate([entry_TK, jnp.zeros_like(entry_TK)])  # row keeps it a scatter, in place
     valid = slots_T < (pages_per_layer or P) * S
     idx = jnp.where(valid, slots_T + page_offset * S, P * S)
-    flat = kv_PSK.reshape(P * S, K).at[idx].set(entry_TK.astype(kv_PSK.dtype), mode="drop")
-    return flat.reshape(P, S, K)
+    return write_rows(kv_PSK, idx, entry_TK)  # (bf16 on a CPU: in place, natively)

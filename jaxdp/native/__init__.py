@@ -8,7 +8,8 @@ rows by its columns of MLA's kv_b_proj (W_UK, transposed, and W_UV) where they l
 a decode step's rows over the paged latent cache without gathering it; float32 or bf16 weights and caches,
 float32 accumulation, on the calling thread and XLA's intra-op pool. They are the "native" backend of the ops
 that `jaxdp.ops` chooses for (`jaxdp.ops.gemm.projection`, `jaxdp.ops.experts.routed_experts`,
-`jaxdp.ops.attention.mla_decode_native`, `jaxdp.ops.gemm.lm_head_product`): the model never calls them itself.
+`jaxdp.ops.attention.mla_decode_native`, `jaxdp.ops.gemm.lm_head_product`; `cache_write`, a step's rows into a bf16
+cache in place, of `jaxdp.ops.attention.write_rows`): the model never calls them itself.
 
 It is built once per machine into the cache (`jaxdp.cache.cache_dir() / "native"`, keyed by the source, the
 compiler, JAX's headers and the CPU's flags) with `c++ -O3 -march=native`; where no compiler is found or the
@@ -40,6 +41,7 @@ SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxdp_grouped_matmul"
 HEAD_TARGET = "jaxdp_head_matmul"
 DECODE_TARGET = "jaxdp_mla_decode"
+WRITE_TARGET = "jaxdp_cache_write"
 FLAGS = ("-O3", "-march=native", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV = "JAXDP_NATIVE"  # "0": never build or use them
 
@@ -92,6 +94,7 @@ def _load() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdpGroupedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(HEAD_TARGET, jax.ffi.pycapsule(lib.JaxdpHeadMatmul), platform="cpu")
     jax.ffi.register_ffi_target(DECODE_TARGET, jax.ffi.pycapsule(lib.JaxdpMlaDecode), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxdpCacheWrite), platform="cpu")
     return True
 
 
@@ -148,6 +151,17 @@ def mla_decode(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_B, *, s
     call = _call(DECODE_TARGET, jax.ShapeDtypeStruct((B, H, L), jnp.float32))
     return call(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN.astype(jnp.int32), seq_lens_B.astype(jnp.int32),
                 scale=np.float32(softmax_scale))
+
+
+def cache_write(cache_NK: jax.Array, slots_T: jax.Array, rows_TK: jax.Array) -> jax.Array:
+    """The cache [..., K] (N slots: its leading dims flattened) with rows_TK written into slots slots_T (a slot
+    outside [0, N) dropped), in place: the result aliases the cache, so only the rows' bytes move (XLA:CPU's
+    scatter into a bf16 cache converts the whole cache to float32 and back). Rows cast to the cache's dtype."""
+    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(cache_NK.shape, cache_NK.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    if not available():
+        raise RuntimeError("jaxdp's native CPU kernels are not built on this machine (see the log): use XLA's scatter")
+    return call(cache_NK, slots_T.astype(jnp.int32), rows_TK.astype(cache_NK.dtype))
 
 
 def dense_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@
 //   head, x times columns [offset, offset + width) of w[layer, :, h, :] (contract A) or their transpose
 //   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w).
 // MlaDecode: MLA's absorbed decode over the paged latent cache (`decode`).
+// CacheWrite: a step's rows into their cache slots, in place (`CacheWrite`).
 // The calling thread and XLA's intra-op pool take the tasks from one counter (`parallel_for`).
 
 #include <algorithm>
@@ -379,6 +380,27 @@ ffi::Error MlaDecode(ffi::ThreadPool pool, ffi::AnyBuffer q_latent, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// CacheWrite: rows [T, K] into the slots idx [T] of the cache [..., K] (its leading dims flattened: N slots; any
+// element type, the rows' the cache's), the result aliasing the cache: only the rows' bytes are written (XLA:CPU's
+// scatter into a bf16 cache converts the whole cache to float32 and back). A slot outside [0, N) is dropped.
+// Should XLA not alias the result, the cache is copied into it first.
+ffi::Error CacheWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> idx, ffi::AnyBuffer rows,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), rd = rows.dimensions();
+  int64_t K = cd.size() ? cd.back() : 0, N = K ? static_cast<int64_t>(cache.element_count()) / K : 0;
+  if (cd.size() < 2 || rd.size() != 2 || rd[1] != K || static_cast<int64_t>(idx.element_count()) != rd[0] ||
+      cache.element_type() != rows.element_type() || out->element_type() != cache.element_type())
+    return ffi::Error::InvalidArgument("jaxdp_cache_write: cache [..., K], idx [T] and rows [T, K] of its type expected");
+  size_t row_bytes = cache.size_bytes() / std::max<int64_t>(N, 1);
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  const int32_t* slot = idx.typed_data();
+  for (int64_t t = 0; t < rd[0]; ++t)
+    if (slot[t] >= 0 && slot[t] < N) std::memcpy(dst + slot[t] * row_bytes, src + t * row_bytes, row_bytes);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpGroupedMatmul, GroupedMatmul,
@@ -411,3 +433,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpMlaDecode, MlaDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpCacheWrite, CacheWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

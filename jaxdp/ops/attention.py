@@ -103,6 +103,24 @@ def mla_decode_native(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, seq_lens_
     return jax.lax.platform_dependent(q_latent_BHL, cpu=cpu, default=lambda q: mla_decode_xla(q, *args[1:], **kw))
 
 
+def write_rows(cache_NK: jax.Array, slots_T: jax.Array, rows_TK: jax.Array) -> jax.Array:
+    """The cache [..., K] (N slots: its leading dims flattened) with rows_TK written into slots slots_T (a slot
+    outside [0, N) dropped): XLA's scatter, except for a 2-byte float cache (bf16) where the step is lowered for a
+    CPU and the native kernels are built: there `jaxdp.native.cache_write` writes the rows in place, since XLA:CPU
+    converts a bf16 scatter's whole operand (the pool of a whole layer stack) to float32 and back at every layer
+    of every step."""
+    rows_TK = rows_TK.astype(cache_NK.dtype)
+
+    def xla(slots_T):
+        flat = cache_NK.reshape(-1, cache_NK.shape[-1])
+        return flat.at[slots_T].set(rows_TK, mode="drop").reshape(cache_NK.shape)
+
+    if not (jnp.issubdtype(cache_NK.dtype, jnp.floating) and cache_NK.dtype.itemsize == 2
+            and native.takes(cache_NK)):
+        return xla(slots_T)
+    return jax.lax.platform_dependent(slots_T, cpu=lambda s: native.cache_write(cache_NK, s, rows_TK), default=xla)
+
+
 def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, softmax_scale, kv_lora_rank):
     """Absorbed decode over the selected latents only: row b reads the cache slots slots_BK[b, :num_B[b]]
     (flat page * page_size + offset; the rest of the row is ignored)."""
