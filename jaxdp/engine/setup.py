@@ -22,6 +22,7 @@ from jaxdp.engine.step.prompt_logprobs import prompt_logprobs
 from jaxdp.engine.step.sampling import sample_tokens, top_logprobs
 from jaxdp.eplb.slots import initial_placement, with_expert_slots
 from jaxdp.layout import ensure_host_devices, parse_mesh_spec
+from jaxdp.model.checkpoint import stored_float_dtype
 from jaxdp.model.loader import build_model, build_mtp, default_model_path
 from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
 from jaxdp.ops.attention import decode_kernels
@@ -119,7 +120,7 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     knows its devices (`jaxdp.ops.platform.default_dtype`)."""
     o = model_options(model, **options)
     if o.dtype == "auto":
-        o = dataclasses.replace(o, dtype=default_dtype())
+        o = dataclasses.replace(o, dtype=default_dtype(stored_float_dtype(o.path) if o.path else None))
     gemm = fp8_gemm_backend(o.fp8_gemm_backend)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)

@@ -264,6 +264,20 @@ class Checkpoint:
         self.close()
 
 
+def stored_float_dtype(model_dir: str | Path) -> str | None:
+    """The floating dtype ("bfloat16", "float32", "float16", ...) that holds most of the bytes of a checkpoint
+    directory's safetensors files (headers only), or None where `model_dir` holds none (a preset's name, an orbax
+    conversion) or none of its tensors is a float of 16 or more bits (FP8 weights)."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    size: dict[str, int] = {}
+    for path in files:
+        for name, e in _read_header(path)[0].items():
+            if name != "__metadata__" and e.get("dtype") in ("F64", "F32", "F16", "BF16"):
+                begin, end = e["data_offsets"]
+                size[e["dtype"]] = size.get(e["dtype"], 0) + end - begin
+    return np.dtype(DTYPES[max(size, key=size.get)]).name if size else None
+
+
 def _read_header(path: Path) -> tuple[dict, int]:
     """(the header, its length) of a safetensors file; a file that is not one (a Git LFS pointer, a truncated
     download) is refused in one sentence."""

@@ -31,12 +31,15 @@ def keep_freed_host_memory() -> bool:
     return ok
 
 
-def default_dtype() -> str:
-    """`--dtype auto`: bfloat16 on a GPU; float32 on a CPU, and says why in one log line."""
-    if jax.default_backend() == "gpu":
+def default_dtype(stored: str | None = None) -> str:
+    """`--dtype auto`: bfloat16 on a GPU; on a CPU the weights as stored when the checkpoint holds them in bfloat16
+    (`stored`, `jaxdp.model.checkpoint.stored_float_dtype`): the native CPU kernels read bf16 weights and caches
+    in place with float32 accumulation, half the bytes of float32 and at least as fast (docs/performance.md);
+    float32 otherwise (a float32 checkpoint, random weights, FP8 weights dequantized by XLA), and says why in one
+    log line."""
+    if jax.default_backend() == "gpu" or stored == "bfloat16":
         return "bfloat16"
     logging.getLogger("jaxdp").info(
-        "dtype auto: float32 on a CPU (weights converted once at load): XLA:CPU multiplies bf16 fast only as "
-        "2-D products with float32 accumulation, and converts the whole stacked bf16 weights of the others to "
-        "float32 every step (docs/performance.md)")
+        "dtype auto: float32 on a CPU for a checkpoint not stored in bf16 (%s): XLA:CPU multiplies bf16 fast only "
+        "as 2-D products with float32 accumulation (docs/performance.md)", stored or "no safetensors")
     return "float32"
