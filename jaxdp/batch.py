@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxdp.engine.sched.request import BAN_WIDTH
+
 
 @dataclasses.dataclass(frozen=True)
 class StepArray:
@@ -38,7 +40,8 @@ STEP_SPEC = (StepArray("tokens_T", "T", np.int32, 0), StepArray("valid_T", "T", 
 # what the sampler reads (`jaxdp.engine.step.sampling`); a padding sequence samples greedily
 SAMPLING_SPEC = (StepArray("temperature", "B", np.float32, 0.0), StepArray("top_p", "B", np.float32, 1.0),
                  StepArray("top_k", "B", np.int32, -1), StepArray("min_p", "B", np.float32, 0.0),
-                 StepArray("keys", "BK", np.uint32, 0))
+                 StepArray("keys", "BK", np.uint32, 0), StepArray("min_tokens", "B", np.int32, 0),
+                 StepArray("ban", "BS", np.int32, -1))  # S: BAN_WIDTH ids min_tokens holds off
 # what a speculative step reads besides (`jaxdp.parallel.spec_step`): per request (R) its rows, its drafts (D), the
 # token after a chunk that does not end its prompt, the slots of A = 2D - 1 positions ahead; per row (T) its request
 SPEC_SPEC = (StepArray("req_T", "T", np.int32, "R"),  # the request of each row (padding: none)
@@ -56,12 +59,13 @@ SPEC_FIELDS = tuple(a.name for a in SPEC_SPEC)
 def step_sizes(num_rows: int, num_seqs: int, pages_per_seq: int, num_logits: int | None = None) -> dict[str, int]:
     """The sizes of the shape letters of `StepArray.dims`."""
     return {"T": num_rows, "B": num_seqs, "N": pages_per_seq, "L": num_seqs if num_logits is None else num_logits,
-            "K": 2}
+            "K": 2, "S": BAN_WIDTH}
 
 
 def spec_sizes(num_rows: int, num_requests: int, draft_tokens: int) -> dict[str, int]:
     """The sizes of a speculative step's own arrays (SPEC_SPEC), and of its sampling arrays: one row a request."""
-    return {"T": num_rows, "R": num_requests, "B": num_requests, "K": 2, "D": draft_tokens, "A": 2 * draft_tokens - 1}
+    return {"T": num_rows, "R": num_requests, "B": num_requests, "K": 2, "S": BAN_WIDTH, "D": draft_tokens,
+            "A": 2 * draft_tokens - 1}
 
 
 @dataclasses.dataclass

@@ -116,6 +116,7 @@ TOOLS_TEST = "tests/test_tool_calls_api.py::test_a_tool_call_streamed_and_not_wi
 PARALLEL_TOOLS_TEST = "tests/test_tool_calls_api.py::test_parallel_tool_calls_false_keeps_the_first_call"
 TOOL_TURN_TEST = "tests/test_tool_calls_api.py::test_a_two_turn_tool_conversation_reaches_the_template"
 REASONING_TEST = "tests/test_tool_calls_api.py::test_reasoning_content_streamed_and_not"
+MIN_TOKENS_TEST = "tests/test_sampling_controls.py::test_min_tokens_holds_off_eos_and_stop_ids_from_the_api_on"
 
 # ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
 _NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
@@ -148,7 +149,8 @@ OPENAI_COMMON: dict[str, Field] = {
     "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO_TEST),
     # what vLLM and SGLang accept on their OpenAI endpoints and jaxdp does not serve yet
     "repetition_penalty": refused("a number in (0, 2]", 1),
-    "min_tokens": refused("an integer", 0),
+    "min_tokens": honoured("an integer from 0 to max_tokens, beside at most 16 stop_token_ids, on a server that does "
+                           "not speculate: no eos, stop id or stop string ends it before", MIN_TOKENS_TEST),
     "skip_special_tokens": refused("true or false", True),
     "spaces_between_special_tokens": refused("true or false", True),
     "include_stop_str_in_output": refused("true or false", False),
@@ -278,7 +280,9 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "frequency_penalty": refused("a number in [-2, 2]", 0),
     "presence_penalty": refused("a number in [-2, 2]", 0),
     "repetition_penalty": refused("a number in (0, 2]", 1),
-    "min_new_tokens": refused("an integer", 0),
+    "min_new_tokens": honoured("an integer from 0 to max_new_tokens, beside at most 16 stop_token_ids, on a server "
+                               "that does not speculate: no eos, stop id or stop string ends it before",
+                               MIN_TOKENS_TEST),
     "json_schema": refused("a JSON schema"),
     "regex": refused("a regular expression"),
     "ebnf": refused("a grammar"),

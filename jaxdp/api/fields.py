@@ -172,6 +172,7 @@ SAMPLING = {
     "top_k": Range(int, 1, INT32_MAX, also=(-1,)),  # -1: all tokens
     "min_p": Range(float, 0.0, 1.0),
     "seed": Range(int, -(2**63), 2**64 - 1),
+    "min_new_tokens": Range(int, 0, INT32_MAX),  # and at most max_new_tokens (SamplingParams.validate)
 }
 REQUEST = {
     "n": Range(int, 1, MAX_N),
@@ -232,6 +233,7 @@ def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: st
         stop=stop_strings(sp, where=where),
         stop_token_ids=int_list(stop_ids, "stop_token_ids", vocab_size, max_len=MAX_STOP_TOKEN_IDS, where=where),
         ignore_eos=field(sp, "ignore_eos", bool, False, where=where),
+        min_new_tokens=SAMPLING["min_new_tokens"].check(sp, "min_new_tokens", 0, where=where),
     )
 
 

@@ -113,6 +113,10 @@ class ClientBase:
             raise BadRequest("this server decodes speculatively (--speculative-algorithm), which does not compute "
                              "top logprobs or prompt logprobs; ask for return_logprob alone, or use a server "
                              "without speculative decoding")
+        if f.cfg.speculative is not None and params is not None and params.min_new_tokens:
+            raise BadRequest("this server decodes speculatively (--speculative-algorithm), whose verify does not "
+                             "apply min_tokens yet; leave min_tokens (min_new_tokens) out, or use a server without "
+                             "speculative decoding")
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap

@@ -1,8 +1,9 @@
 """Why a request finishes: the one stop rule every place that books a token asks (`finish_reason`).
 
 A request stops ("stop") at an end-of-sequence token unless it ignores them, at one of its stop token ids, or once
-its text holds one of its stop strings; else it ends ("length") at its output limit. Further conditions (a
-min_tokens floor under which nothing stops it, a stop regex, a grammar's end) belong here, beside these.
+its text holds one of its stop strings, unless it has fewer output tokens than its min_new_tokens (vLLM's and
+SGLang's rule: the sampler holds its stop ids off until then too); else it ends ("length") at its output limit.
+Further conditions (a stop regex, a grammar's end) belong here, beside these.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ def finish_reason(req: Request, token: int, n_out: int, limit: int, eos_token_id
     string's check reads), given its output `limit` and the model's end-of-sequence ids: "stop", "length", or None
     while it goes on."""
     p = req.params
+    if n_out < p.min_new_tokens:
+        return "length" if n_out >= limit else None
     if token in eos_token_ids and not p.ignore_eos:
         return "stop"
     if token in p.stop_token_ids:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 
 MAX_LOGPROB_TOKEN_IDS = 20  # token_ids_logprob: the most token ids a request may ask about
+MAX_MIN_TOKENS_STOP_IDS = 16  # the most stop_token_ids beside a min_new_tokens (the sampler masks each of them)
+BAN_WIDTH = 2 * MAX_MIN_TOKENS_STOP_IDS  # a step row's ids min_new_tokens holds off: stop ids and the model's eos ids
 
 
 class BadRequest(ValueError):
@@ -25,6 +27,7 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # no stop (eos, stop ids, stop strings) ends it before this many output tokens
     return_logprob: bool = False
     top_logprobs: int = 0  # alternatives per output token (0..MAX_TOP_LOGPROBS), best first
     logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none; SGLang's name)
@@ -52,6 +55,12 @@ class SamplingParams:
         if self.token_ids_logprob is not None and len(self.token_ids_logprob) > MAX_LOGPROB_TOKEN_IDS:
             raise BadRequest(f"token_ids_logprob holds {len(self.token_ids_logprob)} ids, more than the "
                              f"{MAX_LOGPROB_TOKEN_IDS} allowed")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise BadRequest(f"min_new_tokens (min_tokens) must be an integer from 0 to max_new_tokens "
+                             f"({self.max_new_tokens}), got {self.min_new_tokens!r}")
+        if self.min_new_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise BadRequest(f"a request with min_new_tokens (min_tokens) may hold at most {MAX_MIN_TOKENS_STOP_IDS} "
+                             f"stop_token_ids, got {len(self.stop_token_ids)}; send fewer")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         return self

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxdp.batch import empty_step, fill_pieces
-from jaxdp.engine.sched.request import Request
+from jaxdp.engine.sched.request import BAN_WIDTH, Request
 
 if TYPE_CHECKING:
     from jaxdp.engine.sched.rank_plan import RankPlan
     from jaxdp.parallel.step import StepShape
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ban")
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
-                    "seed": np.uint32}
+                    "seed": np.uint32, "min_tokens": np.int32}
 
 
 @dataclasses.dataclass
@@ -47,6 +47,8 @@ class RowArrays:
     top_k: np.ndarray
     min_p: np.ndarray
     seed: np.ndarray
+    min_tokens: np.ndarray
+    ban: np.ndarray  # [dp, capacity, BAN_WIDTH]: the ids min_tokens holds off, -1 padded
 
     @classmethod
     def zeros(cls, dp: int, capacity: int, pages_per_seq: int) -> RowArrays:
@@ -54,7 +56,8 @@ class RowArrays:
         return cls(np.zeros(shape, bool), np.zeros(shape, np.int32), np.full(shape, -1, np.int64),
                    np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32),
                    np.zeros(shape, np.int32), np.zeros((*shape, pages_per_seq), np.int32),
-                   *(np.zeros(shape, _SAMPLING_DTYPES[f]) for f in SAMPLING_FIELDS))
+                   *(np.zeros(shape, _SAMPLING_DTYPES[f]) for f in SAMPLING_FIELDS[:-1]),
+                   np.full((*shape, BAN_WIDTH), -1, np.int32))
 
     def rank(self, r: int) -> RowArrays:
         return RowArrays(*(getattr(self, f.name)[r] for f in dataclasses.fields(self)))
@@ -130,8 +133,11 @@ class RankRows:
         self.a.step[rows[mine]] = -1
 
 
-def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, n_out) -> None:
+def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, min_tokens, ban,
+                  n_out) -> None:
     """The sampling parameters of rank r's sequences `at`; a row's key is (seed, tokens generated so far)."""
+    out["min_tokens"][r, at] = min_tokens
+    out["ban"][r, at] = ban
     out["temperature"][r, at] = temperature
     out["top_p"][r, at] = top_p
     out["top_k"][r, at] = top_k

@@ -202,7 +202,8 @@ class Scheduler:
                 passed_over += 1
                 continue  # it cannot fit now: the ones behind it may
             req.pages += pages
-            plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size))
+            eos = self.eos_token_ids
+            plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size, eos))
             plan.reqs.append(req)
             plan.pieces.append(Piece(req.all_ids[req.scheduled: req.scheduled + n], req.scheduled, req.pages))
             budget -= n
@@ -243,7 +244,7 @@ class Scheduler:
             req.state = State.RUNNING
             self.running[req.rid] = req
             self.rows.join(req, int(token), -1, self.limit(req),
-                           sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size))
+                           sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size, self.eos_token_ids))
             if req.on_update:
                 req.on_update(req)
 

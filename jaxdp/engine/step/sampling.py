@@ -1,7 +1,9 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, a per-request seed.
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, a per-request seed, a min_tokens floor.
 
 One jitted function over the step's logits [dp, B, V] (sharded over `dp`, so each rank samples its own
-rows) and per-row parameters. The key of a row is (seed, number of tokens generated so far): a request
+rows) and per-row parameters. A row below its min_tokens cannot pick its end-of-sequence and stop token ids
+(its `ban` row, padded with -1): they are set to -inf before it samples; the log-probabilities stay those of
+the unmodified distribution. The key of a row is (seed, number of tokens generated so far): a request
 with a seed samples the same tokens whatever else runs beside it. `sampling_row` turns a request's
 parameters into the values of its row, clamped to what the arrays and the vocabulary hold, so no value the
 API lets through can fail a step (a top_k past the vocabulary means all of it).
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.sched.request import Request, SamplingParams
+from jaxdp.engine.sched.request import BAN_WIDTH, Request, SamplingParams
 
 _MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
@@ -54,43 +57,66 @@ def filtered_probs(logits_V, temperature, top_p, top_k, min_p):
 
 
 def _sample_row(logits_V, temperature, top_p, top_k, min_p, key_data, mode: str):
-    logprobs_V = jax.nn.log_softmax(logits_V)
+    """A row's token and its log-probability under `logits_V` (`sample_tokens` reads the token alone: the logits
+    it hands here may be masked)."""
     scaled = logits_V / jnp.maximum(temperature, 1e-6)
     masked = jnp.where(_keep(scaled, top_p, top_k, min_p, mode), scaled, -jnp.inf)
     key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
     token = jnp.where(temperature == 0, jnp.argmax(logits_V), jax.random.categorical(key, masked))
-    return token.astype(jnp.int32), logprobs_V[token]
+    return token.astype(jnp.int32), jax.nn.log_softmax(logits_V)[token]
+
+
+def banned(logits_RBV, n_out_RB, min_tokens_RB, ban_RBS):
+    """The logits with each row's ban ids at -inf while it has fewer than its min_tokens output tokens
+    (`n_out_RB`: tokens generated before this one); the logits themselves when no row is below its floor."""
+    V = logits_RBV.shape[-1]
+    below = n_out_RB < min_tokens_RB
+
+    def mask():
+        ids = jnp.where(below[..., None] & (ban_RBS >= 0), ban_RBS, V)  # (V: out of range, dropped)
+        row = jax.vmap(jax.vmap(lambda lv, i: lv.at[i].set(-jnp.inf, mode="drop")))
+        return row(logits_RBV, ids)
+
+    return jax.lax.cond(jnp.any(below), mask, lambda: logits_RBV)
 
 
 @functools.partial(jax.jit, static_argnames="width")
-def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, width: int | None = None):
+def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, min_tokens_RB=None,
+                  ban_RBS=None, width: int | None = None):
     """Tokens [dp, B] and their log-probabilities under the unmodified distribution; with `width`, padded
     to [dp, width] so the next step can read them on the device whatever its bucket. The vocabulary is sorted
     only when a row asks for a top_p, or for a top_k over PARTIAL_TOP_K (most of a large batch's sampling
-    time: every row's vocabulary sorted)."""
+    time: every row's vocabulary sorted). `min_tokens_RB` and `ban_RBS` (both or neither): the rows' min_tokens
+    floors and the ids it holds off (`banned`)."""
+    choose_RBV = logits_RBV
+    if min_tokens_RB is not None:
+        choose_RBV = banned(logits_RBV, keys_RB2[..., 1].astype(jnp.int32), min_tokens_RB, ban_RBS)
+
     def greedy():  # every row greedy
-        tokens = jnp.argmax(logits_RBV, axis=-1)
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_RBV, axis=-1), tokens[..., None], axis=-1)[..., 0]
-        return tokens.astype(jnp.int32), logprobs
+        return jnp.argmax(choose_RBV, axis=-1).astype(jnp.int32)
 
     def sample(mode):
         f = jax.vmap(jax.vmap(functools.partial(_sample_row, mode=mode)))
-        return lambda: f(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)
+        return lambda: f(choose_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2)[0]
 
     V = logits_RBV.shape[-1]
     top_k = (top_k_RB > 0) & (top_k_RB < V)
     ranked = (top_k | (top_p_RB < 1)) & (temperature_RB > 0)  # rows that filter by rank
     partial = jnp.all(~ranked | (top_k & (top_k_RB <= PARTIAL_TOP_K)))  # (their top_p within those)
     branch = jnp.where(jnp.all(temperature_RB == 0), 0, jnp.where(~jnp.any(ranked), 1, jnp.where(partial, 2, 3)))
-    tokens, logprobs = jax.lax.switch(branch, [greedy, sample("plain"), sample("partial"), sample("sorted")])
+    tokens = jax.lax.switch(branch, [greedy, sample("plain"), sample("partial"), sample("sorted")])
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_RBV, axis=-1), tokens[..., None], axis=-1)[..., 0]
     if width is not None:
         pad = ((0, 0), (0, width - tokens.shape[1]))
         tokens, logprobs = jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
     return tokens, logprobs
 
 
-def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int) -> tuple:
-    """(temperature, top_p, top_k, min_p, seed) of a request's row, each within its array's range."""
+def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int,
+                 eos_token_ids: Iterable[int] = ()) -> tuple:
+    """(temperature, top_p, top_k, min_p, seed, min_tokens, ban) of a request's row, each within its array's
+    range; `ban` [BAN_WIDTH]: the ids its min_tokens holds off (its stop token ids, and the model's
+    `eos_token_ids` unless it ignores them), padded with -1 (all -1 without a min_tokens)."""
     def unit(x, default: float) -> float:
         x = _real(x)
         return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
@@ -102,7 +128,13 @@ def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size:
     seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
     top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # the API's 64-bit range (n samples add to it), folded to the key's 32 bits
-    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    ban = np.full(BAN_WIDTH, -1, np.int32)
+    if params.min_new_tokens > 0:
+        ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
+        if len(ids) > BAN_WIDTH:  # (requests hold at most MAX_MIN_TOKENS_STOP_IDS; the model's eos ids are fewer)
+            raise ValueError(f"{len(ids)} stop and end-of-sequence ids do not fit a row's {BAN_WIDTH}")
+        ban[: len(ids)] = ids
+    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF, params.min_new_tokens, ban
 
 
 def _real(x) -> float:

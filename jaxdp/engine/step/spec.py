@@ -112,7 +112,8 @@ class SpecScheduler(Scheduler):
         if not reqs:
             return None
         pieces = [Piece([r.output_ids[-1], *r.drafts], r.num_tokens - 1, r.pages) for r in reqs]
-        sampling = [sampling_row(r.params, r.rid, self.cfg.seed, self.cfg.vocab_size) for r in reqs]
+        eos = self.eos_token_ids
+        sampling = [sampling_row(r.params, r.rid, self.cfg.seed, self.cfg.vocab_size, eos) for r in reqs]
         return RankPlan("verify", reqs, pieces, sampling=sampling)
 
     def commit(self, plan: RankPlan, step: int) -> None:
