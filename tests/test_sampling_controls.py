@@ -15,7 +15,8 @@ from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
 from jaxdp.engine.options import SpeculativeConfig
 from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.request import BAN_WIDTH, MAX_MIN_TOKENS_STOP_IDS, Request
-from jaxdp.engine.step.sampling import sample_tokens, sampling_row
+from jaxdp.engine.sched.rows import sampling_row
+from jaxdp.engine.step.sampling import sample_tokens
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.decoder import DeepseekV3
 from jaxdp.model.mtp import MTPLayer

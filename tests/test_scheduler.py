@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
-from jaxdp.engine.step.sampling import sample_tokens, sampling_row
+from jaxdp.engine.sched.rows import sampling_row
+from jaxdp.engine.step.sampling import sample_tokens
 from jaxdp.testing import HostOnlyRunner
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
@@ -124,7 +125,8 @@ def test_sampling_rows_hold_any_value_the_api_lets_through():
     row = sampling_row(SamplingParams(temperature=10**400, top_p=float("nan"), top_k=2**31, min_p=-1, seed=-5),
                        "r", 0, V)
     s64 = 2**64 - 5  # seed -5 in the API's 64-bit range, folded to the key's 32 bits
-    assert row == (1e4, 1.0, -1, 0.0, (s64 ^ (s64 >> 32)) & 0xFFFFFFFF)
+    assert row[:6] == (1e4, 1.0, -1, 0.0, (s64 ^ (s64 >> 32)) & 0xFFFFFFFF, 0)  # (min_tokens 0: nothing banned)
+    assert (row[6] == -1).all()
     seed = [sampling_row(SamplingParams(seed=s), "r", 0, V)[4] for s in (7, 7 + 2**32, 2**64 - 1)]
     assert seed[0] == 7 and len(set(seed)) == 3  # 32-bit seeds unchanged; s and s + 2^32 no longer collide
     assert sampling_row(SamplingParams(top_k=2147483648), "r", 0, V)[2] == -1

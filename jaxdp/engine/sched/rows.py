@@ -14,12 +14,14 @@ the device), the context length that token completes, tokens generated (in fligh
 from __future__ import annotations
 
 import dataclasses
+import zlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxdp.batch import empty_step, fill_pieces
-from jaxdp.engine.sched.request import BAN_WIDTH, Request
+from jaxdp.engine.sched.request import BAN_WIDTH, Request, SamplingParams
 
 if TYPE_CHECKING:
     from jaxdp.engine.sched.rank_plan import RankPlan
@@ -28,6 +30,41 @@ if TYPE_CHECKING:
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ban")
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
                     "seed": np.uint32, "min_tokens": np.int32}
+_MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
+
+
+def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int,
+                 eos_token_ids: Iterable[int] = ()) -> tuple:
+    """(temperature, top_p, top_k, min_p, seed, min_tokens, ban) of a request's row, each within its array's
+    range; `ban` [BAN_WIDTH]: the ids its min_tokens holds off (its stop token ids, and the model's
+    `eos_token_ids` unless it ignores them), padded with -1 (all -1 without a min_tokens)."""
+    def unit(x, default: float) -> float:
+        x = _real(x)
+        return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
+
+    t = _real(params.temperature)
+    t = 0.0 if t != t or t <= 0 else min(t, _MAX_TEMPERATURE)
+    k = _real(params.top_k)
+    k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
+    seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
+    top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # the API's 64-bit range (n samples add to it), folded to the key's 32 bits
+    ban = np.full(BAN_WIDTH, -1, np.int32)
+    if params.min_new_tokens > 0:
+        ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
+        if len(ids) > BAN_WIDTH:  # (requests hold at most MAX_MIN_TOKENS_STOP_IDS; the model's eos ids are fewer)
+            raise ValueError(f"{len(ids)} stop and end-of-sequence ids do not fit a row's {BAN_WIDTH}")
+        ban[: len(ids)] = ids
+    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF, params.min_new_tokens, ban
+
+
+def _real(x) -> float:
+    """x as a float; an integer too large for one is +-inf (NaN stays NaN)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf") if x > 0 else float("-inf")
+
 
 
 @dataclasses.dataclass

@@ -22,8 +22,7 @@ from jaxdp.engine.sched.policy import NO_DISAGG, Disagg
 from jaxdp.engine.sched.pool import PagePool, PrefixCache
 from jaxdp.engine.sched.rank_plan import RankPlan
 from jaxdp.engine.sched.request import BadRequest, Request, State
-from jaxdp.engine.sched.rows import RankRows
-from jaxdp.engine.step.sampling import sampling_row
+from jaxdp.engine.sched.rows import RankRows, sampling_row
 
 log = logging.getLogger("jaxdp.scheduler")
 

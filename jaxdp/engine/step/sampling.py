@@ -4,25 +4,20 @@ One jitted function over the step's logits [dp, B, V] (sharded over `dp`, so eac
 rows) and per-row parameters. A row below its min_tokens cannot pick its end-of-sequence and stop token ids
 (its `ban` row, padded with -1): they are set to -inf before it samples; the log-probabilities stay those of
 the unmodified distribution. The key of a row is (seed, number of tokens generated so far): a request
-with a seed samples the same tokens whatever else runs beside it. `sampling_row` turns a request's
-parameters into the values of its row, clamped to what the arrays and the vocabulary hold, so no value the
-API lets through can fail a step (a top_k past the vocabulary means all of it).
+with a seed samples the same tokens whatever else runs beside it. The rows' values are the scheduler's
+(`jaxdp.engine.sched.rows.sampling_row`: clamped to what the arrays and the vocabulary hold, so no value the API
+lets through can fail a step).
 """
 
 from __future__ import annotations
 
 import functools
-import zlib
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.engine.sched.request import BAN_WIDTH, Request, SamplingParams
-
-_MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
-
+from jaxdp.engine.sched.request import Request
 
 PARTIAL_TOP_K = 256  # a batch whose filtering rows all ask for a top_k up to this sorts only its best this many
 
@@ -110,39 +105,6 @@ def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys
         pad = ((0, 0), (0, width - tokens.shape[1]))
         tokens, logprobs = jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
     return tokens, logprobs
-
-
-def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int,
-                 eos_token_ids: Iterable[int] = ()) -> tuple:
-    """(temperature, top_p, top_k, min_p, seed, min_tokens, ban) of a request's row, each within its array's
-    range; `ban` [BAN_WIDTH]: the ids its min_tokens holds off (its stop token ids, and the model's
-    `eos_token_ids` unless it ignores them), padded with -1 (all -1 without a min_tokens)."""
-    def unit(x, default: float) -> float:
-        x = _real(x)
-        return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
-
-    t = _real(params.temperature)
-    t = 0.0 if t != t or t <= 0 else min(t, _MAX_TEMPERATURE)
-    k = _real(params.top_k)
-    k = -1 if k != k or k <= 0 or k >= vocab_size else int(k)
-    seed = params.seed if params.seed is not None else zlib.crc32(f"{engine_seed}:{rid}".encode())
-    top_p = max(unit(params.top_p, 1.0), 1e-6)  # (a top_p of 0 would keep no token: keep the first)
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # the API's 64-bit range (n samples add to it), folded to the key's 32 bits
-    ban = np.full(BAN_WIDTH, -1, np.int32)
-    if params.min_new_tokens > 0:
-        ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
-        if len(ids) > BAN_WIDTH:  # (requests hold at most MAX_MIN_TOKENS_STOP_IDS; the model's eos ids are fewer)
-            raise ValueError(f"{len(ids)} stop and end-of-sequence ids do not fit a row's {BAN_WIDTH}")
-        ban[: len(ids)] = ids
-    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF, params.min_new_tokens, ban
-
-
-def _real(x) -> float:
-    """x as a float; an integer too large for one is +-inf (NaN stays NaN)."""
-    try:
-        return float(x)
-    except OverflowError:
-        return float("inf") if x > 0 else float("-inf")
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs range)

@@ -29,10 +29,9 @@ from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.policy import SpecSwitch
 from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
 from jaxdp.engine.sched.request import State
-from jaxdp.engine.sched.rows import RowArrays, fill_sampling
+from jaxdp.engine.sched.rows import RowArrays, fill_sampling, sampling_row
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
-from jaxdp.engine.step.sampling import sampling_row
 from jaxdp.engine.step.step_stats import Launched
 from jaxdp.parallel.places import Agreement, Proposal
 from jaxdp.parallel.spec_step import run_spec_step
