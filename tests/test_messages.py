@@ -130,7 +130,7 @@ def test_the_server_fails_every_request_on_a_malformed_event_instead_of_hanging(
 def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, caplog):
     import zmq
 
-    from jaxdp.engine.ipc.process import serve_engines
+    from jaxdp.engine.ipc.process import ServerWatch, serve_engines
 
     ctx = zmq.Context()
     commands, events = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -141,7 +141,8 @@ def test_the_engine_process_ends_in_one_line_on_a_malformed_command(tmp_path, ca
     threading.Thread(target=lambda: commands.send(b"\x93\xa5Abort"), daemon=True).start()  # blocks until connected
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = serve_engines([engine], f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/events", os.getppid())
+        code = serve_engines([engine], f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/events",
+                             ServerWatch(None, os.getppid()))
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

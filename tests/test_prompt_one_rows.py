@@ -62,7 +62,7 @@ def run(form, pieces, seed, monkeypatch):
                                 attn.w_kv_b_LHX[...], **kw)[:n]
     monkeypatch.setattr(prefill, "prompt_form", lambda *a, **k: form)
     decoded, looped = [], []
-    spy(monkeypatch, mla_module, "mla_decode_xla", decoded, lambda a, k: a[4])
+    spy(monkeypatch, mla_module, "mla_decode_default", decoded, lambda a, k: a[4])
     spy(monkeypatch, prefill, "blocked_state", looped, lambda a, k: a[5] if k.get("see_T") is None else k["see_T"])
     got = jax.jit(lambda *a: attn.attend_expanded(*a[:4], kv_TK=a[4]))(q_nope, q_rope, kv, batch, kv_TK)
     jax.effects_barrier()
