@@ -77,8 +77,9 @@ def _params(ctx: ServerContext, body: dict, default_max: int | None, echo: bool 
         max_tokens = SAMPLING["max_new_tokens"].check(body, "max_completion_tokens", default_max, param="max_tokens")
     sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                                "ignore_eos") if body.get(k) is not None}
-    if body.get("min_tokens") is not None:  # (vLLM's name on its OpenAI endpoints; SGLang's min_new_tokens)
-        sp["min_new_tokens"] = SAMPLING["min_new_tokens"].check(body, "min_tokens", 0)
+    for name in ("min_tokens", "min_new_tokens"):  # (vLLM's name on its OpenAI endpoints; SGLang's)
+        if body.get(name) is not None:
+            sp["min_new_tokens"] = SAMPLING["min_new_tokens"].check(body, name, 0)
     params = sampling_params(sp, max_new=None, vocab_size=ctx.vocab_size)
     params.max_new_tokens = max_tokens
     return params
