@@ -13,7 +13,7 @@ import pytest
 from jaxdp.engine.ipc.messages import NodeFlush, NodeMessage, encode, frame_reader
 from jaxdp.engine.ipc.updates import Update
 from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, StoreGather, ZmqGather
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 
 class FakeStore:
@@ -172,7 +172,7 @@ def test_an_exchange_frame_that_is_not_the_exchanges_is_refused_not_run():
 def test_every_node_computes_top_logprobs_when_any_rank_asks():
     """The top logprobs are computed over every node's logits in one collective, so "a request asks for them"
     is part of the agreement (a node that skipped it while another ran it would hang the collective)."""
-    from jaxdp.parallel.places import agree_on_step
+    from jaxdp.parallel.agreement import agree_on_step
 
     quiet = [Proposal(2, False, True)] * 8
     assert not agree_on_step(quiet).any_top

@@ -23,7 +23,7 @@ from jaxdp.engine.sched.request import SamplingParams
 from jaxdp.engine.sched.scheduler import SchedulerConfig
 from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.step_stats import StepRecord
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 ROOT = Path(__file__).resolve().parents[1]
 PICKLING = re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|marshal)\b"

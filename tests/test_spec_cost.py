@@ -6,7 +6,7 @@ not --max-running-requests."""
 import pytest
 
 from jaxdp.engine.step.buckets import Buckets
-from jaxdp.parallel.places import Proposal, agree_on_step
+from jaxdp.parallel.agreement import Proposal, agree_on_step
 from jaxdp.parallel.step import StepShape
 from tests.test_spec_decode import rigged, runner_for
 

@@ -33,7 +33,7 @@ import httpx
 
 from jaxdp.engine.nodes.hosts import DistConfig, HostExchange, init_distributed, parse_dist_addr
 from jaxdp.net import free_port
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 # ---- 1. the exchange alone ---------------------------------------------------------------------------
 

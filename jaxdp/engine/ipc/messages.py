@@ -25,7 +25,7 @@ from jaxdp.engine.sched.scheduler import SchedulerConfig
 from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.step_stats import StepRecord
 from jaxdp.layout import Layout
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 RankState = dict[str, Any]  # a rank's figures (`Scheduler.state`): plain numbers by name
 

@@ -26,7 +26,7 @@ from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, PeerStopped, fir
 from jaxdp.engine.sched.request import Request
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.threads import start_thread
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 __all__ = ["NodeFlush", "NodeLink", "Nodes", "OneNode", "flush_ranks"]
 

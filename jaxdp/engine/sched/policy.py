@@ -14,7 +14,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxdp.engine.sched.request import Request
-from jaxdp.parallel.places import Agreement, Proposal
+from jaxdp.parallel.agreement import Agreement, Proposal
 
 
 class Disagg(Protocol):

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxdp.batch import Piece
 from jaxdp.engine.sched.request import Request
-from jaxdp.parallel.places import Proposal
+from jaxdp.parallel.agreement import Proposal
 
 
 @dataclasses.dataclass

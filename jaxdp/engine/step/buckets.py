@@ -23,7 +23,7 @@ import bisect
 import dataclasses
 
 from jaxdp.parallel.accounting import decode_buckets
-from jaxdp.parallel.places import Agreement
+from jaxdp.parallel.agreement import Agreement
 from jaxdp.parallel.step import StepShape
 
 PAGE_BUCKET_TOKENS = 4096  # the smallest page bucket covers this many tokens

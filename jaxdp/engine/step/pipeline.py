@@ -41,7 +41,7 @@ from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.prompt_logprobs import PromptLogprobs, chosen_ids
 from jaxdp.engine.step.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.step.step_stats import InFlight, Launched, StepStats, compiles_on_this_thread
-from jaxdp.parallel.places import Agreement, Proposal, agree_on_step
+from jaxdp.parallel.agreement import Agreement, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 
 log = logging.getLogger("jaxdp.engine")

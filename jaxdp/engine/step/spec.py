@@ -33,7 +33,7 @@ from jaxdp.engine.sched.rows import RowArrays, fill_sampling, sampling_row
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
 from jaxdp.engine.step.step_stats import Launched
-from jaxdp.parallel.places import Agreement, Proposal
+from jaxdp.parallel.agreement import Agreement, Proposal
 from jaxdp.parallel.spec_step import run_spec_step
 from jaxdp.parallel.step import StepShape
 

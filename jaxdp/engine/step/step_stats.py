@@ -10,7 +10,7 @@ from typing import Any
 from jax import monitoring
 
 from jaxdp.parallel.accounting import StepAccount
-from jaxdp.parallel.places import Agreement
+from jaxdp.parallel.agreement import Agreement
 from jaxdp.parallel.step import StepShape
 
 _compile_lock = threading.Lock()
