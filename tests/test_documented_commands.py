@@ -253,6 +253,7 @@ class Cheap:
     check: Callable[[Path, str], None]
     unless: tuple[str, ...] = ()
     timeout_s: float = 120
+    slow: bool = False  # minutes, not seconds: run with -m slow
 
     def matches(self, cmd: Command) -> bool:
         return (cmd.module == self.module and not cmd.template and all(w in cmd.argv for w in self.selects)
@@ -266,7 +267,7 @@ CHEAP = [
     # the experiment at its --quick size whatever the page shows (a full run takes minutes more): two servers,
     # the first compiling its steps into the tests' cache, the second reading them from it
     Cheap("jaxdp.experiments", ("prompt-in-the-way",), ("--quick", "--output-dir", "{out}", "--json-dir", "{out}"),
-          prompt_in_the_way_measured, timeout_s=600),
+          prompt_in_the_way_measured, timeout_s=600, slow=True),
     # one layout (the first run also builds the native CPU kernels into the tests' cache)
     Cheap("jaxdp.one_batch", ("--prompt-ids", "--mesh"), ("--dump-logits", "{out}/logits.npz"), one_batch_ran,
           unless=("--model-path", "--ranks"), timeout_s=300),
@@ -305,7 +306,9 @@ def test_every_cheap_form_is_still_documented():
     assert not unmatched, f"no page shows a command of these forms any more: {unmatched}"
 
 
-@pytest.mark.parametrize("cmd, form", RUNS, ids=[f"{c.where} {c.module} {' '.join(c.argv)}"[:90] for c, _ in RUNS])
+@pytest.mark.parametrize("cmd, form", [pytest.param(c, f, marks=[pytest.mark.slow] if f.slow else [],
+                                                   id=f"{c.where} {c.module} {' '.join(c.argv)}"[:90])
+                                      for c, f in RUNS])
 def test_a_cheap_documented_command_runs(cmd: Command, form: Cheap, tmp_path):
     if reason := next((why for word, why in NEEDS.items() if word in cmd.argv), None):
         pytest.skip(f"{cmd.where}: {reason}")

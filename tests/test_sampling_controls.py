@@ -113,10 +113,14 @@ def run_layout(mesh_spec: str) -> list[tuple[list[int], str]]:
     return [(r.output_ids, r.finish_reason) for r in reqs]
 
 
-def test_min_tokens_gives_the_same_greedy_tokens_under_dp8_and_tp8_as_one_device():
-    one = run_layout("dp=1")
-    assert run_layout("dp=8") == one
-    assert run_layout("tp=8") == one
+def test_min_tokens_gives_the_same_greedy_tokens_under_dp8_as_one_device():
+    assert run_layout("dp=8") == run_layout("dp=1")
+
+
+@pytest.mark.slow
+def test_min_tokens_gives_the_same_greedy_tokens_under_tp8_as_one_device():
+    """tp=8 splits the vocabulary of the LM head: the ban applies to the gathered logits all the same."""
+    assert run_layout("tp=8") == run_layout("dp=1")
 
 
 def test_min_tokens_on_a_speculating_server_is_refused_in_one_sentence():
