@@ -27,6 +27,7 @@ from jaxdp.layout import Layout, LayoutError, add_layout_args, check_redundant_e
 from jaxdp.ops.registry import ATTENTION_BACKENDS, MOE_RUNNER_BACKENDS
 from jaxdp.parallel.accounting import EXTEND, Situation, account_step, five_situations
 from jaxdp.planner.compile import CompileCase, compile_plan, format_compiled
+from jaxdp.planner.dcp import DCPError, check_dcp, dcp_summary
 from jaxdp.planner.gpus import PRESETS as GPU_PRESETS
 from jaxdp.planner.gpus import GPUError, get_gpu, parse_memory, with_overrides
 from jaxdp.planner.report import ASSUMPTIONS, PlotError, format_report, plot_situations
@@ -90,7 +91,7 @@ def _merge(s: Situation, dp: int) -> Situation:
 
 
 def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, budget: float,
-                situations: dict[str, Situation], batch: tuple[int, ...]) -> dict[str, Any]:
+                situations: dict[str, Situation], batch: tuple[int, ...], dcp: int = 1) -> dict[str, Any]:
     spec = args.speculative_algorithm is not None  # the MTP layer and its draft KV on every device too
     eplb = _eplb(layout, args)
     comps = weights_per_device(cfg, layout, args.expert_dtype, include_mtp=spec, **_placement(args),
@@ -103,10 +104,12 @@ def plan_layout(cfg: Any, layout: Layout, gpu: Any, args: argparse.Namespace, bu
     roof_kw = dict(context=args.context, expert_dtype=args.expert_dtype, kv_dtype=args.kv_dtype,
                    latency_us=args.latency_us, **_placement(args), **eplb)
     single = (1,) + (0,) * (layout.dp - 1)
+    group_tokens = max(tokens, 0) * dcp  # (--dcp-size: each device of a group holds 1/dcp of every sequence)
     return {
         "layout": dataclasses.asdict(layout), "describe": _describe(layout),
         "weights": [dataclasses.asdict(c) for c in comps], "weights_per_device_gib": wbytes / GiB,
-        "kv_tokens_per_rank": max(tokens, 0), "kv_tokens_total": max(tokens, 0) * layout.dp * layout.replicas,
+        "kv_tokens_per_rank": group_tokens, "kv_tokens_total": group_tokens * layout.dp * layout.replicas,
+        "dcp": dcp_summary(cfg, layout.tp, dcp, max(tokens, 0), max(batch)) if dcp > 1 else None,
         "fits": tokens > 0,
         "situations": {name: a.to_dict() for name, a in accts.items()},
         "roofline": {
@@ -168,6 +171,13 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
                         "equal.")
     layout.validate(num_devices=args.gpus, n_routed_experts=cfg.n_routed_experts, num_heads=cfg.num_heads)
     check_redundant_experts(layout, cfg.n_routed_experts, args.ep_num_redundant_experts)
+    try:
+        check_dcp(args.dcp_size, layout.tp)
+    except DCPError as e:
+        raise PlanError(str(e)) from None
+    if args.dcp_size > 1 and args.compile:
+        raise PlanError(f"--compile compiles the engine's step, which does not split its KV pool over a group "
+                        f"yet; drop --dcp-size {args.dcp_size} or --compile.")
     if not 0 < args.balancedness <= 1:
         raise PlanError(f"--balancedness {args.balancedness} is mean / max tokens a GPU; give a value in (0, 1].")
     if args.balancedness != 1 and layout.moe != "ep":
@@ -201,7 +211,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         base = five_situations(layout.dp if layout.dp > 1 else layout.world)
         situations = {k: _merge(v, 1) for k, v in base.items()} if layout.dp == 1 else base
         batch = situations["balanced"].rows
-    main_plan = plan_layout(cfg, layout, gpu, args, budget, situations, batch)
+    main_plan = plan_layout(cfg, layout, gpu, args, budget, situations, batch, dcp=args.dcp_size)
     if not main_plan["fits"]:
         need = main_plan["weights_per_device_gib"]
         raise PlanError(f"the weights need {need:.1f} GiB per GPU but {budget / GiB:.1f} GiB are available "
@@ -298,7 +308,7 @@ class _Parser(argparse.ArgumentParser):
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m jaxdp.plan", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="glm-5", help="preset (glm-5, deepseek-v3, tiny) or checkpoint dir")
+    p.add_argument("--model", default="glm-5", help="preset (glm-5, deepseek-v3, kimi-k2, tiny) or checkpoint dir")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the deployment")
     add_layout_args(p)
     p.add_argument("--gpu", default="B300",
@@ -323,6 +333,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--balancedness", type=float, default=1.0,
                    help="moe=ep: mean / max tokens a GPU's experts receive; the step is priced by the most loaded "
                         "GPU (default 1.0: even)")
+    p.add_argument("--dcp-size", type=int, default=1, metavar="N",
+                   help="decode context parallelism (SGLang's flag): each attention group's KV split token-wise "
+                        "over N of its devices (N divides tp); counted on paper only (jaxdp/planner/dcp.py)")
     p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")
     p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")

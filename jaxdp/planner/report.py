@@ -89,6 +89,12 @@ def format_report(plan: dict[str, Any]) -> str:
             f"  tokens in total            {total:>12,}" +
             (f"   TP: {tp['kv_tokens_total']:,} ({total / max(tp['kv_tokens_total'], 1):.1f}x)"
              if tp else "")]
+    if d := main.get("dcp"):
+        out.append(f"  decode context parallelism --dcp-size {d['size']}: each GPU holds 1/{d['size']} of every "
+                   f"sequence, {d['tokens_per_device']:,} tokens per GPU, {d['tokens_per_group']:,} per group; a "
+                   f"decode step of {d['decode_rows']:,} rows a group adds " + "; ".join(
+                       f"{x['name']} {x['op']} {fmt_bytes(x['buffer_bytes'])} x {x['calls']}"
+                       for x in d["collectives"]) + f" ({fmt_bytes(d['bytes_per_step'])} a step)")
     ho = plan["handoff"]
     out.append(f"  prefill/decode hand-off at {ho['link_gbs']:g} GB/s: " + "; ".join(
         f"{p['tokens']:,} tokens {fmt_bytes(p['bytes'])} in {p['ms']:.1f} ms" for p in ho["prompts"]))
