@@ -75,14 +75,15 @@ class DeepseekV3(nnx.Module):
         return self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
 
     def __call__(self, tokens_T, valid_T, batch: AttnBatch, kv_cache: dict, logits_idx_B, comm: Comm, *,
-                 absorbed: bool, decode_kernel=None, return_hidden: bool = False):
+                 absorbed: bool, decode_kernel=None, return_hidden: bool = False, rows_by_layer: bool = False):
         """One step over the rows of this device.
 
         kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, plus with DSA (`cfg.index_topk`) the
         index keys {"dense_index": [Ld, P, S, E], "moe_index": ...}; or None: no cache, each sequence is
         the step's rows alone (training; `batch` needs only positions_T and seq_T). Returns
         (logits [B, V] in float32 for the rows `logits_idx_B`, the updated cache (None without one),
-        rows received per expert summed over MoE layers [E_local]); with `return_hidden`, also the final
+        rows received per expert summed over MoE layers [E_local]; with `rows_by_layer`, what `comm.moe` returned
+        for each MoE layer, stacked [L, ...], unsummed); with `return_hidden`, also the final
         normed hidden state of every row [T, D] (what the MTP layer reads, `jaxdp.model.mtp`).
         """
         cfg = self.cfg
@@ -111,7 +112,7 @@ class DeepseekV3(nnx.Module):
             if index is not None:
                 sel_TK = index[1]
             if name == "moe":
-                expert_rows = rows_LE.sum(0)
+                expert_rows = rows_LE if rows_by_layer else rows_LE.sum(0)
         with jax.named_scope("lm_head"):
             h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
             one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product

@@ -175,6 +175,12 @@ def route(x_TD, valid_T, router_DE, bias_E, cfg: ModelConfig) -> tuple[jax.Array
     return idx_TK.astype(jnp.int32), w_TK
 
 
+def count_choices(idx_TK: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens routed to each logical expert [E] int32: the (row, choice) pairs of `route`'s ids [T, K], the padding
+    rows' sentinel E not counted (what the expert-distribution recorder adds up, `jaxdp.eplb.recorder`)."""
+    return jnp.bincount(idx_TK.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+
 def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):
     """sum_e weight(row, e) * expert_e(row) over all E experts, weight 0 where e was not chosen ->
     y_TD float32. idx_TK may hold the padding sentinel E (its one-hot row is all zeros)."""

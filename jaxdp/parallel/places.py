@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.model.layers import rms_norm
+from jaxdp.model.moe import count_choices
 from jaxdp.ops.gemm import lm_head_product
 from jaxdp.parallel.agreement import Agreement, LocalExchange, Proposal, agree_on_step
 
@@ -190,6 +191,7 @@ class MeshComm:
     rows_R: jax.Array  # rows of every rank (for SUM_LEN offsets)
     tied_head: bool = False
     ep_ragged: bool = False  # EP dispatch through ragged_all_to_all (GPU) instead of fixed capacity
+    count_experts: bool = False  # `moe` also returns this device's rows' routed tokens per logical expert
 
     @property
     def world(self) -> int:
@@ -222,20 +224,35 @@ class MeshComm:
         return jax.lax.all_gather(x_nD, "tp", axis=0, tiled=True)[: self.num_rows]
 
     def moe(self, h_nD, valid_T, moe):
+        """The MoE on this device's rows: (y [n, D], rows received per held expert); with `count_experts` the second
+        is (those rows, this device's own rows' routed tokens per logical expert [E]: the expert-distribution
+        recorder's, `jaxdp.eplb.recorder`; a sum over the devices counts every rank's rows once)."""
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
         if self.moe_mode == "ep":  # no gather, no return: rows travel inside dispatch and combine
             idx_nK, w_nK = moe.route(h_nD, valid_n)
+            counts_E = count_choices(idx_nK, moe.cfg.n_routed_experts) if self.count_experts else None
             # logical experts -> physical slots (redundant experts: the map is an input, jaxdp.eplb)
             first_row = jax.lax.axis_index(ALL) * h_nD.shape[0]
             idx_nK = moe.physical_choices(idx_nK, moe.num_local_experts * self.world, first_row)
             dispatch = ragged_dispatch_combine_moe if self.ep_ragged else dispatch_combine_moe
             y_nD, rows_E = dispatch(h_nD, idx_nK, w_nK, moe, self.world)
-            return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), rows_E
+            return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), self._rows(rows_E, counts_E)
         h_RD, valid_R = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
         idx_RK, w_RK = moe.route(h_RD, valid_R)
+        counts_E = None
+        if self.count_experts:  # (every device routed every rank's rows: count only this device's chunk)
+            n, E = h_nD.shape[0], moe.cfg.n_routed_experts
+            start = (jax.lax.axis_index(ALL) * n if self.gather.mode == "max_len"
+                     else _chunk_offset(self.rows_R, n))
+            padded = jnp.concatenate([idx_RK, jnp.full((n, idx_RK.shape[1]), E, idx_RK.dtype)])
+            own_nK = jax.lax.dynamic_slice_in_dim(padded, start, n)
+            counts_E = count_choices(jnp.where(valid_n[:, None], own_nK, E), E)
         y_RD, rows_E = moe.experts(h_RD, idx_RK, w_RK)
         y_RD = y_RD + moe.shared_expert(h_RD).astype(jnp.float32)
-        return return_from_moe(y_RD, self.rows_R, self.chunk, self.gather), rows_E
+        return return_from_moe(y_RD, self.rows_R, self.chunk, self.gather), self._rows(rows_E, counts_E)
+
+    def _rows(self, rows_E, counts_E):
+        return (rows_E, counts_E) if self.count_experts else rows_E
 
     def dense_ffn(self, h_nD, valid_T, mlp):
         if self.dense_replicated:

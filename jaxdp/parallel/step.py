@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.batch import STEP_FIELDS, STEP_SPEC, step_sizes
 from jaxdp.eplb.algorithm import PlacementError
+from jaxdp.eplb.recorder import ExpertRecorder
 from jaxdp.eplb.slots import check_map, held_physical_to_logical
 from jaxdp.layout import Layout
 from jaxdp.model.decoder import DeepseekV3
@@ -132,6 +133,7 @@ class StepRunner:
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
+        self.experts = ExpertRecorder()  # the plain steps' routed tokens per expert, while recording (jaxdp.eplb)
 
     def _cache_entries(self, dtype) -> dict[str, tuple[int, int, object]]:
         """The paged pool's arrays per stack: (layers, values per token, dtype). DSA models also hold one index key
@@ -246,6 +248,7 @@ class StepRunner:
         graphdef, decode_kernel = self.graphdef, self.decode_kernel
         tied = cfg.tie_word_embeddings
         ep_ragged = ragged_a2a_on(self.mesh.devices.flat[0].platform)
+        count = cfg.num_moe_layers > 0  # routed tokens per layer and logical expert (the recorder's)
 
         def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
@@ -253,20 +256,23 @@ class StepRunner:
             tok = b["tokens_T"]
             b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
             cache = {k: v[0] for k, v in cache.items()}
-            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged)
+            comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged,
+                            count_experts=count)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
             main, _ = split_draft(cache)  # (a draft KV passes through)
-            logits_BV, main, rows_E = model(b["tokens_T"], b["valid_T"], attn, main, b["logits_idx_B"],
-                                            comm, absorbed=shape.absorbed, decode_kernel=decode_kernel)
+            logits_BV, main, rows = model(b["tokens_T"], b["valid_T"], attn, main, b["logits_idx_B"],
+                                          comm, absorbed=shape.absorbed, decode_kernel=decode_kernel,
+                                          rows_by_layer=count)
+            rows_E, counts_LE = (rows[0].sum(0), rows[1]) if count else (rows, jnp.zeros((0, 0), jnp.int32))
             cache = {k: v[None] for k, v in (cache | main).items()}
-            return logits_BV[None], cache, rows_E[None]
+            return logits_BV[None], cache, rows_E[None], counts_LE[None]
 
         batch_specs = {k: P("dp") for k in STEP_FIELDS}
         cache_specs = {k: P("dp") for k in self.cache}
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
-                           out_specs=(P("dp"), cache_specs, P(ALL)), check_vma=False)
+                           out_specs=(P("dp"), cache_specs, P(ALL), P(ALL)), check_vma=False)
         layout = packed_step_layout(shape)
 
         def step(state, cache, packed_RW, rows_R, prev_tokens):  # (the step's inputs put as one array)
@@ -306,7 +312,8 @@ class StepRunner:
             if self._no_prev is None:  # (kept: the step does not donate it)
                 self._no_prev = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
             prev_tokens = self._no_prev
-        logits, self.cache, rows_E = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
+        logits, self.cache, rows_E, counts = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
+        self.experts.add(counts)  # (while recording: summed on the devices, nothing read back)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
 
