@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moe=ep: the expert placement to start from, a JSON or .npz file holding a map "
                         "(physical_to_logical_map) or a recorded load (logical_count) (default: the EPLB "
                         "algorithm's placement of a uniform load)")
+    g.add_argument("--expert-distribution-recorder-mode", default=None, metavar="MODE",
+                   help="stat: count the tokens routed to each MoE layer's experts on the devices, for "
+                        "/start_expert_distribution_record and its family and /metrics' balancedness (docs/eplb.md)")
     g.add_argument("--fp8-gemm-backend", choices=FP8_GEMM_BACKENDS, default=None,
                    help="the layers' projection GEMMs (block-FP8 or plain weights read in place): pallas, native "
                         "(jaxdp's CPU kernels) or xla (the layer dequantized, then XLA's dot) (default: pallas on a "

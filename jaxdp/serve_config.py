@@ -27,6 +27,7 @@ from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
 from jaxdp.engine.sched.delayer import DelayerConfig
 from jaxdp.engine.step.spec import check_speculative
+from jaxdp.eplb.distribution import RecorderError, check_recorder_mode
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 from jaxdp.parallel.accounting import decode_buckets
@@ -236,6 +237,10 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
                          ep_num_redundant_experts=args.ep_num_redundant_experts,
                          init_expert_location=args.init_expert_location)
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
+    try:
+        check_recorder_mode(args.expert_distribution_recorder_mode)
+    except RecorderError as e:
+        raise UserError(str(e).rstrip(".")) from None
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it
         try:
             check_speculative(engine)

@@ -64,13 +64,15 @@ def one_of_each() -> list:
     return [m.Submit(0, sent), m.Abort(1, "r1"), m.Ask(4, 0, "rank_states"), m.Ask(5, 1, "flush_cache"), m.Shutdown(),
             m.Ready([facts()]), m.StepDone(0, [update], [record], 9, 1, None, m.Counters(12, 3, {"delay": 2})),
             m.States(4, {0: {"num_reqs": 2}}), m.Flushed(5, [flush]), m.Flushed(6, None), m.CallFailed(7, "boom"),
+            m.Ask(8, 0, "expert_record_dump"), m.ExpertRecord(8, None, [[[3, 1]], [[0, 2]]], 4, [0.75]),
+            m.ExpertRecord(9, "nothing was recorded."),
             node, ([Proposal(3, True, False, 2, True, True, 4, held=5, drafting=True)], node), node.rooms[0],
             m.EngineStart("ipc:///tmp/x/commands", "ipc:///tmp/x/events", 4321, {"a config": [1, 2]})]
 
 
 def test_every_message_type_survives_the_codec_whole():
     kinds = {m.Command: (m.Submit, m.Abort, m.Ask, m.Shutdown),
-             m.Event: (m.Ready, m.StepDone, m.States, m.Flushed, m.CallFailed)}
+             m.Event: (m.Ready, m.StepDone, m.States, m.Flushed, m.ExpertRecord, m.CallFailed)}
     seen = set()
     for msg in one_of_each():
         kind = next((k for k, members in kinds.items() if isinstance(msg, members)), None)

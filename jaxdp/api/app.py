@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxdp.api.common import ApiError
 from jaxdp.api.context import ChatParsing, Limits, ServerContext
+from jaxdp.api.experts import register_expert_metrics
+from jaxdp.api.experts import router as experts_router
 from jaxdp.api.guard import Guard, allowed_hosts
 from jaxdp.api.metrics import ServerMetrics
 from jaxdp.api.native import router as native_router
@@ -78,4 +80,6 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(tokenize_router)
+    app.include_router(experts_router)  # (the expert-distribution recorder, jaxdp.api.experts)
+    register_expert_metrics(metrics, backend, ctx.server_args)
     return app

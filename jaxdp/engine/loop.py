@@ -46,6 +46,8 @@ from jaxdp.engine.step.prompt_logprobs import PromptLogprobs
 from jaxdp.engine.step.spec import SpecScheduler, VerifyStep, check_speculative
 from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.engine.threads import start_thread
+from jaxdp.eplb.distribution import RecordOutcome
+from jaxdp.eplb.recorder import record
 from jaxdp.parallel.step import StepRunner
 
 __all__ = ["Engine", "EngineFailed"]
@@ -204,6 +206,9 @@ class Engine(ClientBase):
                     self.schedulers[req.rank].abort(arg, now)
             elif cmd == "flush":  # every node's ranks (the others' through the exchange)
                 self.nodes.flush(arg, self.busy)
+            elif cmd == "experts":  # the expert-distribution recorder, between two steps (jaxdp.eplb.recorder)
+                action, fut = arg
+                fut.set_result(record(self.runner, action))
             elif cmd == "kv":  # disaggregation's decode side: a request's KV arrived (or failed to)
                 req, fut = arg
                 self.disagg.arrived(self.schedulers[req.rank], req, fut, now)
@@ -338,6 +343,18 @@ class Engine(ClientBase):
         if self._thread is None:
             self._drain_inbox()
         return fut.wait()
+
+    def expert_record(self, action: str) -> RecordOutcome:
+        """SGLang's expert-distribution recorder on this engine's steps: "start", "stop" or "dump" (the recording
+        so far), done by the loop between two steps (`jaxdp.eplb.recorder.record`)."""
+        fut = Result()
+        self._post(("experts", (action, fut)))
+        if self._thread is None:
+            self._drain_inbox()
+        outcome = fut.wait()
+        if outcome is None:
+            raise EngineFailed("the engine's loop did not take the recorder's request within 30 s")
+        return outcome
 
     @property
     def is_running(self) -> bool:

@@ -20,42 +20,9 @@ import dataclasses
 import jax
 import numpy as np
 
-RECORDER_MODES = ("stat",)  # SGLang's others (stat_approx, per_pass, per_token) are not built
+from jaxdp.eplb.distribution import RECORD_ACTIONS, ExpertDistribution, RecordOutcome, held_balancedness
 
-
-class RecorderError(ValueError):
-    """A recorder request that cannot be served; the message is one sentence saying what to change."""
-
-
-def check_recorder_mode(mode: str | None) -> None:
-    """Refuse an unknown `--expert-distribution-recorder-mode` in one sentence (None: no recorder)."""
-    if mode is not None and mode not in RECORDER_MODES:
-        raise RecorderError(f"--expert-distribution-recorder-mode {mode!r} is not built; use "
-                            f"{' or '.join(RECORDER_MODES)} (or leave it out).")
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertDistribution:
-    """A recording brought to the host: per device, MoE layer and logical expert, the tokens routed [W, L, E]; the
-    steps it spans."""
-
-    per_device: np.ndarray  # [devices, layers, experts] int64
-    steps: int
-
-    @property
-    def logical_count(self) -> np.ndarray:
-        """[layers, experts]: every device's rows (what `--init-expert-location` reads as `logical_count`)."""
-        return self.per_device.sum(0)
-
-    def per_rank(self, tp: int) -> np.ndarray:
-        """[dp ranks, layers, experts]: a rank's rows are its tp devices' (devices are numbered rank * tp + t)."""
-        W, L, E = self.per_device.shape
-        return self.per_device.reshape(W // tp, tp, L, E).sum(1)
-
-    def to_json(self) -> dict:
-        """SGLang's stat dump in JSON: `logical_count` [layers, experts], with the steps and the per-device counts."""
-        return {"logical_count": self.logical_count.tolist(), "num_steps": self.steps,
-                "per_device_logical_count": self.per_device.tolist()}
+__all__ = ["ExpertRecorder", "record"]
 
 
 @jax.jit
@@ -93,3 +60,27 @@ class ExpertRecorder:
         if self._total is None:
             return None
         return ExpertDistribution(np.asarray(read(self._total), np.int64), self._steps)
+
+
+def record(runner, action: str) -> RecordOutcome:
+    """Run a recorder action ("start", "stop", "dump") on a step runner's recorder; the engine's loop calls it
+    between two steps. A dump carries each layer's balancedness under the placement the runner holds (EP only)."""
+    recorder = getattr(runner, "experts", None)
+    if action not in RECORD_ACTIONS:
+        return RecordOutcome(error=f"the recorder's actions are {', '.join(RECORD_ACTIONS)}, not {action!r}.")
+    if recorder is None or runner.cfg.num_moe_layers == 0:
+        return RecordOutcome(error="this engine's model has no MoE layers whose experts could be recorded.")
+    if getattr(runner, "multi_process", False):
+        return RecordOutcome(error="the expert-distribution recorder is not built for a model spanning several "
+                                   "nodes; record on a one-node server.")
+    if action == "start":
+        recorder.start()
+    elif action == "stop":
+        recorder.stop()
+    else:
+        dist = recorder.dump()
+        if dist is None:
+            return RecordOutcome(error="nothing was recorded; call /start_expert_distribution_record and run "
+                                       "requests before /dump_expert_distribution_record.")
+        return RecordOutcome(dataclasses.replace(dist, balancedness=held_balancedness(runner, dist.logical_count)))
+    return RecordOutcome()

@@ -169,12 +169,14 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Ask(msgspec.Struct, tag=True, array_like=True):
-    """A rare question about an engine: "rank_states" (every rank's figures, answered by `States`) or
-    "flush_cache" (a prefix-cache flush, answered by `Flushed`)."""
+    """A rare question about an engine: "rank_states" (every rank's figures, answered by `States`),
+    "flush_cache" (a prefix-cache flush, answered by `Flushed`) or an expert-distribution recorder action
+    ("expert_record_start", "_stop", "_dump", answered by `ExpertRecord`)."""
 
     call: int
     engine: int
-    question: Literal["rank_states", "flush_cache"]
+    question: Literal["rank_states", "flush_cache", "expert_record_start", "expert_record_stop",
+                      "expert_record_dump"]
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -219,9 +221,20 @@ class Flushed(msgspec.Struct, tag=True, array_like=True):
     reports: list[NodeFlush] | None  # None: not every node answered
 
 
+class ExpertRecord(msgspec.Struct, tag=True, array_like=True):
+    """What an expert-recorder action did (`jaxdp.eplb.distribution.RecordOutcome`): refused (`error`, one sentence),
+    or for a dump the tokens routed [devices][layers][experts], the steps, each layer's balancedness (EP)."""
+
+    call: int
+    error: str | None = None
+    per_device: list[list[list[int]]] | None = None
+    steps: int = 0
+    balancedness: list[float] | None = None
+
+
 class CallFailed(msgspec.Struct, tag=True, array_like=True):
     call: int
     error: str
 
 
-Event = Ready | StepDone | States | Flushed | CallFailed
+Event = Ready | StepDone | States | Flushed | ExpertRecord | CallFailed

@@ -39,6 +39,7 @@ from typing import BinaryIO, NoReturn
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
 from jaxdp.engine.step.step_stats import compiles_total
+from jaxdp.eplb.distribution import RecordOutcome
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -227,10 +228,20 @@ def serve_engines(engines: list, commands_addr: str, events_addr: str, watch: Se
     return code
 
 
-def _answer(engine, ask: msg.Ask) -> msg.States | msg.Flushed | msg.CallFailed:
+def _answer(engine, ask: msg.Ask) -> msg.States | msg.Flushed | msg.ExpertRecord | msg.CallFailed:
     try:  # an answer, not a dead engine process
         if ask.question == "rank_states":
             return msg.States(ask.call, {rank: engine.rank_state(rank) for rank in engine.local_ranks})
+        if ask.question.startswith("expert_record_"):
+            return _expert_record(ask.call, engine.expert_record(ask.question.removeprefix("expert_record_")))
         return msg.Flushed(ask.call, engine.flush_cache())
     except Exception as e:
         return msg.CallFailed(ask.call, f"{type(e).__name__}: {e}")
+
+
+def _expert_record(call: int, out: RecordOutcome) -> msg.ExpertRecord:
+    d = out.distribution
+    if d is None:
+        return msg.ExpertRecord(call, out.error)
+    return msg.ExpertRecord(call, None, d.per_device.tolist(), d.steps,
+                            None if d.balancedness is None else d.balancedness.tolist())

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from jaxdp.engine.ipc import messages as msg
 from jaxdp.engine.ipc import updates
 from jaxdp.engine.ipc.client import ClientBase, DelayerCounters, EngineFailed
@@ -31,6 +33,7 @@ from jaxdp.engine.ipc.streams import Result, Wakeups
 from jaxdp.engine.sched.request import Request
 from jaxdp.engine.step.step_stats import StepStats
 from jaxdp.engine.threads import start_thread
+from jaxdp.eplb.distribution import ExpertDistribution, RecordOutcome
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -143,6 +146,8 @@ class EngineProcess:
                                f"{CALL_TIMEOUT_S:.0f} s")
         if isinstance(answer, msg.CallFailed):
             raise RuntimeError(f"the engine process failed {what}: {answer.error}")
+        if isinstance(answer, msg.ExpertRecord):
+            return answer
         return answer.states if isinstance(answer, msg.States) else answer.reports
 
     # ---- from the child --------------------------------------------------------------------------
@@ -313,6 +318,14 @@ class RemoteEngine(ClientBase):
             return self.link.call("flush_cache", self.index)
         finally:
             self._flushes += 1
+
+    def expert_record(self, action: str) -> RecordOutcome:
+        """The child's expert-distribution recorder action (`jaxdp.engine.loop.Engine.expert_record`)."""
+        a = self.link.call(f"expert_record_{action}", self.index)
+        if a.per_device is None:
+            return RecordOutcome(error=a.error)
+        return RecordOutcome(ExpertDistribution(np.asarray(a.per_device, np.int64), a.steps,
+                                                None if a.balancedness is None else np.asarray(a.balancedness)))
 
     @property
     def is_running(self) -> bool:
