@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the layers' projection GEMMs (block-FP8 or plain weights read in place): pallas, native "
                         "(jaxdp's CPU kernels) or xla (the layer dequantized, then XLA's dot) (default: pallas on a "
                         "GPU, native on a CPU, each where the shape fits, else xla; docs/kernels.md)")
+    g.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant kernels: a request's tokens and logprobs do not depend on what shares its "
+                        "steps, its rank, its chunking or a prefix-cache hit (a CPU's native kernels; "
+                        "docs/determinism.md)")
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")

@@ -235,7 +235,8 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
                          args.moe_runner_backend, None if args.index_key_dtype == "auto" else args.index_key_dtype,
                          draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend,
                          ep_num_redundant_experts=args.ep_num_redundant_experts,
-                         init_expert_location=args.init_expert_location)
+                         init_expert_location=args.init_expert_location,
+                         deterministic=args.enable_deterministic_inference)
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)

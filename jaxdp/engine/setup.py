@@ -121,7 +121,7 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     o = model_options(model, **options)
     if o.dtype == "auto":
         o = dataclasses.replace(o, dtype=default_dtype(stored_float_dtype(o.path) if o.path else None))
-    gemm = fp8_gemm_backend(o.fp8_gemm_backend)
+    gemm = fp8_gemm_backend(o.fp8_gemm_backend, deterministic=o.deterministic)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     if o.ep_num_redundant_experts or o.init_expert_location:  # redundant experts: E + R slots and the map
@@ -132,7 +132,8 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are
         draft = build_mtp(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                           num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
-    step = StepOptions(decode_kernel=decode_kernels(o.attention_backend), moe_backend=moe_runner_backend(o.moe_backend),
+    step = StepOptions(decode_kernel=decode_kernels(o.attention_backend, deterministic=o.deterministic),
+                       moe_backend=moe_runner_backend(o.moe_backend, deterministic=o.deterministic),
                        index_key_dtype=o.index_key_dtype)
     runners = []
     for i, mesh in enumerate(meshes):

@@ -18,6 +18,7 @@ from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.params import AXES, axes_of, init_normal, param
 from jaxdp.ops.gemm import projection
+from jaxdp.ops.rows import row_sum
 from jaxdp.ops.stacked import StackedWeight
 
 __all__ = ["AXES", "MLP", "RMSNorm", "apply_rope", "axes_of", "dot", "init_normal", "param", "rms_norm",
@@ -35,7 +36,8 @@ class RMSNorm(nnx.Module):
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # (the mean as a fixed tree of sums: XLA:CPU's own reduction of a row depends on the rows beside it)
+    x32 = x32 * jax.lax.rsqrt(row_sum(x32 * x32, keepdims=True) / x.shape[-1] + eps)
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 

@@ -217,10 +217,14 @@ class MLA(nnx.Module):
         relabeled as one-token extends beside a prompt) are attended as a decode step attends them, ONE_ROW_BLOCK
         at a time in the absorbed form (`attend_one_rows`), and the loops over sequences skip them: there each
         would run a loop of its own, with its own W_UK / W_UV products.
-        With a DSA selection, over the selected latents in the absorbed form (`mla_prompt.attend_selected`)."""
+        With a DSA selection, over the selected latents in the absorbed form (`mla_prompt.attend_selected`).
+        Under batch-invariant kernels (`DecodeKernels.batch_invariant`, --enable-deterministic-inference) every row
+        is attended as a decode step attends its rows (`attend_each_row`), whatever the step's shape."""
         cfg = self.cfg
         w_kv_b_LHX = weight(self, "w_kv_b_LHX")
         args = (kv_PSK, batch.page_table_BN, batch.seq_T, batch.positions_T)
+        if sel_TK is None and getattr(decode_kernel, "batch_invariant", False):
+            return self.attend_each_row(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel)
         if sel_TK is None:
             (T, H, N), R = q_nope_THN.shape, q_rope_THR.shape[-1]
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
@@ -264,6 +268,17 @@ class MLA(nnx.Module):
             return o_THV.at[jnp.where(real_W, t_W, T)].set(o_WHV.astype(o_THV.dtype), mode="drop")
 
         return jax.lax.fori_loop(0, (jnp.sum(one.B) + W - 1) // W, block, o_THV)
+
+    def attend_each_row(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, decode_kernel) -> jax.Array:
+        """Each row of a prompt step over its own sequence's first position + 1 entries (the step's entries are
+        written already), in the absorbed form, each row a sequence of its own (`attend_absorbed`): a position's
+        attention is then the same arithmetic whether it is read in a prompt (in whatever chunk, after whatever
+        prefix-cache hit) or decoded, and does not depend on the step's other rows or its page-table width."""
+        B = batch.page_table_BN.shape[0]
+        real_T = batch.seq_T < B
+        rows = dataclasses.replace(batch, page_table_BN=batch.page_table_BN[jnp.clip(batch.seq_T, 0, B - 1)],
+                                   seq_lens_B=jnp.where(real_T, batch.positions_T + 1, 0))
+        return self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, rows, decode_kernel)
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,

@@ -120,7 +120,7 @@ def _call(target: str, out: jax.ShapeDtypeStruct):
 def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array) -> jax.Array:
     """Rows of x (sorted by group) times their group's matrix of layer `layer` of the stack `w_LEKN`, read in
     place: the first sizes_E[0] rows by w[layer, 0], the next sizes_E[1] by w[layer, 1], ...; rows past the
-    groups give zeros (w [L, K, N]: one group). x and w float32 or bfloat16, N a multiple of 16; float32 [M, N]
+    groups give zeros (w [L, K, N]: one group). x and w float32 or bfloat16, any N; float32 [M, N]
     out. Only where `available()`, and on a CPU (XLA:CPU's custom call; no derivative)."""
     M, N = x_MK.shape[0], w_LEKN.shape[-1]
     call = _call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32))
@@ -171,7 +171,7 @@ def dense_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
     def xla(x, w):
         return jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)
 
-    if not (w_KN.shape[-1] % 16 == 0 and takes(x_MK, w_KN)):
+    if not takes(x_MK, w_KN):
         return xla(x_MK, w_KN)
 
     @jax.custom_jvp

@@ -4,11 +4,12 @@
 // model uses each.
 //
 // GroupedMatmul: x [M, K] f32 | bf16, w [L, E, K, N] (or [L, K, N]: E = 1; [K, N]: L = E = 1) f32 | bf16, layer int32 [],
-//   sizes int32 [E] -> y [M, N] f32: the first sizes[0] rows times w[layer, 0], the next sizes[1] times
+//   sizes int32 [E] -> y [M, N] f32 (any N): the first sizes[0] rows times w[layer, 0], the next sizes[1] times
 //   w[layer, 1], ...; rows past them 0. Tasks of (group, 64 columns).
 // HeadMatmul: x [B, H, K], w [L, A, H, X], layer, attributes offset, width, contract_a -> y [B, H, N] f32: per
 //   head, x times columns [offset, offset + width) of w[layer, :, h, :] (contract A) or their transpose
-//   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w).
+//   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w). Every kernel here sums each row's products
+//   in an order that does not depend on the other rows (batch-invariant: docs/determinism.md).
 // MlaDecode: MLA's absorbed decode over the paged latent cache (`decode`).
 // CacheWrite: a step's rows into their cache slots, in place (`CacheWrite`).
 // The calling thread and XLA's intra-op pool take the tasks from one counter (`parallel_for`).
@@ -36,7 +37,6 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 constexpr int64_t kVec = 16;          // floats in a v16f
 constexpr int64_t kCols = 4 * kVec;   // columns a task computes
-constexpr int64_t kTransposeRows = 16;  // rows from which W_UK's product transposes its weight first
 constexpr int64_t kRows = 6;          // rows the inner loop carries at once
 
 inline v16f load(const float* p) {
@@ -102,16 +102,32 @@ void rows_tile(const float* x, const W* w, float* y, int64_t rows, int64_t K, in
   }
 }
 
-// Columns [0, width) (a multiple of 16, at most 64) of rows x (stride ldx) times w (row stride ldw) over K.
+// Columns [0, width) that are not a whole vector (fewer than 16): each sum along K in order, one at a time.
+template <typename W>
+void tail(const float* x, const W* w, float* y, int64_t rows, int64_t width, int64_t K, int64_t ldx, int64_t ldw,
+          int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < width; ++j) {
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += x[r * ldx + k] * to_f32(w[k * ldw + j]);
+      y[r * ldy + j] = acc;
+    }
+}
+
+// Columns [0, width) (at most 64; past the last multiple of 16, `tail`) of rows x (stride ldx) times w (row stride
+// ldw) over K. A row's result does not depend on the rows beside it: each is summed along K in order.
 template <typename W>
 void panel(const float* x, const W* w, float* y, int64_t rows, int64_t width, int64_t K, int64_t ldx,
            int64_t ldw, int64_t ldy) {
-  switch (width / kVec) {
+  int64_t vec = width / kVec * kVec;
+  switch (vec / kVec) {
     case 4: rows_tile<4>(x, w, y, rows, K, ldx, ldw, ldy); break;
     case 3: rows_tile<3>(x, w, y, rows, K, ldx, ldw, ldy); break;
     case 2: rows_tile<2>(x, w, y, rows, K, ldx, ldw, ldy); break;
-    default: rows_tile<1>(x, w, y, rows, K, ldx, ldw, ldy); break;
+    case 1: rows_tile<1>(x, w, y, rows, K, ldx, ldw, ldy); break;
+    default: break;
   }
+  if (vec < width) tail(x, w + vec, y + vec, rows, width - vec, K, ldx, ldw, ldy);
 }
 
 // The sums of the lanes of a[0..15], lane j of the result holding a[j]'s: four rounds, each adding the even
@@ -226,7 +242,7 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (xd.size() != 2 || wd.size() < 2 || wd.size() > 4)
     return ffi::Error::InvalidArgument("x [M, K] and w [L, E, K, N], [L, K, N] or [K, N] expected");
   int64_t M = xd[0], K = xd[1], L = wd.size() > 2 ? wd[0] : 1, E = wd.size() == 4 ? wd[1] : 1, N = wd.back();
-  if (wd[wd.size() - 2] != K || N % kVec || static_cast<int64_t>(sizes.element_count()) != E)
+  if (wd[wd.size() - 2] != K || static_cast<int64_t>(sizes.element_count()) != E)
     return ffi::Error::InvalidArgument("jaxdp_grouped_matmul: x [" + std::to_string(M) + ", " + std::to_string(K) +
                                        "], w's last dims [" + std::to_string(wd[wd.size() - 2]) + ", " +
                                        std::to_string(N) + "], " + std::to_string(sizes.element_count()) +
@@ -255,22 +271,12 @@ void heads(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t 
       panel(x + h * A, w + h * X + offset + n0, y + h * width + n0, B, std::min(kCols, width - n0), A, H * A,
             H * X, H * width);
     });
-  } else if (B < kTransposeRows) {  // few rows: dot products along w's rows, 16 at a time
+  } else {  // dot products along w's rows, 16 at a time: each row's sums in one order whatever the rows (a
+    // transposed panel for many rows summed in another order, so a row's result depended on the step's size)
     int64_t blocks = A / kVec;
     parallel_for(pool, H * blocks, [&](int64_t t) {
       int64_t h = t / blocks, a0 = (t % blocks) * kVec;
       dot_rows(x + h * width, w + a0 * H * X + h * X + offset, y + h * A + a0, B, width, H * width, H * X, H * A);
-    });
-  } else {  // many: 64 rows of w transposed once into a panel, then the panel product
-    int64_t blocks = (A + kCols - 1) / kCols;
-    parallel_for(pool, H * blocks, [&](int64_t t) {
-      int64_t h = t / blocks, a0 = (t % blocks) * kCols, n = std::min(kCols, A - a0);
-      std::vector<float> wt(width * kCols);
-      for (int64_t a = 0; a < n; ++a) {
-        const W* row = w + (a0 + a) * H * X + h * X + offset;
-        for (int64_t k = 0; k < width; ++k) wt[k * kCols + a] = to_f32(row[k]);
-      }
-      panel(x + h * width, wt.data(), y + h * A + a0, B, n, width, H * width, kCols, H * A);
     });
   }
 }

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp import native
-from jaxdp.ops.registry import choose
+from jaxdp.ops.registry import choose, deterministic_backend
 from kernels_pallas.mla_decode import mla_decode as mla_decode_pallas
 from kernels_pallas.sparse_mla_decode import sparse_mla_decode as sparse_mla_decode_pallas
 
@@ -134,11 +134,14 @@ def sparse_mla_decode_xla(q_latent_BHL, q_rope_BHR, kv_PSK, slots_BK, num_B, *, 
 class DecodeKernels:
     """The decode kernels of one `--attention-backend` (`name`): called, the dense absorbed-MLA decode over the
     page table; `.sparse`, the DSA decode over the selected latents (the model reads it for layers with a top-k
-    selection)."""
+    selection). batch_invariant (--enable-deterministic-inference): every row of every step, a prompt's as a
+    decoder's, is attended by `dense` on its own (`jaxdp.model.mla.MLA.attend_expanded`), so a row's result does
+    not depend on the step's other rows, its chunking or a prefix-cache hit."""
 
     name: str
     dense: Callable
     sparse: Callable
+    batch_invariant: bool = False
 
     def __call__(self, *args, **kwargs):
         return self.dense(*args, **kwargs)
@@ -151,9 +154,13 @@ KERNELS = {  # --attention-backend -> (dense decode, sparse decode)
 }
 
 
-def decode_kernels(backend: str | None, platform: str | None = None) -> DecodeKernels:
+def decode_kernels(backend: str | None, platform: str | None = None, deterministic: bool = False) -> DecodeKernels:
     """The decode kernels of `--attention-backend backend` on `platform` (None: the platform's default;
-    `jaxdp.ops.registry.choose` refuses what cannot run here, in one sentence)."""
+    `jaxdp.ops.registry.choose` refuses what cannot run here, in one sentence); `deterministic`: the
+    batch-invariant ones (`jaxdp.ops.registry.deterministic_backend`), attending every row on its own."""
+    if deterministic:
+        name = deterministic_backend("mla_decode", backend, platform)
+        return DecodeKernels(name, *KERNELS[name], batch_invariant=True)
     name = choose("mla_decode", backend, platform)
     return DecodeKernels(name, *KERNELS[name])
 

@@ -58,7 +58,13 @@ def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
     group_sizes_E = jnp.bincount(local_e, length=num_local + 1)[:num_local].astype(jnp.int32)
     y = ffn(x_TD[tok_sorted], group_sizes_E)
     y = y * jnp.where(held, w_TK.reshape(-1), 0.0)[order][:, None]
-    return jax.ops.segment_sum(y, tok_sorted, num_segments=T), group_sizes_E
+    # back to (row, choice) order, then a row's K results added in choice order: XLA:CPU's segment_sum of a row's
+    # pairs depended on the number of rows (docs/determinism.md)
+    y_TKD = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(T, K, -1)
+    out = y_TKD[:, 0]
+    for k in range(1, K):
+        out = out + y_TKD[:, k]
+    return out, group_sizes_E
 
 
 def _ragged(backend: str):
@@ -123,11 +129,10 @@ def routed_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset
 
 def native_takes(x_TD, stacked) -> bool:
     """Whether `jaxdp.native.grouped_matmul` can run these routed experts: plain float32 or bf16 experts handed
-    whole by the layer scan (read in place, only the experts some row chose, no copy), their widths held here
-    multiples of 16, and the kernels built on this machine."""
+    whole by the layer scan (read in place, only the experts some row chose, no copy; any widths), and the
+    kernels built on this machine."""
     ok = all(isinstance(w, StackedWeight) and w.scales is None and w.cols is None for w in stacked)
-    _, D, _, I = stacked[0].shape  # (held here: I is a slice of it under TP)
-    return ok and (2 * I) % 16 == 0 and D % 16 == 0 and native.takes(x_TD, *(w.values for w in stacked))
+    return ok and native.takes(x_TD, *(w.values for w in stacked))
 
 
 def _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I: StackedWeight, w_down_EID: StackedWeight, expert_offset=0):

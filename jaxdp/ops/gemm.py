@@ -77,14 +77,14 @@ def pallas_form(eq: str, x, w: StackedWeight, out_dtype):
 
 def native_form(eq: str, x, w: StackedWeight, out_dtype):
     """`jaxdp.native`'s product of x by w for eq, as a function (x, values, layer) -> y, or None where it does not
-    apply: a block-FP8 weight, another form, widths not multiples of 16, no kernels built on this machine. Forms:
-    x's trailing dims by the weight's leading ones ("td,dq->tq", all its columns), or a product per head with a
+    apply: a block-FP8 weight, another form, per-head widths not multiples of 16, no kernels built on this machine.
+    Forms: x's trailing dims by the weight's leading ones ("td,dq->tq", all its columns), or a product per head with a
     weight [A, H, X] or a view of some columns of X contracting A ("bhl,lhv->bhv") or the columns
     ("bhn,lhn->bhl")."""
     if w.scales is not None:
         return None
     xs, ws, out, n_in = _split(eq)
-    if w.cols is None and _trailing(xs, ws, out, n_in) and math.prod(w.shape[n_in:]) % 16 == 0:
+    if w.cols is None and _trailing(xs, ws, out, n_in):
         if not native.takes(x, w.values):
             return None
         k = math.prod(w.shape[:n_in])
@@ -149,15 +149,21 @@ def einsum(eq: str, x, w, preferred_element_type=None):
 def router_logits(x_TD, router_DE) -> jax.Array:
     """x @ router in float32. A router handed whole (`InStack`, under the pallas MoE runner) is multiplied where
     the step is lowered for a GPU by the Pallas GEMM reading its layer in place (XLA:GPU would copy the layer out
-    of the stack for its GEMM), on a CPU as a plain product."""
+    of the stack for its GEMM). On a CPU, jaxdp's native product where it is built (`native.dense_matmul`, the
+    router's columns): XLA:CPU's dot of [T, D] by [D, E] blocks its sums by T, so a
+    row's logits, and with them its experts' weights, depended on the rows beside it (docs/determinism.md)."""
     x32 = x_TD.astype(jnp.float32)
+
+    def cpu(x32):
+        return native.dense_matmul(x32, router_DE[...].astype(jnp.float32))
+
     if not isinstance(router_DE, InStack) or not tiles(*router_DE.shape):
-        return x32 @ router_DE[...].astype(jnp.float32)
+        return jax.lax.platform_dependent(x32, cpu=cpu, default=lambda x32: x32 @ router_DE[...].astype(jnp.float32))
 
     def gemm(x32):
         return fp8_matmul(x32, router_DE.stack, None, None, router_DE.layer, interpret=False)
 
-    return jax.lax.platform_dependent(x32, cpu=lambda x32: x32 @ router_DE[...].astype(jnp.float32), default=gemm)
+    return jax.lax.platform_dependent(x32, cpu=cpu, default=gemm)
 
 
 def lm_head_product(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:

@@ -17,6 +17,10 @@ falls back to its xla form, as it always did; choosing a backend never changes a
 (refused in one sentence naming the flag and the choices when unknown or unable to run here), else a measured
 winner for this GPU kind (`winners.json` beside this module, keyed by `device.device_kind` and written by a GPU
 sweep; empty until one runs), else the table's default for the platform (xla when that one is not available).
+
+`--enable-deterministic-inference` (`deterministic_backend`): each operation runs its batch-invariant backend
+(`INVARIANT`: one whose result for a row does not depend on the other rows of the step, their number or the
+context's page-table width), or the flag is refused in one sentence where none runs here.
 """
 
 from __future__ import annotations
@@ -68,6 +72,38 @@ OPS = {
                   "jaxdp.ops.gemm.lm_head_product"),
     "sampling": Op(None, ("xla",), {"cpu": "xla", "gpu": "xla", "tpu": "xla"}, "jaxdp.engine.step.sampling"),
 }
+
+
+# op -> platform -> its batch-invariant backend (docs/determinism.md): jaxdp's native CPU kernels compute each row
+# (each row's attention) on its own in a fixed order; XLA:CPU's dots pick their blocking from the shapes, and the
+# GPU kernels have not been made invariant yet
+INVARIANT = {
+    "projection_gemm": {"cpu": "native"},
+    "expert_gemm": {"cpu": "native"},
+    "mla_decode": {"cpu": "native"},
+    "lm_head": {"cpu": "native"},
+}
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def deterministic_backend(op: str, requested: str | None = None, platform: str | None = None) -> str:
+    """The backend `op` runs under --enable-deterministic-inference on `platform`: its batch-invariant one
+    (`INVARIANT`); a ValueError in one sentence where it cannot run here or another one was requested."""
+    where = platform_of(platform)
+    backend = INVARIANT[op].get(where)
+    if backend is None:
+        return _refuse(f"needs jaxdp's native CPU kernels; on a {where.upper()} no batch-invariant kernels are built "
+                       "yet: leave the flag out")
+    if requested not in (None, backend):
+        return _refuse(f"runs {OPS[op].flag} {backend} (batch-invariant); leave out {OPS[op].flag} {requested}")
+    if not runs_here(backend, where):
+        return _refuse("needs jaxdp's native CPU kernels, which are not built on this machine (no C++ compiler, "
+                       "or JAXDP_NATIVE=0): install a C++ compiler or leave the flag out")
+    return backend
+
+
+def _refuse(why: str) -> str:
+    raise ValueError(f"{DETERMINISTIC_FLAG} {why}")
 
 
 def platform_of(platform: str | None = None) -> str:
@@ -143,15 +179,22 @@ MOE_RUNNER_BACKENDS = flag_choices("--moe-runner-backend")
 FP8_GEMM_BACKENDS = flag_choices("--fp8-gemm-backend")
 
 
-def moe_runner_backend(backend: str | None, platform: str | None = None) -> str:
-    """The MoE runner backend the step gives the model (None: the platform's default)."""
+def moe_runner_backend(backend: str | None, platform: str | None = None, deterministic: bool = False) -> str:
+    """The MoE runner backend the step gives the model (None: the platform's default; `deterministic`: the
+    batch-invariant one, `deterministic_backend`)."""
+    if deterministic:
+        return deterministic_backend("expert_gemm", backend, platform)
     return choose("expert_gemm", backend, platform)
 
 
-def fp8_gemm_backend(backend: str | None, platform: str | None = None, device_kind: str | None = None) -> str | None:
+def fp8_gemm_backend(backend: str | None, platform: str | None = None, device_kind: str | None = None,
+                     deterministic: bool = False) -> str | None:
     """The projection GEMM's backend the model is built with: the requested one (refused in one sentence when it
     cannot run here), else this GPU kind's measured winner, else None: the platform's default (`OPS`), picked
-    where the step is lowered, so that one traced step serves a CPU and a GPU target alike."""
+    where the step is lowered, so that one traced step serves a CPU and a GPU target alike; `deterministic`: the
+    batch-invariant one (`deterministic_backend`)."""
+    if deterministic:
+        return deterministic_backend("projection_gemm", backend, platform)
     if backend is None and winners(device_kind).get("projection_gemm") is None:
         return None
     return choose("projection_gemm", backend, platform, device_kind)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.engine.sched.request import Request
+from jaxdp.ops.rows import log_softmax  # (a row's logprobs the same whatever the rows beside it)
 
 PARTIAL_TOP_K = 256  # a batch whose filtering rows all ask for a top_k up to this sorts only its best this many
 
@@ -100,7 +101,7 @@ def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys
     partial = jnp.all(~ranked | (top_k & (top_k_RB <= PARTIAL_TOP_K)))  # (their top_p within those)
     branch = jnp.where(jnp.all(temperature_RB == 0), 0, jnp.where(~jnp.any(ranked), 1, jnp.where(partial, 2, 3)))
     tokens = jax.lax.switch(branch, [greedy, sample("plain"), sample("partial"), sample("sorted")])
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_RBV, axis=-1), tokens[..., None], axis=-1)[..., 0]
+    logprobs = jnp.take_along_axis(log_softmax(logits_RBV), tokens[..., None], axis=-1)[..., 0]
     if width is not None:
         pad = ((0, 0), (0, width - tokens.shape[1]))
         tokens, logprobs = jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
@@ -115,7 +116,7 @@ def top_logprobs(logits_RBV, ids_RBM):
     """The MAX_TOP_LOGPROBS most likely tokens of each row and their log-probabilities under the unmodified
     distribution, best first: ids and values [dp, B, MAX_TOP_LOGPROBS]; and the log-probabilities of the ids
     each row asks about (token_ids_logprob, padded) [dp, B, M] (run only for steps that ask)."""
-    lp_RBV = jax.nn.log_softmax(logits_RBV.astype(jnp.float32), axis=-1)
+    lp_RBV = log_softmax(logits_RBV.astype(jnp.float32))
     values, ids = jax.lax.top_k(lp_RBV, MAX_TOP_LOGPROBS)
     return ids.astype(jnp.int32), values, jnp.take_along_axis(lp_RBV, ids_RBM, axis=2)
 
