@@ -1,0 +1,107 @@
+"""`--enable-deterministic-inference` (issue 48, docs/determinism.md): under `--mesh dp=8` with the embedded default
+model, one greedy prompt (the probe) answers the same token ids AND the same logprobs bit for bit alone, after a
+prefix-cache hit, on another rank and among 3, 15 and 31 other prompts (steps of other row counts, buckets and
+page-table widths, chunked with them); without the flag the same sequence gives several logprob sets on this
+machine (a prefix-cache hit changes the prompt attention's form), so the first test can fail. The server form,
+`python -m jaxdp.bench.deterministic` in its three modes against a live server with the flag, is the slow test."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxdp.engine import Engine, EngineConfig, SamplingParams
+from jaxdp.model.loader import default_model_path
+from jaxdp.ops.registry import deterministic_backend
+
+HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
+needs_model = pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model (with its tokenizer) is absent")
+
+
+def ids(tok, text: str) -> list[int]:
+    e = tok.encode(text)
+    return e if isinstance(e, list) else e.ids
+
+
+def probe_answers(deterministic: bool) -> dict[str, tuple]:
+    """The probe's (ids, logprobs as float.hex) in each company, from one dp=8 engine."""
+    cfg = EngineConfig(page_size=16, num_pages=64, max_running_requests=64, chunked_prefill_size=512,
+                       disable_cuda_graph=True)
+    eng = Engine("default", "dp=8", cfg, warmup=False, deterministic=deterministic)
+    rng = np.random.default_rng(0)
+    letters = lambda n: "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=n))  # noqa: E731
+    probe = ids(eng.tokenizer, f"reverse {letters(40)}=")
+    others = [ids(eng.tokenizer, f"reverse {letters(int(rng.integers(16, 49)))}=" if i % 2 else
+                  f"{int(rng.integers(1, 99))}+{int(rng.integers(1, 99))}=") for i in range(31)]
+    sp = SamplingParams(max_new_tokens=24, temperature=0, return_logprob=True)
+    out = {}
+    for name, n, rank, flush in [("alone, rank 0", 0, 0, False), ("cached, rank 0", 0, 0, True),
+                                 ("alone, rank 1", 0, 1, True), ("among 3, rank 0", 3, 0, True),
+                                 ("among 15, rank 3", 15, 3, True), ("among 31, rank 5", 31, 5, True)]:
+        r = eng.generate(others[:n] + [probe], sp, ranks=[None] * n + [rank])[-1]
+        assert r.output_ids and len(r.output_logprobs) == len(r.output_ids)
+        out[name] = (tuple(r.output_ids), tuple(float(v).hex() for v in r.output_logprobs), r.cached_tokens)
+        if flush:
+            eng.flush_cache()
+    assert out["cached, rank 0"][2] > 0 and out["alone, rank 1"][2] == 0  # the hit happened, the flush too
+    eng.shutdown()
+    return out
+
+
+@needs_model
+def test_flag_makes_the_probe_bit_identical_under_dp8():
+    out = probe_answers(True)
+    assert len({v[0] for v in out.values()}) == 1, "greedy token ids differ"
+    sets = {v[1] for v in out.values()}
+    assert len(sets) == 1, f"{len(sets)} logprob sets: " + json.dumps({k: v[1][:3] for k, v in out.items()})
+
+
+@needs_model
+def test_without_the_flag_logprobs_differ_on_this_machine():
+    """What the flag fixes, shown: today's default kernels give the probe more than one logprob set in the same
+    sequence (the same ids: the default model's margins are wide)."""
+    out = probe_answers(False)
+    assert len({v[0] for v in out.values()}) == 1
+    assert len({v[1] for v in out.values()}) > 1
+
+
+def test_flag_refusals_are_one_sentence():
+    for call, says in [(lambda: deterministic_backend("mla_decode", "xla", "cpu"), "leave out --attention-backend xla"),
+                       (lambda: deterministic_backend("expert_gemm", "blocked", "cpu"), "--moe-runner-backend"),
+                       (lambda: deterministic_backend("projection_gemm", None, "gpu"), "on a GPU")]:
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith("--enable-deterministic-inference ") and says in msg and "\n" not in msg
+    assert deterministic_backend("mla_decode", "native", "cpu") == "native"
+
+
+SMALL = ["--chunked-prefill-size", "128", "--max-running-requests", "64", "--cuda-graph-bs", "4",
+         "--decode-log-interval", "50", "--page-size", "16", "--max-total-tokens", "2048",
+         "--enable-deterministic-inference"]
+
+
+@needs_model
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, extra", [("single", ["--trials", "6"]), ("mixed", ["--trials", "4"]),
+                                         ("prefix", ["--trials", "3", "--prefix-lengths", "1,40,120"])])
+def test_bench_command_with_the_flag_gives_one_sample(mode, extra, tmp_path, capsys):
+    """`python -m jaxdp.bench.deterministic --mode MODE` against `jaxdp.serve --mesh dp=8
+    --enable-deterministic-inference`: unique samples 1 for token ids AND logprobs, every prompt (slow: a server
+    start and compile, about 2 minutes on 2 cores)."""
+    from servers import Server
+
+    from jaxdp.bench.deterministic import main
+
+    server = Server(["--mesh", "dp=8", *SMALL], tmp_path / "server.log")
+    try:
+        url = server.wait().url
+        out = tmp_path / "d.json"
+        assert main(["--url", url, "--mode", mode, "--max-new-tokens", "24", "--max-batch", "8", "--warmup", "1",
+                     "--output", str(out), *extra]) == 0
+    finally:
+        server.stop()
+    counts = json.loads(out.read_text())["counts"]
+    assert counts and all(c["unique_ids"] == 1 and c["unique_ids_logprobs"] == 1 for c in counts), counts
