@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxdp.engine.sched.request import BAN_WIDTH
+from jaxdp.engine.sched.request import BAN_WIDTH, MAX_LOGIT_BIAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,11 @@ SAMPLING_SPEC = (StepArray("temperature", "B", np.float32, 0.0), StepArray("top_
                  StepArray("top_k", "B", np.int32, -1), StepArray("min_p", "B", np.float32, 0.0),
                  StepArray("keys", "BK", np.uint32, 0), StepArray("min_tokens", "B", np.int32, 0),
                  StepArray("ban", "BS", np.int32, -1))  # S: BAN_WIDTH ids min_tokens holds off
+# what the sampling controls read (`jaxdp.engine.step.controls`), only in steps where some row has them: a row's
+# logit bias (X: MAX_LOGIT_BIAS (id, bias) pairs, id -1 padded) and its penalties (its penalty slot, -1: none)
+CONTROL_SPEC = (StepArray("bias_ids", "BX", np.int32, -1), StepArray("bias_values", "BX", np.float32, 0.0),
+                StepArray("pen_slot", "B", np.int32, -1), StepArray("frequency", "B", np.float32, 0.0),
+                StepArray("presence", "B", np.float32, 0.0), StepArray("repetition", "B", np.float32, 1.0))
 # what a speculative step reads besides (`jaxdp.parallel.spec_step`): per request (R) its rows, its drafts (D), the
 # token after a chunk that does not end its prompt, the slots of A = 2D - 1 positions ahead; per row (T) its request
 SPEC_SPEC = (StepArray("req_T", "T", np.int32, "R"),  # the request of each row (padding: none)
@@ -53,13 +58,14 @@ SPEC_SPEC = (StepArray("req_T", "T", np.int32, "R"),  # the request of each row 
              StepArray("ahead_slots_RA", "RA", np.int32, "slot"))  # slots of the A positions past its base
 STEP_FIELDS = tuple(a.name for a in STEP_SPEC)
 SAMPLING_KEYS = tuple(a.name for a in SAMPLING_SPEC)
+CONTROL_KEYS = tuple(a.name for a in CONTROL_SPEC)
 SPEC_FIELDS = tuple(a.name for a in SPEC_SPEC)
 
 
 def step_sizes(num_rows: int, num_seqs: int, pages_per_seq: int, num_logits: int | None = None) -> dict[str, int]:
     """The sizes of the shape letters of `StepArray.dims`."""
     return {"T": num_rows, "B": num_seqs, "N": pages_per_seq, "L": num_seqs if num_logits is None else num_logits,
-            "K": 2, "S": BAN_WIDTH}
+            "K": 2, "S": BAN_WIDTH, "X": MAX_LOGIT_BIAS}
 
 
 def spec_sizes(num_rows: int, num_requests: int, draft_tokens: int) -> dict[str, int]:
@@ -76,9 +82,10 @@ class Piece:
 
 
 def empty_step(dp: int, num_rows: int, num_seqs: int, pages_per_seq: int, pad_slot: int) -> dict[str, np.ndarray]:
-    """All-padding arrays of a step and its sampling: T = num_rows token rows and B = num_seqs sequences per rank."""
+    """All-padding arrays of a step, its sampling and its sampling controls: T = num_rows token rows and B = num_seqs
+    sequences per rank."""
     sizes, fill = step_sizes(num_rows, num_seqs, pages_per_seq), {"B": num_seqs, "slot": pad_slot}
-    return _filled((*STEP_SPEC, *SAMPLING_SPEC), dp, sizes, fill)
+    return _filled((*STEP_SPEC, *SAMPLING_SPEC, *CONTROL_SPEC), dp, sizes, fill)
 
 
 def empty_spec(dp: int, num_rows: int, num_requests: int, draft_tokens: int, pad_slot: int) -> dict[str, np.ndarray]:

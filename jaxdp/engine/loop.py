@@ -17,6 +17,7 @@ keeps up to date with that node's tokens. All of that is behind `jaxdp.engine.no
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -34,12 +35,13 @@ from jaxdp.engine.nodes.link import NodeLink, Nodes, OneNode
 from jaxdp.engine.options import EngineConfig, ModelOptions
 from jaxdp.engine.sched.policy import NO_DISAGG, SpecSwitch
 from jaxdp.engine.sched.pool import PagePool, PrefixCache
-from jaxdp.engine.sched.request import Request, SamplingParams
+from jaxdp.engine.sched.request import BadRequest, Grammars, Request, SamplingParams
 from jaxdp.engine.sched.rows import RankRows, RowArrays
 from jaxdp.engine.sched.scheduler import Scheduler, SchedulerConfig
 from jaxdp.engine.setup import compile_steps, find_tokenizer, make_runner
 from jaxdp.engine.setup import model_options as model_options_of
 from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.controls import SamplingControls
 from jaxdp.engine.step.pd_sides import make_disagg
 from jaxdp.engine.step.pipeline import PlainStep, StepPipeline
 from jaxdp.engine.step.prompt_logprobs import PromptLogprobs
@@ -47,6 +49,7 @@ from jaxdp.engine.step.spec import SpecScheduler, VerifyStep, check_speculative
 from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.engine.threads import start_thread
 from jaxdp.eplb.distribution import RecordOutcome
+from jaxdp.eplb.online import Rebalancer
 from jaxdp.eplb.recorder import record
 from jaxdp.parallel.step import StepRunner
 
@@ -54,18 +57,22 @@ __all__ = ["Engine", "EngineFailed"]
 
 log = logging.getLogger("jaxdp.engine")
 
+PENALTY_SLOTS = 64  # requests with penalties at once per rank (their state: 5 bytes x vocabulary each, on the device)
+
 
 class Engine(ClientBase):
     def __init__(self, model: str | ModelOptions | StepRunner = "default", mesh: str = "dp=1",
                  config: EngineConfig | None = None, *, tokenizer=None, warmup: bool = True,
-                 hosts: HostExchange | None = None, **model_options):
+                 hosts: HostExchange | None = None, grammars: Grammars | None = None, **model_options):
         """`model`: a ready StepRunner (or a stand-in of its interface: `jaxdp.testing.HostOnlyRunner`),
         or what to build one from: a checkpoint directory, "default" (the embedded model) or a preset (random
         weights, seeded), with `model_options` (`ModelOptions`' fields: dtype, seed, ...), or a ModelOptions.
         `mesh`: a --mesh spec (dp=8, dp=2,tp=4, dp=8,moe=ep, a meshes/ preset). The runner owns the pool's
         page size and page count (`config`'s, when it builds the runner; a ready runner's own otherwise).
         `hosts`: the exchange with the other nodes when the mesh spans several (then `model` is a StepRunner
-        over the whole mesh, and this engine schedules the ranks of its own node)."""
+        over the whole mesh, and this engine schedules the ranks of its own node). `grammars`: the grammar backend
+        that compiles a request's grammar into a matcher (`jaxdp.engine.sched.request.Grammars`), None when the
+        server has none (a request with a grammar is then refused)."""
         c = config or EngineConfig()
         spec = check_speculative(c)
         if isinstance(model, str | ModelOptions):
@@ -97,7 +104,9 @@ class Engine(ClientBase):
         # (speculating, a request holds pages 2 x draft_tokens positions past its length: the verify, the drafts)
         pages_per_seq = -(-(context_len + 2 * draft_tokens) // page_size)
         sched_cfg = SchedulerConfig(chunk, max_running, context_len, conservativeness, model_cfg.eos_token_ids,
-                                    model_cfg.vocab_size, c.seed)
+                                    model_cfg.vocab_size, c.seed, min(max_running, PENALTY_SLOTS))
+        self.grammars = grammars
+        self.accepts_grammars = grammars is not None
         rows = RowArrays.zeros(dp, max_running, pages_per_seq)  # the persistent batch
         self.nodes: Nodes = NodeLink(self, hosts) if hosts is not None else OneNode(self, dp)
         self.hosts = hosts
@@ -119,7 +128,9 @@ class Engine(ClientBase):
                                c.max_len_extend_rows, draft_tokens,
                                spec.disable_by_batch_size if spec else None).with_pages(pages_per_seq, page_size)
         # the step kinds: plain (with its prompt-logprob part), and the verify when speculating
-        plain = PlainStep(runner, buckets, rows, c.overlap, PromptLogprobs(buckets))
+        controls = None if hasattr(runner, "sample_tokens") else SamplingControls(  # (a stand-in samples itself)
+            runner, dp, sched_cfg.penalty_slots, model_cfg.vocab_size)
+        plain = PlainStep(runner, buckets, rows, c.overlap, PromptLogprobs(buckets), controls)
         verify = VerifyStep(runner, buckets, rows) if spec else None
         self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes, plain, verify, switch)
         self.facts = EngineFacts(layout, c, buckets, model_cfg, context_len, self.nodes.local_ranks, sched_cfg,
@@ -131,6 +142,8 @@ class Engine(ClientBase):
         self._stop = False
         self.requests: dict[str, Request] = {}
         self._requests_limit = 4096  # past this many, finished requests are forgotten
+        # --enable-eplb: online expert rebalancing between steps (its move programs compile here, before serving)
+        self.rebalancer = Rebalancer(runner, c.eplb) if c.eplb is not None else None
         if warmup and not c.disable_cuda_graph:
             self.warmup()
 
@@ -166,7 +179,8 @@ class Engine(ClientBase):
     # ---- start-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every step shape ahead of time (the stand-in for CUDA graph capture)."""
-        compile_steps(self.runner, self.pipeline.sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size)
+        compile_steps(self.runner, self.pipeline.sample, self.buckets, self.layout.dp, self.model_cfg.vocab_size,
+                      self.pipeline.plain.controls)
         self.compiles_at_warmup = compiles_total()
         self.facts = msgspec.structs.replace(self.facts, compiles_at_warmup=self.compiles_at_warmup)
 
@@ -198,6 +212,8 @@ class Engine(ClientBase):
             now = time.perf_counter()
             if cmd == "add":
                 if not self.nodes.send_away(arg):  # (node 0: another node's rank goes there)
+                    if arg.params.grammar is not None and arg.grammar_future is None:
+                        arg.grammar_future = self._compile_grammar(arg.params.grammar)
                     self.schedulers[arg.rank].add(arg)
                     self.requests[arg.rid] = arg
             elif cmd == "abort":
@@ -213,6 +229,16 @@ class Engine(ClientBase):
                 req, fut = arg
                 self.disagg.arrived(self.schedulers[req.rank], req, fut, now)
 
+    def _compile_grammar(self, spec) -> concurrent.futures.Future:
+        """The matcher of a request's grammar, compiling off this loop (the loop wakes when it is done)."""
+        if self.grammars is None:  # (make_request refuses it; a request submitted otherwise ends with this)
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_exception(BadRequest("this server has no grammar backend (--grammar-backend)"))
+            return fut
+        fut = self.grammars.start(spec)
+        fut.add_done_callback(lambda _: self._wake.set())
+        return fut
+
     @property
     def busy(self) -> bool:
         return any(s.running or s.waiting or s.kv_waiting for s in self.schedulers)
@@ -222,7 +248,10 @@ class Engine(ClientBase):
         """Take in the inbox, then one iteration of the step pipeline; False when every rank is idle and
         nothing is in flight."""
         self._drain_inbox()
-        return self.pipeline.step()
+        ran = self.pipeline.step()
+        if self.rebalancer is not None:  # between two steps: count, decide, or move one chunk of layers
+            self.rebalancer.after_step()
+        return ran
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0

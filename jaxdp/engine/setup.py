@@ -18,6 +18,7 @@ from jaxdp.batch import SAMPLING_KEYS, STEP_FIELDS, empty_spec, empty_step
 from jaxdp.config import PRESETS
 from jaxdp.engine.options import ModelOptions
 from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS
+from jaxdp.engine.step.controls import SamplingControls
 from jaxdp.engine.step.prompt_logprobs import prompt_logprobs
 from jaxdp.engine.step.sampling import sample_tokens, top_logprobs
 from jaxdp.eplb.slots import initial_placement, with_expert_slots
@@ -50,21 +51,25 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: int) -> None:
+def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: int,
+                  controls: SamplingControls | None = None) -> None:
     """Compile every step shape and its sampling ahead of time, and run each once on padding (the stand-in for
-    CUDA graph capture, which runs the forward too)."""
+    CUDA graph capture, which runs the forward too); with `controls`, the sampling controls' variants too (a
+    logit bias or penalties, and a grammar's bitmask) for every batch size."""
     from tqdm import tqdm
 
     shapes = buckets.shapes()
     t0 = time.perf_counter()
+    idle_by_seqs = {}
     for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
         runner.compile(shape)
         run_idle(runner, shape, dp)
         if shape.draft_tokens:  # a speculative step samples inside itself
             continue
-        idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
+        idle = idle_by_seqs[shape.num_seqs] = empty_step(dp, 1, shape.num_seqs, 1, 0)
         logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
-        jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), width=runner.token_carry))
+        jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), logits,
+                                     width=runner.token_carry))
         if sample is sample_tokens:  # (a stand-in runner has no real logits)
             chosen = runner.put(np.zeros((dp, shape.num_seqs, MAX_LOGPROB_TOKEN_IDS), np.int32))
             jax.block_until_ready(top_logprobs(logits, chosen))
@@ -74,6 +79,8 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
                 asks = (np.zeros((dp, shape.num_seqs), np.int32), np.zeros((dp, T), np.int32),
                         np.zeros((dp, T, MAX_LOGPROB_TOKEN_IDS), np.int32))
                 jax.block_until_ready(prompt_logprobs(rows, *(runner.put(a) for a in asks)))
+    if controls is not None:
+        controls.warm(sorted(idle_by_seqs), runner.token_carry, idle_by_seqs)
     log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s; page-table widths %s)",
              len(shapes), time.perf_counter() - t0, buckets.decode, buckets.extend, list(buckets.pages))
 

@@ -7,6 +7,8 @@ and the step pipeline import it, and nothing here touches a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Proposal:
     requests: int = 0  # the requests (sequences) of its batch: a speculative step's request slots
     held: int = 0  # speculative decoding: the requests the rank holds, running or waiting
     drafting: bool = False  # ... one of them drafts or would (it speculates)
+    controls: int = 0  # bits: 1 a request of its has a logit bias or penalties, 2 a grammar (the sampler's variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Agreement:
     requests_per_rank: tuple[int, ...] = ()  # each rank's requests (a speculative step's slots: MAX over ranks)
     held: int = 0  # SUM over ranks: the requests held (speculation's switch: jaxdp.engine.step.spec)
     any_drafting: bool = False  # OR over ranks: a request drafts or would
+    controls: int = 0  # OR over ranks of their control bits: which sampler variant the step runs
 
     @property
     def max_requests(self) -> int:
@@ -64,4 +68,5 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
     return Agreement(rows, any_extend, use_decode, idle, run, max(p.pages for p in proposals),
                      any(p.top for p in busy), any(p.prompt_logprobs for p in busy),
                      tuple(p.requests for p in proposals),
-                     sum(p.held for p in proposals), any(p.drafting for p in proposals))
+                     sum(p.held for p in proposals), any(p.drafting for p in proposals),
+                     functools.reduce(operator.or_, (p.controls for p in busy), 0))

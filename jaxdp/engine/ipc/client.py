@@ -83,6 +83,7 @@ class ClientBase:
     facts: EngineFacts
     tokenizer: Any
     failed: str | None
+    accepts_grammars: bool = False  # the engine was given a grammar backend (`jaxdp.engine.sched.request.Grammars`)
 
     def _init_intake(self) -> None:
         """The facts' figures by the names the server reads, and the intake's controller and request ids."""
@@ -113,10 +114,8 @@ class ClientBase:
             raise BadRequest("this server decodes speculatively (--speculative-algorithm), which does not compute "
                              "top logprobs or prompt logprobs; ask for return_logprob alone, or use a server "
                              "without speculative decoding")
-        if f.cfg.speculative is not None and params is not None and params.min_new_tokens:
-            raise BadRequest("this server decodes speculatively (--speculative-algorithm), whose verify does not "
-                             "apply min_tokens yet; leave min_tokens (min_new_tokens) out, or use a server without "
-                             "speculative decoding")
+        if params is not None:
+            check_controls(params, f.cfg.speculative is not None, mode, self.accepts_grammars)
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap
@@ -124,6 +123,27 @@ class ClientBase:
         if rank is None:
             self.controller.add(req, req.rank)
         return req
+
+
+def check_controls(params: SamplingParams, speculative: bool, disagg: str | None, grammars: bool) -> None:
+    """The sampling controls a request asks for against what the server serves them with; BadRequest in one
+    sentence. A speculating server's verify applies none of min_tokens, penalties, logit_bias or a grammar yet;
+    under disaggregation the prefill server samples the first token without a penalty slot or a matcher."""
+    asked = [name for name, on in (("min_tokens (min_new_tokens)", params.min_new_tokens),
+                                   ("frequency_penalty, presence_penalty and repetition_penalty", params.has_penalties),
+                                   ("logit_bias", params.logit_bias), ("a grammar (response_format, json_schema, "
+                                                                       "regex, ebnf)", params.grammar is not None))
+             if on]
+    if speculative and asked:
+        raise BadRequest(f"this server decodes speculatively (--speculative-algorithm), whose verify does not "
+                         f"apply {asked[0]} yet; leave it out, or use a server without speculative decoding")
+    if params.grammar is not None and not grammars:
+        raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
+                         "json_schema, regex and ebnf out, or start it with --grammar-backend xgrammar")
+    if disagg is not None and (params.has_penalties or params.grammar is not None):
+        raise BadRequest(f"this server runs --disaggregation-mode {disagg}, which does not apply penalties or "
+                         "grammars yet; leave frequency_penalty, presence_penalty, repetition_penalty and grammars "
+                         "out, or use a server without disaggregation")
 
 
 def check_bootstrap(mode: str | None, bootstrap: Bootstrap | None) -> None:

@@ -3,7 +3,8 @@
 A request stops ("stop") at an end-of-sequence token unless it ignores them, at one of its stop token ids, or once
 its text holds one of its stop strings, unless it has fewer output tokens than its min_new_tokens (vLLM's and
 SGLang's rule: the sampler holds its stop ids off until then too); else it ends ("length") at its output limit.
-Further conditions (a stop regex, a grammar's end) belong here, beside these.
+A request with a grammar stops once its grammar reached its end (its matcher accepted the token, booking's work),
+before any other rule: nothing can follow the end. Further conditions (a stop regex) belong here, beside these.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def finish_reason(req: Request, token: int, n_out: int, limit: int, eos_token_id
     string's check reads), given its output `limit` and the model's end-of-sequence ids: "stop", "length", or None
     while it goes on."""
     p = req.params
+    if req.matcher is not None and req.matcher.terminated():
+        return "stop"
     if n_out < p.min_new_tokens:
         return "length" if n_out >= limit else None
     if token in eos_token_ids and not p.ignore_eos:

@@ -28,6 +28,8 @@ class RankPlan:
     out_pos: np.ndarray | None = None  # per request: where its token goes in output_ids, -1: none (commit)
     ends: np.ndarray | None = None  # per request: its context length once this step's latents are written
     sampling: list[tuple] = dataclasses.field(default_factory=list)  # each piece's request's sampling row
+    inits: list[Request] = dataclasses.field(default_factory=list)  # requests given a penalty slot by this plan: the
+    # step fills their slot from their tokens before it samples (`jaxdp.engine.step.controls`)
 
     @property
     def num_rows(self) -> int:
@@ -44,9 +46,10 @@ class RankPlan:
         n = len(self.pieces)
         pieces, rows = [i for i in keep if i < n], [i - n for i in keep if i >= n]
         kind = self.kind if self.kind == "verify" else "extend" if pieces else "decode"  # (a verify's are pieces)
-        return RankPlan(kind, [self.reqs[i] for i in keep],
-                        [self.pieces[i] for i in pieces], self.rows[rows] if self.rows is not None else None,
-                        sampling=[self.sampling[i] for i in pieces])
+        kept = [self.reqs[i] for i in keep]
+        return RankPlan(kind, kept, [self.pieces[i] for i in pieces],
+                        self.rows[rows] if self.rows is not None else None,
+                        sampling=[self.sampling[i] for i in pieces], inits=[r for r in self.inits if r in kept])
 
     def halves(self) -> list[RankPlan]:
         n = len(self.reqs)
@@ -57,16 +60,19 @@ class RankPlan:
 
 
 def rank_proposals(plans: list[RankPlan | None], largest_decode_bucket: int, num_pages_RB: np.ndarray,
-                   top_R: list[bool] | None = None, largest_decode_requests: int | None = None) -> list[Proposal]:
+                   top_R: list[bool] | None = None, largest_decode_requests: int | None = None,
+                   controls_R: list[int] | None = None) -> list[Proposal]:
     """What each rank proposes for the agreement: its rows, "reads a prompt", "fits a decode bucket", the
     most pages one of its sequences holds (num_pages_RB: the persistent batch's pages per row), whether a
     request of it asks for top logprobs (top_R), whether a prompt it reads asks for prompt logprobs, and its
     requests (a speculative step's request slots are bucketed by them, apart from its rows; a speculative decode
-    bucket holds largest_decode_requests of them, whatever their rows)."""
+    bucket holds largest_decode_requests of them, whatever their rows), and which sampling controls its requests
+    use (controls_R: bits, `jaxdp.engine.step.controls`)."""
     fits = (lambda p: True) if largest_decode_requests is None else (lambda p: len(p.reqs) <= largest_decode_requests)
     return [Proposal(p.num_rows, p.kind == "extend", p.num_rows <= largest_decode_bucket and fits(p),
                      plan_pages(p, num_pages_RB[r]), bool(top_R and top_R[r]),
-                     any(q.prompt_logprobs_left for q in p.reqs[: len(p.pieces)]), len(p.reqs))
+                     any(q.prompt_logprobs_left for q in p.reqs[: len(p.pieces)]), len(p.reqs),
+                     controls=controls_R[r] if controls_R else 0)
             if p else Proposal(0, False, False)
             for r, p in enumerate(plans)]
 

@@ -1,19 +1,60 @@
-"""Requests and their sampling parameters, as the schedulers and the API see them (no arrays here)."""
+"""Requests and their sampling parameters, as the schedulers and the API see them (no arrays here); what the engine
+asks of a grammar backend (`GrammarSpec`, `Matcher`, `Grammars`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
 
 MAX_LOGPROB_TOKEN_IDS = 20  # token_ids_logprob: the most token ids a request may ask about
 MAX_MIN_TOKENS_STOP_IDS = 16  # the most stop_token_ids beside a min_new_tokens (the sampler masks each of them)
 BAN_WIDTH = 2 * MAX_MIN_TOKENS_STOP_IDS  # a step row's ids min_new_tokens holds off: stop ids and the model's eos ids
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries: a step row holds this many (id, bias) pairs
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 
 
 class BadRequest(ValueError):
     """A request the engine cannot serve as given; the message says what to change (HTTP 400)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar a request's output must follow: `kind` one of GRAMMAR_KINDS, `text` the schema, regex or EBNF
+    (json_object: any JSON object; its text is ignored)."""
+
+    kind: str
+    text: str = ""
+
+
+class Matcher(Protocol):
+    """One request's place in its grammar (a grammar backend makes it; the engine's loop thread alone calls it)."""
+
+    def fill(self, bitmask_W: np.ndarray) -> None:
+        """Write the tokens the grammar allows next into an int32 row of ceil(V/32) words: bit j of word i
+        set = token 32*i+j allowed."""
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False when the grammar does not allow it."""
+
+    def terminated(self) -> bool:
+        """The grammar reached its end (the request finishes, "stop")."""
+
+    def reset(self) -> None:
+        """Back to the grammar's start."""
+
+
+class Grammars(Protocol):
+    """A grammar backend as the engine is given it: compiling happens off the engine's loop."""
+
+    def start(self, spec: GrammarSpec) -> concurrent.futures.Future[Matcher]:
+        """A matcher of `spec` at its start, once compiled (a failed future: the request ends with its message)."""
 
 
 @dataclasses.dataclass
@@ -32,6 +73,21 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per output token (0..MAX_TOP_LOGPROBS), best first
     logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none; SGLang's name)
     token_ids_logprob: list[int] | None = None  # logprobs of these tokens at every position that reports logprobs
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency_penalty * count over output tokens
+    presence_penalty: float = 0.0  # ... and -= presence_penalty if the token is in the output
+    repetition_penalty: float = 1.0  # HF/vLLM's, over prompt and output tokens: positive logits divided, others times
+    logit_bias: dict[int, float] | None = None  # token id: bias added to its logit (at most MAX_LOGIT_BIAS)
+    grammar: GrammarSpec | None = None  # the output follows this grammar (the engine's `Grammars` compiles it)
+
+    @property
+    def has_penalties(self) -> bool:
+        """The request takes a penalty slot (its output's token counts kept on the device)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_controls(self) -> bool:
+        """Its step rows carry a logit bias or penalties (`jaxdp.engine.step.controls`)."""
+        return bool(self.logit_bias) or self.has_penalties
 
     @property
     def wants_top(self) -> bool:
@@ -63,7 +119,39 @@ class SamplingParams:
                              f"stop_token_ids, got {len(self.stop_token_ids)}; send fewer")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, low, high in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2)):
+            x = getattr(self, name)
+            if not isinstance(x, int | float) or isinstance(x, bool) or not low <= x <= high:
+                raise BadRequest(f"{name} must be a number in [{low}, {high}], got {x!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, int | float) or isinstance(r, bool) or not 0 < r <= 2:
+            raise BadRequest(f"repetition_penalty must be a number in (0, 2], got {r!r}")
+        if self.logit_bias:
+            self.logit_bias = _checked_bias(self.logit_bias)
+        g = self.grammar
+        if g is not None and (not isinstance(g, GrammarSpec) or g.kind not in GRAMMAR_KINDS):
+            raise BadRequest(f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got "
+                             f"{getattr(g, 'kind', g)!r}")
         return self
+
+
+def _checked_bias(bias) -> dict[int, float]:
+    """logit_bias as {token id: bias}: at most MAX_LOGIT_BIAS entries, ids integers (JSON's string keys read as
+    such), biases numbers in [-100, 100] (OpenAI's rule)."""
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must be an object of token id: bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias holds {len(bias)} entries, more than the {MAX_LOGIT_BIAS} allowed; send fewer")
+    out = {}
+    for k, v in bias.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias keys must be token ids (integers), got {k!r}") from None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}")
+        out[t] = float(v)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +209,9 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the request's room (jaxdp.disagg)
+    penalty_slot: int = -1  # its slot of its rank's penalty state on the device while admitted (-1: none)
+    grammar_future: concurrent.futures.Future | None = None  # its grammar's matcher, compiling (the engine's loop)
+    matcher: Matcher | None = None  # ... once compiled: the scheduler admits it then
 
     @property
     def done_ids(self) -> list[int]:
@@ -183,6 +274,9 @@ def new_request(rid: str, prompt_ids: list[int] | str, params: SamplingParams | 
     bad = [t for t in params.token_ids_logprob or [] if not 0 <= int(t) < vocab_size]
     if bad:
         raise BadRequest(f"token_ids_logprob holds {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
+    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"logit_bias holds token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
     req = Request(rid, [int(t) for t in prompt_ids], params)
     check(req)
     if params.stop:

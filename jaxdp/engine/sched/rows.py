@@ -21,23 +21,29 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxdp.batch import empty_step, fill_pieces
-from jaxdp.engine.sched.request import BAN_WIDTH, Request, SamplingParams
+from jaxdp.engine.sched.request import BAN_WIDTH, MAX_LOGIT_BIAS, Request, SamplingParams
 
 if TYPE_CHECKING:
     from jaxdp.engine.sched.rank_plan import RankPlan
     from jaxdp.parallel.step import StepShape
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ban")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ban", "bias_ids", "bias_values",
+                   "pen_slot", "frequency", "presence", "repetition")
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "min_p": np.float32,
-                    "seed": np.uint32, "min_tokens": np.int32}
+                    "seed": np.uint32, "min_tokens": np.int32, "pen_slot": np.int32, "frequency": np.float32,
+                    "presence": np.float32, "repetition": np.float32}
+_BIAS = ("bias_ids", "bias_values")
+_NO_BIAS = (np.full(MAX_LOGIT_BIAS, -1, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32))
 _MAX_TEMPERATURE = 1e4  # beyond this the distribution is uniform in float32 anyway
 
 
 def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size: int,
-                 eos_token_ids: Iterable[int] = ()) -> tuple:
-    """(temperature, top_p, top_k, min_p, seed, min_tokens, ban) of a request's row, each within its array's
-    range; `ban` [BAN_WIDTH]: the ids its min_tokens holds off (its stop token ids, and the model's
-    `eos_token_ids` unless it ignores them), padded with -1 (all -1 without a min_tokens)."""
+                 eos_token_ids: Iterable[int] = (), pen_slot: int = -1) -> tuple:
+    """(temperature, top_p, top_k, min_p, seed, min_tokens, ban, bias_ids, bias_values, pen_slot, frequency,
+    presence, repetition) of a request's row (SAMPLING_FIELDS), each within its array's range; `ban` [BAN_WIDTH]:
+    the ids its min_tokens holds off (its stop token ids, and the model's `eos_token_ids` unless it ignores them),
+    padded with -1 (all -1 without a min_tokens); its logit bias as MAX_LOGIT_BIAS ids (-1 padded) and biases;
+    `pen_slot`: its penalty slot (the scheduler's booking; -1: no penalties) and the three penalties."""
     def unit(x, default: float) -> float:
         x = _real(x)
         return default if x != x else min(max(x, 0.0), 1.0)  # (x != x: NaN)
@@ -55,7 +61,15 @@ def sampling_row(params: SamplingParams, rid: str, engine_seed: int, vocab_size:
         if len(ids) > BAN_WIDTH:  # (requests hold at most MAX_MIN_TOKENS_STOP_IDS; the model's eos ids are fewer)
             raise ValueError(f"{len(ids)} stop and end-of-sequence ids do not fit a row's {BAN_WIDTH}")
         ban[: len(ids)] = ids
-    return t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF, params.min_new_tokens, ban
+    bias = _NO_BIAS
+    if params.logit_bias:
+        ids, values = np.full(MAX_LOGIT_BIAS, -1, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+        items = [(t, b) for t, b in params.logit_bias.items() if 0 <= t < vocab_size][:MAX_LOGIT_BIAS]
+        ids[: len(items)] = [t for t, _ in items]
+        values[: len(items)] = [b for _, b in items]
+        bias = ids, values
+    return (t, top_p, k, unit(params.min_p, 0.0), (seed ^ (seed >> 32)) & 0xFFFFFFFF, params.min_new_tokens, ban,
+            *bias, pen_slot, params.frequency_penalty, params.presence_penalty, params.repetition_penalty)
 
 
 def _real(x) -> float:
@@ -86,6 +100,12 @@ class RowArrays:
     seed: np.ndarray
     min_tokens: np.ndarray
     ban: np.ndarray  # [dp, capacity, BAN_WIDTH]: the ids min_tokens holds off, -1 padded
+    bias_ids: np.ndarray  # [dp, capacity, MAX_LOGIT_BIAS]: logit_bias's ids, -1 padded
+    bias_values: np.ndarray  # ... and their biases
+    pen_slot: np.ndarray  # the row's penalty slot (-1: none)
+    frequency: np.ndarray
+    presence: np.ndarray
+    repetition: np.ndarray
 
     @classmethod
     def zeros(cls, dp: int, capacity: int, pages_per_seq: int) -> RowArrays:
@@ -93,8 +113,10 @@ class RowArrays:
         return cls(np.zeros(shape, bool), np.zeros(shape, np.int32), np.full(shape, -1, np.int64),
                    np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32),
                    np.zeros(shape, np.int32), np.zeros((*shape, pages_per_seq), np.int32),
-                   *(np.zeros(shape, _SAMPLING_DTYPES[f]) for f in SAMPLING_FIELDS[:-1]),
-                   np.full((*shape, BAN_WIDTH), -1, np.int32))
+                   *(np.zeros(shape, _SAMPLING_DTYPES[f]) for f in SAMPLING_FIELDS[:6]),
+                   np.full((*shape, BAN_WIDTH), -1, np.int32), np.full((*shape, MAX_LOGIT_BIAS), -1, np.int32),
+                   np.zeros((*shape, MAX_LOGIT_BIAS), np.float32), np.full(shape, -1, np.int32),
+                   np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.ones(shape, np.float32))
 
     def rank(self, r: int) -> RowArrays:
         return RowArrays(*(getattr(self, f.name)[r] for f in dataclasses.fields(self)))
@@ -171,10 +193,17 @@ class RankRows:
 
 
 def fill_sampling(out: dict[str, np.ndarray], r, at, temperature, top_p, top_k, min_p, seed, min_tokens, ban,
-                  n_out) -> None:
-    """The sampling parameters of rank r's sequences `at`; a row's key is (seed, tokens generated so far)."""
+                  bias_ids, bias_values, pen_slot, frequency, presence, repetition, n_out) -> None:
+    """The sampling parameters (and controls) of rank r's sequences `at`; a row's key is (seed, tokens generated so
+    far). The logit bias pairs of one sequence (`at` an int), None when the caller copies them."""
     out["min_tokens"][r, at] = min_tokens
     out["ban"][r, at] = ban
+    if bias_ids is not None and bias_ids[0] >= 0:  # (one row's; `fill_decodes` copies its rows' itself)
+        out["bias_ids"][r, at], out["bias_values"][r, at] = bias_ids, bias_values
+    out["pen_slot"][r, at] = pen_slot
+    out["frequency"][r, at] = frequency
+    out["presence"][r, at] = presence
+    out["repetition"][r, at] = repetition
     out["temperature"][r, at] = temperature
     out["top_p"][r, at] = top_p
     out["top_k"][r, at] = top_k
@@ -195,8 +224,10 @@ def plan_arrays(plans: list[RankPlan | None], rows: RowArrays, shape: StepShape,
     for r, plan in enumerate(plans):
         if plan is not None and plan.pieces:
             fill_pieces(out, r, plan.pieces, page_size)
-            for b, (req, sampling) in enumerate(zip(plan.reqs[: len(plan.pieces)], plan.sampling, strict=True)):
+            for b, (req, sampling, piece) in enumerate(zip(plan.reqs, plan.sampling, plan.pieces, strict=False)):
                 fill_sampling(out, r, b, *sampling, len(req.output_ids))
+                if piece.start + len(piece.tokens) < req.num_tokens:  # a chunk that samples nothing counts nothing
+                    out["pen_slot"][r, b] = -1
     return out
 
 
@@ -222,4 +253,9 @@ def fill_decodes(out: dict[str, np.ndarray], a: RowArrays, decodes: list[tuple[i
     out["page_table_BN"][r, seq] = table[:, : out["page_table_BN"].shape[2]]  # (the step's page bucket)
     out["seq_lens_B"][r, seq] = pos + 1
     out["logits_idx_B"][r, seq] = t
-    fill_sampling(out, r, seq, *(getattr(a, f)[r, row] for f in SAMPLING_FIELDS), a.n_out[r, row])
+    fill_sampling(out, r, seq, *(None if f in _BIAS else getattr(a, f)[r, row] for f in SAMPLING_FIELDS),
+                  a.n_out[r, row])
+    biased = a.bias_ids[r, row, 0] >= 0  # (most rows have no logit bias: only theirs are copied)
+    if biased.any():
+        rb, rowb, seqb = r[biased], row[biased], seq[biased]
+        out["bias_ids"][rb, seqb], out["bias_values"][rb, seqb] = a.bias_ids[rb, rowb], a.bias_values[rb, rowb]

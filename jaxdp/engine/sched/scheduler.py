@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -36,6 +37,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 1 << 30  # sampling clamps top_k to it
     seed: int = 0  # the engine's: a request without a seed samples with one made from it and its rid
+    penalty_slots: int = 0  # slots of the rank's penalty state on the device (requests with penalties at once)
 
 
 def output_limit(cfg: SchedulerConfig, req: Request) -> int:
@@ -77,6 +79,10 @@ class Scheduler:
         self.top_logprob_requests = 0  # live requests asking for top logprobs or token ids (computed only then)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.kv_waiting: dict[str, Request] = {}  # disaggregated decode: requests waiting for pages, then for KV
+        self.free_slots = list(range(cfg.penalty_slots - 1, -1, -1))  # penalty slots (lowest first); the step side
+        # keeps their state on the device (`jaxdp.engine.step.controls`)
+        self.controlled = 0  # live requests with a logit bias or penalties (the step's sampling controls)
+        self.constrained = 0  # running requests with a grammar (the step books the last one before planning)
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -84,10 +90,19 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.top_logprob_requests += req.params.wants_top
+        self.controlled += req.params.has_controls
         if self.disagg.reads_elsewhere(req):  # its prompt is read on a prefill server
             self.kv_waiting[req.rid] = req
             return
         self.waiting.append(req)
+
+    def controls(self, plan: RankPlan | None) -> int:
+        """The sampling controls the rank's plan needs (bits: 1 a live request has a logit bias or penalties, 2 a
+        request of the plan has a grammar), which the rank proposes for the step."""
+        if plan is None:
+            return 0
+        grammar = self.constrained or any(r.matcher is not None for r in plan.reqs[: len(plan.pieces)])
+        return int(self.controlled > 0) | (2 if grammar else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +187,7 @@ class Scheduler:
         budget = self.cfg.chunk_size if budget is None else budget
         reserved = self._reserved_by_running()
         passed_over = 0
+        failed: list[tuple[Request, str]] = []
         for req in self.waiting:  # (only this thread changes the queue, and not in this loop)
             if budget <= 0 or passed_over >= PASS_OVER_LIMIT or \
                     len(self.running) + len(plan.reqs) >= self.cfg.max_running:
@@ -181,6 +197,15 @@ class Scheduler:
             if not allow_new_prompt and not req.pages:
                 continue  # the prefill delayer holds new prompts back (one being read goes on)
             fresh = not req.pages
+            if fresh and req.params.grammar is not None and req.matcher is None:  # admitted once compiled
+                if (why := self._grammar_ready(req)) is not None:
+                    if why:
+                        failed.append((req, why))
+                    passed_over += 1
+                    continue
+            if fresh and req.params.has_penalties and req.penalty_slot < 0 and not self.free_slots:
+                passed_over += 1  # every penalty slot is taken: it waits for one
+                continue
             if fresh:
                 reuse = req.num_tokens - 1
                 if req.prompt_logprobs_left:  # SGLang's rule: recompute from logprob_start_len on (its row before)
@@ -201,14 +226,33 @@ class Scheduler:
                 passed_over += 1
                 continue  # it cannot fit now: the ones behind it may
             req.pages += pages
+            if req.params.has_penalties and req.penalty_slot < 0:
+                req.penalty_slot = self.free_slots.pop()
+                plan.inits.append(req)  # (filled from its prompt and output on the device before it samples)
             eos = self.eos_token_ids
-            plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size, eos))
+            plan.sampling.append(sampling_row(req.params, req.rid, self.cfg.seed, self.cfg.vocab_size, eos,
+                                              req.penalty_slot))
             plan.reqs.append(req)
             plan.pieces.append(Piece(req.all_ids[req.scheduled: req.scheduled + n], req.scheduled, req.pages))
             budget -= n
             reserved += reserve
             self._finishing += req.scheduled + n == req.num_tokens
+        for req, why in failed:
+            req.error = why
+            self.finish(req, "abort", time.perf_counter())
         return plan if plan.reqs else None
+
+    @staticmethod
+    def _grammar_ready(req: Request) -> str | None:
+        """None once the request's grammar is compiled (its matcher set); else "" while it compiles, or why it
+        failed."""
+        fut = req.grammar_future
+        if fut is None or not fut.done():
+            return ""
+        if (e := fut.exception()) is not None:
+            return f"its grammar could not be used: {e}"
+        req.matcher = fut.result()
+        return None
 
     def _allocate_for_kv(self) -> None:
         """Decode side of disaggregation: pages for the prompts whose KV another server reads, in arrival order,
@@ -270,9 +314,11 @@ class Scheduler:
         return RankPlan("decode", [reqs[i] for i in rows], rows=rows)
 
     def _retract(self, req: Request) -> None:
-        """Back to the front of the queue; its full pages go to the prefix cache, so resuming is cheap."""
+        """Back to the front of the queue; its full pages go to the prefix cache, so resuming is cheap (its penalty
+        slot is given back: it takes one again, filled from its tokens, when it resumes)."""
         del self.running[req.rid]
         self.rows.leave(req)
+        self._release(req)
         self.cache.insert(req.all_ids[: req.computed], req.pages, req.shared_pages)
         req.pages, req.shared_pages, req.computed, req.scheduled = [], 0, 0, 0
         req.state = State.WAITING
@@ -309,6 +355,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.state = State.RUNNING
             self.running[req.rid] = req
+            self.constrained += req.matcher is not None
             plan.out_pos[j] = len(req.output_ids)
             req.output_ids.append(-1 - j)
             plan.sampled_rows[j] = self.rows.join(req, -1 - j, step, self.limit(req), plan.sampling[j])
@@ -339,7 +386,11 @@ class Scheduler:
                 req.output_logprobs.append(lps[i])
             if req.first_token_at is None:
                 req.first_token_at = now
-            reason = finish_reason(req, tok, pos + 1, self.limit(req), self.eos_token_ids)
+            if req.matcher is not None and not req.matcher.accept(tok):  # (the mask allows only what it accepts)
+                req.error = f"token {tok} does not follow the request's grammar; the request ends there"
+                reason = "abort"
+            else:
+                reason = finish_reason(req, tok, pos + 1, self.limit(req), self.eos_token_ids)
             if reason is None:
                 if req.on_update:
                     req.on_update(req)
@@ -352,6 +403,9 @@ class Scheduler:
     def finish(self, req: Request, reason: str, now: float) -> None:
         if self.running.pop(req.rid, None) is not None:
             self.rows.leave(req)
+            self._release(req)
+        elif req.penalty_slot >= 0:  # (admitted, its prompt still being read)
+            self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv_waiting.pop(req.rid, None)
@@ -362,8 +416,18 @@ class Scheduler:
             req.pages = []
         req.state, req.finish_reason, req.finished_at = State.FINISHED, reason, now
         self.top_logprob_requests -= req.params.wants_top
+        self.controlled -= req.params.has_controls
         if req.on_update:
             req.on_update(req)
+
+    def _release(self, req: Request) -> None:
+        """A request leaves the running batch (or its admission): its penalty slot goes back, and it no longer
+        holds the steps to their order (a grammar)."""
+        if req.penalty_slot >= 0:
+            self.free_slots.append(req.penalty_slot)
+            req.penalty_slot = -1
+        if req.matcher is not None and req.state == State.RUNNING:
+            self.constrained -= 1
 
     def abort(self, rid: str, now: float) -> Request | None:
         req = self.running.get(rid) or self.kv_waiting.get(rid) or next((r for r in self.waiting if r.rid == rid), None)

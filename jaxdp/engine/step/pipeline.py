@@ -7,11 +7,13 @@ all ranks share one extend step (the relabeling); ranks without work run an idle
 any rank has work; nothing runs when all are idle. The compiled step is chosen from the busiest rank and
 queued with its sampling on the device (queue); the tokens are read back and booked to the requests (book).
 
-With `overlap`, step N+1 is planned and queued before step N's tokens are read back: rows whose input token
-is still in flight carry a marker (-1-j: the j-th token step N sampled on this rank) that the step resolves on
-the device, and step N is booked while N+1 runs. A step that fails on one node is retried in parts until the
-request that fails it is alone (`_isolate`); across nodes every node must run every step, so the failure goes
-to the loop (`jaxdp.engine.loop`), which fails the engine.
+With `overlap`, step N+1 is planned and queued before step N's tokens are read back: rows whose input token is
+still in flight carry a marker (-1-j: the j-th token step N sampled on this rank) that the step resolves on the
+device, and step N is booked while N+1 runs. While a request with a grammar runs on this node the overlap is off:
+its next token's bitmask is its matcher's after the last token, so step N is booked before N+1 is planned (the host
+then waits for each step; unconstrained rows lose the overlap only while such requests run). A step that fails on
+one node is retried in parts until the request that fails it is alone (`_isolate`); across nodes every node must
+run every step, so the failure goes to the loop (`jaxdp.engine.loop`), which fails the engine.
 
 The pipeline owns that order, the timing and the figures; what a step holds is a step kind's (`StepKind`), which
 the pipeline is given: `PlainStep` here (prompt chunks and decodes, sampled on the device, with its prompt-logprob
@@ -38,6 +40,7 @@ from jaxdp.engine.sched.rank_plan import RankPlan, rank_proposals
 from jaxdp.engine.sched.rows import RowArrays, plan_arrays
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.controls import BIAS_OR_PENALTY, GRAMMAR, SamplingControls, plan_bitmask
 from jaxdp.engine.step.prompt_logprobs import PromptLogprobs, chosen_ids
 from jaxdp.engine.step.sampling import book_top_logprobs, sample_tokens, top_logprobs
 from jaxdp.engine.step.step_stats import InFlight, Launched, StepStats, compiles_on_this_thread
@@ -75,17 +78,23 @@ class StepKind(Protocol):
 
 class PlainStep:
     """Prompt chunks and decodes over the persistent batch, sampled on the device (with the overlap, when on):
-    top logprobs when a request asks, and the every-row variant of an extend when a prompt asks for its logprobs
-    (`prompt`, its part)."""
+    top logprobs when a request asks, the every-row variant of an extend when a prompt asks for its logprobs
+    (`prompt`, its part), and the sampling controls (logit bias, penalties, a grammar's bitmask) when a row has
+    them (`controls`; None for a stand-in runner, which samples itself: the bitmask is still filled)."""
 
     def __init__(self, runner: StepRunner, buckets: Buckets, rows: RowArrays, overlap: bool,
-                 prompt: PromptLogprobs):
+                 prompt: PromptLogprobs, controls: SamplingControls | None = None):
         self.runner, self.buckets, self.rows, self.overlaps, self.prompt = runner, buckets, rows, overlap, prompt
         self.sample = getattr(runner, "sample_tokens", sample_tokens)  # a stand-in runner samples itself
+        self.controls = controls
+        self.vocab_size = runner.cfg.vocab_size
+        self._grammar = False  # a plan of this node's ranks has a request with a grammar (its proposals said)
 
     def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
         tops = [s.top_logprob_requests > 0 for s in schedulers]  # ("a request asks for top logprobs": a count)
-        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops)
+        controls = [s.controls(p) for s, p in zip(schedulers, plans, strict=True)]
+        self._grammar = any(c & GRAMMAR for c in controls)
+        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops, controls_R=controls)
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         if agreement.any_prompt_logprobs:  # a prompt read in this step asks for logprobs: every row's logits
@@ -98,17 +107,23 @@ class PlainStep:
         out["rows_R"] = np.asarray(rows, np.int32)
         params = [runner.put(out[k]) for k in SAMPLING_KEYS]
         asks = self.prompt.inputs(plans, out) if shape.all_logits else None  # (turns logits_idx_B into every row)
-        return out, params, asks
+        return out, params, asks, plan_bitmask(plans, shape.num_seqs, self.vocab_size) if self._grammar else None
 
     def launch(self, shape: StepShape, host, plans: list[RankPlan | None], agreement: Agreement,
                prev_tokens) -> Launched:
-        out, params, asks = host
+        out, params, asks, bitmask = host
         runner = self.runner
         logits, _ = runner.run(shape, {k: out[k] for k in (*STEP_FIELDS, "rows_R")}, prev_tokens=prev_tokens)
         extra = {}
         if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
             logits, extra["prompt"] = self.prompt.reduce(runner, logits, asks)
-        tokens, logprobs = self.sample(logits, *params, width=runner.token_carry)
+        bits, choose = agreement.controls if self.controls is not None else 0, logits
+        if bits:
+            self.controls.fill(plans)
+            choose = self.controls.choose(logits, out, bitmask)
+        tokens, logprobs = self.sample(logits, *params, choose, width=runner.token_carry)
+        if bits & BIAS_OR_PENALTY:
+            self.controls.count(out["pen_slot"], tokens)
         if agreement.any_top:  # top logprobs: on every node together (the agreement says), or on none
             extra["top"] = top_logprobs(logits, runner.put(chosen_ids(plans, shape.num_seqs)))
         return Launched(tokens, logprobs, extra)
@@ -153,7 +168,8 @@ class StepPipeline:
     def step(self) -> bool:
         """One iteration; False when every rank is idle and nothing is in flight."""
         self.kind = self.plain if self.switch is None or self.switch.plain else self.verify
-        if not self.kind.overlaps and self.inflight is not None:  # (a verify needs the last step's tokens)
+        if self.inflight is not None and (not self.kind.overlaps or any(s.constrained for s in self.schedulers)):
+            # (a verify needs the last step's tokens; a grammar's bitmask needs its matcher past them)
             self._book(self.inflight, time.perf_counter())
             self.inflight = None
         busy = self._step()

@@ -78,15 +78,18 @@ def banned(logits_RBV, n_out_RB, min_tokens_RB, ban_RBS):
 
 @functools.partial(jax.jit, static_argnames="width")
 def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, min_tokens_RB=None,
-                  ban_RBS=None, width: int | None = None):
+                  ban_RBS=None, choose_RBV=None, width: int | None = None):
     """Tokens [dp, B] and their log-probabilities under the unmodified distribution; with `width`, padded
     to [dp, width] so the next step can read them on the device whatever its bucket. The vocabulary is sorted
     only when a row asks for a top_p, or for a top_k over PARTIAL_TOP_K (most of a large batch's sampling
     time: every row's vocabulary sorted). `min_tokens_RB` and `ban_RBS` (both or neither): the rows' min_tokens
-    floors and the ids it holds off (`banned`)."""
-    choose_RBV = logits_RBV
+    floors and the ids it holds off (`banned`). `choose_RBV`: the logits the rows choose from when they differ from
+    `logits_RBV` (a logit bias, penalties or a grammar's mask: `jaxdp.engine.step.controls.prepare`); the engine
+    always passes it (the same array when no row has controls), so one compiled variant serves both."""
+    if choose_RBV is None:
+        choose_RBV = logits_RBV
     if min_tokens_RB is not None:
-        choose_RBV = banned(logits_RBV, keys_RB2[..., 1].astype(jnp.int32), min_tokens_RB, ban_RBS)
+        choose_RBV = banned(choose_RBV, keys_RB2[..., 1].astype(jnp.int32), min_tokens_RB, ban_RBS)
 
     def greedy():  # every row greedy
         return jnp.argmax(choose_RBV, axis=-1).astype(jnp.int32)
