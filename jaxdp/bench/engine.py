@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"concurrency {HOST_ONLY_CONCURRENCY}, 64-token prompts, 128 output tokens)")
     ap.add_argument("--plot", help="write a plot of host ms per step against concurrency to this PNG")
     ap.add_argument("--baseline", help="an earlier JSON of this benchmark to draw beside this run (--plot)")
+    ap.add_argument("--deterministic", choices=["off", "on", "both"], default="off",
+                    help="engines with --enable-deterministic-inference: off, on, or both (each mesh without, "
+                         "then with it: its cost in one run; docs/determinism.md)")
     ap.add_argument("--rounds-on-demand", action="store_true",
                     help="build the engine for the first mesh and the largest concurrency, print 'ready', then run "
                          "one round per line read from stdin, each printed as one JSON line (what "
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = []
-    for spec in meshes:
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
+    for spec, deterministic in [(m, d) for m in meshes for d in modes]:
         dp = parse_mesh_spec(spec).dp
         per_rank = max(1, max(conc) // dp)
         buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= per_rank} | {per_rank})
@@ -110,14 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.host_only:  # a ready runner: the seed is the schedulers' (sampling) alone
             engine = Engine(HostOnlyRunner(args.model_path, spec, pages, args.page_size), spec, cfg)
         else:  # the engine builds the runner: the seed also draws a preset's random weights
-            engine = Engine(args.model_path, spec, cfg, seed=args.seed)
+            engine = Engine(args.model_path, spec, cfg, seed=args.seed, deterministic=deterministic)
         warm = time.perf_counter() - t0
         if args.rounds_on_demand:
             return rounds_on_demand(engine, max(conc), args)
         for c in conc:
-            r = run_one(engine, c, args.input_len, args.output_len, args.seed) | {"mesh": spec, "warmup_s": warm}
+            r = run_one(engine, c, args.input_len, args.output_len, args.seed) | {
+                "mesh": spec, "warmup_s": warm, "deterministic": deterministic}
             results.append(r)
-            print(f"{spec:>10} C={c:<4} {r['tokens_per_s']:9.1f} tok/s  step {r['step_ms']:7.2f} ms  "
+            name = f"{spec} det" if deterministic else spec
+            print(f"{name:>10} C={c:<4} {r['tokens_per_s']:9.1f} tok/s  step {r['step_ms']:7.2f} ms  "
                   f"host {r['host_ms']:6.2f} ms ({100 * r['host_share']:4.1f}%)  rows/rank {r['rows_per_rank']:6.2f}  "
                   f"padding {r['padding_ratio']:5.2f}x  idle {r['idle_ranks']:.2f}  "
                   f"decode host {r['decode_host_ms']:6.2f} ms", flush=True)
@@ -174,7 +180,8 @@ def plot(results: list[dict], path: str, baseline: str | None = None) -> None:
 def table(results: list[dict]) -> str:
     head = ("| mesh | concurrency | tokens/s | step ms | decode step ms | host ms/step | decode host ms | host share | "
             "rows/rank | padding | idle ranks |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [f"| {r['mesh']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+    rows = [f"| {r['mesh'] + ' deterministic' * bool(r.get('deterministic'))} | {r['concurrency']} | "
+            f"{r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
             f"{r['decode_step_ms']:.2f} | {r['host_ms']:.2f} | {r.get('decode_host_ms', 0.0):.2f} | "
             f"{100 * r['host_share']:.1f}% | "
             f"{r['rows_per_rank']:.2f} | {r['padding_ratio']:.2f}x | {r['idle_ranks']:.2f} |" for r in results]
