@@ -86,10 +86,6 @@ def _json(value: Any) -> str:
     return str(value)
 
 
-def _zero_bias(value: Any) -> bool:
-    return isinstance(value, dict) and all(_same(v, 0) for v in value.values())
-
-
 def _tool_choice_needs_grammar(value: Any) -> str | None:
     """tool_choice "required" and a named function oblige the model to call: only a grammar can make it, and the
     server has none yet. (Other values that are not "auto" or "none" are refused where tool_choice is read.)"""
@@ -117,6 +113,8 @@ PARALLEL_TOOLS_TEST = "tests/test_tool_calls_api.py::test_parallel_tool_calls_fa
 TOOL_TURN_TEST = "tests/test_tool_calls_api.py::test_a_two_turn_tool_conversation_reaches_the_template"
 REASONING_TEST = "tests/test_tool_calls_api.py::test_reasoning_content_streamed_and_not"
 MIN_TOKENS_TEST = "tests/test_sampling_controls.py::test_min_tokens_holds_off_eos_and_stop_ids_from_the_api_on"
+CONTROLS_TEST = "tests/test_sampling_controls.py::test_penalties_and_logit_bias_reach_the_sampling_params"
+_NOT_SPEC = ", on a server that does not speculate (applied in the step, on the device)"
 
 # ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
 _NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
@@ -132,9 +130,12 @@ OPENAI_COMMON: dict[str, Field] = {
     "stream_options": honoured('{"include_usage": bool}; include_obfuscation is accepted without effect',
                                OPENAI_COMPLETIONS_TEST),
     "user": no_effect("a string", _NO_MEANING),
-    "frequency_penalty": refused("a number in [-2, 2]", 0),
-    "presence_penalty": refused("a number in [-2, 2]", 0),
-    "logit_bias": refused("an object of token id: bias", {}, send="{} (or biases of 0)", neutral_when=_zero_bias),
+    "frequency_penalty": honoured("a number in [-2, 2] (OpenAI's: times each output token's count)" + _NOT_SPEC,
+                                  CONTROLS_TEST),
+    "presence_penalty": honoured("a number in [-2, 2] (OpenAI's: once per token in the output)" + _NOT_SPEC,
+                                 CONTROLS_TEST),
+    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100], added to the logits" + _NOT_SPEC,
+                           CONTROLS_TEST),
     # SGLang's extras on its OpenAI endpoints, served here too
     "top_k": honoured("-1 (all tokens) or an integer from 1", OPENAI_SAMPLING_TEST),
     "min_p": honoured("a number in [0, 1]", OPENAI_SAMPLING_TEST),
@@ -148,7 +149,8 @@ OPENAI_COMMON: dict[str, Field] = {
     "disagg_prefill_dp_rank": honoured("the prefill server's DP rank, under disaggregation", PINS_TEST),
     "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO_TEST),
     # what vLLM and SGLang accept on their OpenAI endpoints and jaxdp does not serve yet
-    "repetition_penalty": refused("a number in (0, 2]", 1),
+    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens, as vLLM)" + _NOT_SPEC,
+                                   CONTROLS_TEST),
     "min_tokens": honoured("an integer from 0 to max_tokens, beside at most 16 stop_token_ids, on a server that does "
                            "not speculate: no eos, stop id or stop string ends it before", MIN_TOKENS_TEST),
     "skip_special_tokens": refused("true or false", True),
@@ -277,9 +279,9 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING_TEST),
     "stream_interval": no_effect("an integer", "a stream sends every update; the text is the same"),
     "stop_regex": refused("a regular expression or a list of them", []),
-    "frequency_penalty": refused("a number in [-2, 2]", 0),
-    "presence_penalty": refused("a number in [-2, 2]", 0),
-    "repetition_penalty": refused("a number in (0, 2]", 1),
+    "frequency_penalty": honoured("a number in [-2, 2] (times each output token's count)" + _NOT_SPEC, CONTROLS_TEST),
+    "presence_penalty": honoured("a number in [-2, 2] (once per token in the output)" + _NOT_SPEC, CONTROLS_TEST),
+    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens)" + _NOT_SPEC, CONTROLS_TEST),
     "min_new_tokens": honoured("an integer from 0 to max_new_tokens, beside at most 16 stop_token_ids, on a server "
                                "that does not speculate: no eos, stop id or stop string ends it before",
                                MIN_TOKENS_TEST),
@@ -290,7 +292,7 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "spaces_between_special_tokens": refused("true or false", True),
     "no_stop_trim": refused("true or false", False),
     "custom_params": refused("an object for a custom logit processor", {}),
-    "logit_bias": refused("an object of token id: bias", {}, send="{} (or biases of 0)", neutral_when=_zero_bias),
+    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100]" + _NOT_SPEC, CONTROLS_TEST),
 }
 
 # Per endpoint (and the objects inside one): its fields, and whether a key it does not list is refused (True) or

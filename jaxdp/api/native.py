@@ -54,6 +54,7 @@ from jaxdp.api.fields import (
 )
 from jaxdp.api.logprobs import sglang_meta
 from jaxdp.engine import BadRequest, SamplingParams
+from jaxdp.engine.sched.request import with_controls
 
 log = logging.getLogger("jaxdp.serve")
 router = APIRouter()
@@ -89,7 +90,8 @@ def _params(ctx: ServerContext, body: dict, count: int) -> tuple[list[SamplingPa
         raise ApiError("sampling_params must be an object (or one object per prompt)", param="sampling_params")
     for s in sps:
         checked_fields(ctx, s, "sampling_params", where="sampling_params.")
-    params = [sampling_params(s, max_new=128, vocab_size=ctx.vocab_size, where="sampling_params.") for s in sps]
+    params = [with_controls(sampling_params(s, max_new=128, vocab_size=ctx.vocab_size, where="sampling_params."), s)
+              for s in sps]  # (with_controls: the penalties and logit_bias)
     n = check_n(sps[0], count)
     skip = field(sps[0], "skip_special_tokens", bool, True, where="sampling_params.")
     return params, n, skip

@@ -53,6 +53,7 @@ from jaxdp.api.fields import (
     token_ids,
 )
 from jaxdp.api.logprobs import completion_logprobs, token_text, vllm_prompt_logprobs
+from jaxdp.engine.sched.request import with_controls
 
 router = APIRouter()
 
@@ -78,7 +79,7 @@ def _params(ctx: ServerContext, body: dict, default_max: int | None, echo: bool 
     for name in ("min_tokens", "min_new_tokens"):  # (vLLM's name on its OpenAI endpoints; SGLang's)
         if body.get(name) is not None:
             sp["min_new_tokens"] = SAMPLING["min_new_tokens"].check(body, name, 0)
-    params = sampling_params(sp, max_new=None, vocab_size=ctx.vocab_size)
+    params = with_controls(sampling_params(sp, max_new=None, vocab_size=ctx.vocab_size), body)  # (penalties, bias)
     params.max_new_tokens = max_tokens
     return params
 

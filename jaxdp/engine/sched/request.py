@@ -119,6 +119,10 @@ class SamplingParams:
                              f"stop_token_ids, got {len(self.stop_token_ids)}; send fewer")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        return self.check_controls()
+
+    def check_controls(self) -> SamplingParams:
+        """The penalties, the logit bias (its keys read as integers) and the grammar; BadRequest in one sentence."""
         for name, low, high in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2)):
             x = getattr(self, name)
             if not isinstance(x, int | float) or isinstance(x, bool) or not low <= x <= high:
@@ -133,6 +137,18 @@ class SamplingParams:
             raise BadRequest(f"a grammar's kind must be one of {', '.join(GRAMMAR_KINDS)}, got "
                              f"{getattr(g, 'kind', g)!r}")
         return self
+
+
+CONTROL_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+
+
+def with_controls(params: SamplingParams, body: dict) -> SamplingParams:
+    """`params` with the sampling controls `body` sends (the same names on OpenAI's endpoints and in SGLang's
+    sampling_params), checked: BadRequest in one sentence."""
+    for name in CONTROL_FIELDS:
+        if body.get(name) is not None:
+            setattr(params, name, body[name])
+    return params.check_controls()
 
 
 def _checked_bias(bias) -> dict[int, float]:
