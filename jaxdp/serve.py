@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-distribution-recorder-mode", default=None, metavar="MODE",
                    help="stat: count the tokens routed to each MoE layer's experts on the devices, for "
                         "/start_expert_distribution_record and its family and /metrics' balancedness (docs/eplb.md)")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="moe=ep with --ep-num-redundant-experts: a new expert placement every "
+                        "--eplb-rebalance-num-iterations steps from the tokens routed, the weights moved between "
+                        "steps (docs/eplb.md)")
+    g.add_argument("--eplb-rebalance-num-iterations", type=int, default=None, metavar="N",
+                   help="--enable-eplb: steps between two rebalances (default 1000)")
+    g.add_argument("--eplb-rebalance-layers-per-chunk", type=int, default=None, metavar="C",
+                   help="--enable-eplb: MoE layers moved between two steps (default: all of them)")
     g.add_argument("--fp8-gemm-backend", choices=FP8_GEMM_BACKENDS, default=None,
                    help="the layers' projection GEMMs (block-FP8 or plain weights read in place): pallas, native "
                         "(jaxdp's CPU kernels) or xla (the layer dequantized, then XLA's dot) (default: pallas on a "

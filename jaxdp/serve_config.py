@@ -27,7 +27,7 @@ from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
 from jaxdp.engine.sched.delayer import DelayerConfig
 from jaxdp.engine.step.spec import check_speculative
-from jaxdp.eplb.distribution import RecorderError, check_recorder_mode
+from jaxdp.eplb.distribution import RecorderError, check_recorder_mode, eplb_config
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 from jaxdp.parallel.accounting import decode_buckets
@@ -240,6 +240,8 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)
+        engine.eplb = eplb_config(args.enable_eplb, args.eplb_rebalance_num_iterations,
+                                  args.eplb_rebalance_layers_per_chunk, layout.moe, args.ep_num_redundant_experts)
     except RecorderError as e:
         raise UserError(str(e).rstrip(".")) from None
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it

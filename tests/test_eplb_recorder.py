@@ -123,7 +123,8 @@ def test_recorder_mode_and_empty_recorder():
     with pytest.raises(RecorderError, match=r"^--expert-distribution-recorder-mode 'per_token' is not built; use "
                                             r"stat \(or leave it out\)\.$"):
         check_recorder_mode("per_token")
-    rec = ExpertRecorder()
+    assert ExpertRecorder().add(jnp.ones((2, 1, 4), jnp.int32)) is None  # no MoE layers: nothing to record
+    rec = ExpertRecorder(jax.ShapeDtypeStruct((2, 1, 4), jnp.int32))
     rec.add(jnp.ones((2, 1, 4), jnp.int32))  # not recording: ignored
     assert rec.dump() is None
     rec.start()

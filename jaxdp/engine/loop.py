@@ -49,6 +49,7 @@ from jaxdp.engine.step.spec import SpecScheduler, VerifyStep, check_speculative
 from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.engine.threads import start_thread
 from jaxdp.eplb.distribution import RecordOutcome
+from jaxdp.eplb.online import Rebalancer
 from jaxdp.eplb.recorder import record
 from jaxdp.parallel.step import StepRunner
 
@@ -141,6 +142,8 @@ class Engine(ClientBase):
         self._stop = False
         self.requests: dict[str, Request] = {}
         self._requests_limit = 4096  # past this many, finished requests are forgotten
+        # --enable-eplb: online expert rebalancing between steps (its move programs compile here, before serving)
+        self.rebalancer = Rebalancer(runner, c.eplb) if c.eplb is not None else None
         if warmup and not c.disable_cuda_graph:
             self.warmup()
 
@@ -245,7 +248,10 @@ class Engine(ClientBase):
         """Take in the inbox, then one iteration of the step pipeline; False when every rank is idle and
         nothing is in flight."""
         self._drain_inbox()
-        return self.pipeline.step()
+        ran = self.pipeline.step()
+        if self.rebalancer is not None:  # between two steps: count, decide, or move one chunk of layers
+            self.rebalancer.after_step()
+        return ran
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         n = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdp.engine.sched.delayer import DelayerConfig
+from jaxdp.eplb.distribution import EplbConfig
 
 DEFAULT_PAGE_SIZE, DEFAULT_NUM_PAGES = 16, 256
 
@@ -94,6 +95,7 @@ class EngineConfig:
     prefill_delayer: DelayerConfig | None = None  # --enable-prefill-delayer (jaxdp/engine/sched/delayer.py)
     disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/step/pd_sides.py)
     speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/step/spec.py)
+    eplb: EplbConfig | None = None  # --enable-eplb: online expert rebalancing (jaxdp/eplb/online.py)
 
     @property
     def pool_page_size(self) -> int:

@@ -14,7 +14,8 @@ RECORD_ACTIONS = ("start", "stop", "dump")
 
 
 class RecorderError(ValueError):
-    """A recorder request that cannot be served; the message is one sentence saying what to change."""
+    """A recorder request or an EPLB flag that cannot be served; the message is one sentence saying what to
+    change."""
 
 
 def check_recorder_mode(mode: str | None) -> None:
@@ -22,6 +23,33 @@ def check_recorder_mode(mode: str | None) -> None:
     if mode is not None and mode not in RECORDER_MODES:
         raise RecorderError(f"--expert-distribution-recorder-mode {mode!r} is not built; use "
                             f"{' or '.join(RECORDER_MODES)} (or leave it out).")
+
+
+@dataclasses.dataclass(frozen=True)
+class EplbConfig:
+    """Online EPLB (`--enable-eplb`, `jaxdp.eplb.online`): a new placement every `num_iterations` steps from the
+    tokens they routed, moved `layers_per_chunk` MoE layers at a time (None: all at once), SGLang's defaults."""
+
+    num_iterations: int = 1000
+    layers_per_chunk: int | None = None
+
+
+def eplb_config(enable: bool, num_iterations: int | None, layers_per_chunk: int | None, moe: str,
+                num_redundant: int) -> EplbConfig | None:
+    """`--enable-eplb` and its two numbers, checked (a RecorderError, one sentence, names the flag to change)."""
+    if not enable:
+        if num_iterations is not None or layers_per_chunk is not None:
+            raise RecorderError("--eplb-rebalance-num-iterations and --eplb-rebalance-layers-per-chunk need "
+                                "--enable-eplb.")
+        return None
+    if moe != "ep" or num_redundant < 1:
+        raise RecorderError("--enable-eplb moves experts between the slots of --ep-num-redundant-experts under "
+                            "moe=ep; give --mesh ...,moe=ep and --ep-num-redundant-experts at least 1.")
+    for flag, value in (("--eplb-rebalance-num-iterations", num_iterations),
+                        ("--eplb-rebalance-layers-per-chunk", layers_per_chunk)):
+        if value is not None and value < 1:
+            raise RecorderError(f"{flag} must be at least 1, not {value}.")
+    return EplbConfig(EplbConfig.num_iterations if num_iterations is None else num_iterations, layers_per_chunk)
 
 
 @dataclasses.dataclass(frozen=True)

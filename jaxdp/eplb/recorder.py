@@ -25,18 +25,21 @@ from jaxdp.eplb.distribution import RECORD_ACTIONS, ExpertDistribution, RecordOu
 __all__ = ["ExpertRecorder", "record"]
 
 
-@jax.jit
-def _add(total, step):
-    return total + step
+def compiled_add(counts: jax.ShapeDtypeStruct):
+    """The running total's add (total, step) -> total + step for a step's counts as the step returns them, compiled now
+    (before serving: a recording started while serving compiles nothing); the old total is donated."""
+    return jax.jit(lambda total, step: total + step, donate_argnums=0).lower(counts, counts).compile()
 
 
 class ExpertRecorder:
     """One model copy's recorder (its StepRunner holds it): off until `start`; `add` takes each step's counts."""
 
-    def __init__(self):
+    def __init__(self, counts: jax.ShapeDtypeStruct | None = None):
+        """counts: the steps' counts array (shape, dtype, sharding), for the add compiled ahead; None: no MoE layers."""
         self.recording = False
         self._total: jax.Array | None = None
         self._steps = 0
+        self._add = compiled_add(counts) if counts is not None else None
 
     def start(self) -> None:
         """Start a recording from zero (a running one starts over, as SGLang's does)."""
@@ -48,9 +51,9 @@ class ExpertRecorder:
     def add(self, counts_WLE: jax.Array) -> None:
         """A step's counts [devices, layers, E] (device arrays): added to the total on the devices while recording;
         nothing is read back."""
-        if not self.recording or counts_WLE.size == 0:
+        if not self.recording or self._add is None:
             return
-        self._total = counts_WLE if self._total is None else _add(self._total, counts_WLE)
+        self._total = counts_WLE if self._total is None else self._add(self._total, counts_WLE)
         self._steps += 1
 
     def dump(self, read=np.asarray) -> ExpertDistribution | None:

@@ -133,7 +133,12 @@ class StepRunner:
         self.compiles = 0  # executables built; the engine proves no request triggers one after warm-up
         self.compile_seconds = 0.0
         self.last_account: StepAccount | None = None  # the accounting of the last step that ran
-        self.experts = ExpertRecorder()  # the plain steps' routed tokens per expert, while recording (jaxdp.eplb)
+        # the plain steps' routed tokens per device, MoE layer and expert (jaxdp.eplb.recorder): the last step's, and
+        # their sum while recording
+        self.counts_spec = jax.ShapeDtypeStruct((layout.world, self.cfg.num_moe_layers, self.cfg.n_routed_experts),
+                                                jnp.int32, sharding=NamedSharding(mesh, P(ALL)))
+        self.experts = ExpertRecorder(self.counts_spec if self.cfg.num_moe_layers and not o.abstract else None)
+        self.last_expert_counts: jax.Array | None = None
 
     def _cache_entries(self, dtype) -> dict[str, tuple[int, int, object]]:
         """The paged pool's arrays per stack: (layers, values per token, dtype). DSA models also hold one index key
@@ -313,6 +318,7 @@ class StepRunner:
                 self._no_prev = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
             prev_tokens = self._no_prev
         logits, self.cache, rows_E, counts = self._compiled[shape](self.state, self.cache, batch, rows, prev_tokens)
+        self.last_expert_counts = counts
         self.experts.add(counts)  # (while recording: summed on the devices, nothing read back)
         self.last_account = self.account(shape, stacked["rows_R"])
         return logits, rows_E
