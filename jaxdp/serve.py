@@ -58,6 +58,7 @@ from jaxdp.engine.nodes.hosts import (
 from jaxdp.engine.nodes.supervise import NODE_CHILD_ENV, exit_now, supervise_node
 from jaxdp.engine.sched.controller import METHODS
 from jaxdp.engine.setup import build_runners, enable_compilation_cache
+from jaxdp.grammar import Grammars, vocabulary
 from jaxdp.layout import LayoutError, add_layout_args, check_memory_balance, device_free_memory, ensure_host_devices
 from jaxdp.node import serve_node
 from jaxdp.ops.platform import keep_freed_host_memory
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="read tool calls in chat outputs, in this model family's format (SGLang's names: "
                         f"{', '.join(TOOL_CALL_PARSER_NAMES)}); docs/api.md")
+    g.add_argument("--grammar-backend", default=None, metavar="NAME",
+                   help="structured outputs' grammar library (SGLang's names): llguidance, xgrammar (pip install "
+                        "xgrammar) or none (default: llguidance; none on a speculating server)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the reasoning off chat outputs as reasoning_content (SGLang's names: "
                         f"{', '.join(REASONING_PARSER_NAMES)}); docs/api.md")
@@ -319,6 +323,7 @@ def build_backend(config: ServeConfig, tokenizer) -> ReplicaSet:
              config.model.path, cfg.num_layers, layout.describe())
     engines = []
     hosts = None
+    grammars = Grammars.create(config.engine.grammar_backend, vocabulary(tokenizer, cfg.vocab_size))
     if dist.multi:
         hosts = HostExchange(dist.nnodes, dist.node_rank, one.dp, dist.timeout_s, init_timeout_s=dist.init_timeout_s,
                              coordinator_host=parse_dist_addr(dist.addr)[0])
@@ -329,7 +334,8 @@ def build_backend(config: ServeConfig, tokenizer) -> ReplicaSet:
             log.info("KV Cache is allocated (%s). dtype: %s, #tokens: %d, pages: %d x %d", where,
                      jax.numpy.dtype(runner.cache_dtype).name, runner.num_pages * runner.page_size, runner.num_pages,
                      runner.page_size, extra={"dp": r * one.dp + rank})
-        engines.append(Engine(runner, config=dataclasses.replace(config.engine), tokenizer=tokenizer, hosts=hosts))
+        engines.append(Engine(runner, config=dataclasses.replace(config.engine), tokenizer=tokenizer, hosts=hosts,
+                              grammars=grammars))
     return ReplicaSet(engines, config.engine.load_balance_method)
 
 
@@ -424,7 +430,9 @@ def serve_http(config: ServeConfig, backend: ReplicaSet, tokenizer) -> int:
     app = create_app(backend, tokenizer=tokenizer, served_model_name=http.served_model_name,
                      model_path=config.model.path, server_args=server_args, api_key=http.api_key, metrics=metrics,
                      limits=config.limits, bind=(http.host, http.port),
-                     parsing=ChatParsing(config.tool_call_parser, config.reasoning_parser))
+                     parsing=ChatParsing(config.tool_call_parser, config.reasoning_parser),
+                     grammars=Grammars.create(config.engine.grammar_backend,
+                                              vocabulary(tokenizer, backend.model_cfg.vocab_size)))
     backend.start()
     monitor.start()
     uvicorn_config = uvicorn.Config(app, host=http.host, port=http.port, log_config=None, access_log=False,

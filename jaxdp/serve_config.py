@@ -28,6 +28,7 @@ from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, Specu
 from jaxdp.engine.sched.delayer import DelayerConfig
 from jaxdp.engine.step.spec import check_speculative
 from jaxdp.eplb.distribution import RecorderError, check_recorder_mode, eplb_config
+from jaxdp.grammar import DEFAULT_BACKEND, backend_problem
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 from jaxdp.parallel.accounting import decode_buckets
@@ -84,7 +85,24 @@ def engine_config(args, num_pages: int | None = None):
                         disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
                         enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
                         enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg,
-                        overlap=not args.disable_overlap_schedule)
+                        overlap=not args.disable_overlap_schedule,
+                        grammar_backend=grammar_backend(args.grammar_backend, args.speculative_algorithm))
+
+
+def grammar_backend(flag: str | None, speculative: str | None) -> str:
+    """--grammar-backend (SGLang's names): the default is jaxdp's (llguidance), or none on a speculating server,
+    whose verify does not check drafts against a grammar yet; a backend named together with
+    --speculative-algorithm is refused before anything loads."""
+    if flag is None:
+        return "none" if speculative is not None else DEFAULT_BACKEND
+    problem = backend_problem(flag)
+    if problem is not None:
+        raise UserError(problem)
+    if flag != "none" and speculative is not None:
+        raise UserError(f"--grammar-backend {flag} with --speculative-algorithm {speculative}: the verify step does "
+                        "not check drafts against a grammar yet; drop one of them (--grammar-backend none keeps "
+                        "speculation)")
+    return flag
 
 
 def speculative_config(args):

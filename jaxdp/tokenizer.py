@@ -26,12 +26,25 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, USER, ASSISTANT, SYSTEM)
 
+# Tools (a request's `tools`) go first as a system turn, one line each (name, properties as compact JSON, the
+# description): the model's context is 512 byte tokens; an assistant's tool calls are written as
+# the JSON array a forced call produces (`jaxdp.api.parsers.forced_calls`: [{"name": ..., "parameters": ...}]); a tool
+# result is a system turn. Without tools the prompt is the one the model was trained on.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}" + SYSTEM + "Tools:"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool.function.name }}"
+    "{{ (tool.function.parameters or {}).get('properties', {}) | tojson(separators=(',', ':')) }}"
+    "{% if tool.function.description %} {{ tool.function.description }}{% endif %}{% endfor %}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}" + SYSTEM + "{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}"
+    "{% if message['tool_calls'] %}[{% for call in message['tool_calls'] %}{% if not loop.first %},{% endif %}"
+    "{\"name\":{{ call.function.name | tojson }},\"parameters\":"
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}"
+    "{% else %}{{ call.function.arguments | tojson }}{% endif %}}{% endfor %}]{% endif %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}" + SYSTEM + "Tool result: {{ message['content'] }}"
     "{% else %}{{ raise_exception('unknown role ' ~ message['role']) }}"
     "{% endif %}"
     "{% endfor %}"

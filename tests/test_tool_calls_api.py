@@ -353,37 +353,43 @@ HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
 
 @pytest.mark.skipif(not HAVE_DEFAULT, reason="needs the embedded default model's tokenizer")
 def test_the_default_models_template_given_tools(tmp_path):
-    """The default model's template ignores tools (docs/api.md): a request with them renders the same prompt as
-    without; a tool result is a role it does not know, refused in one sentence."""
+    """The default model's template takes tools (docs/api.md): one line per tool in a system turn, an assistant's
+    calls as the JSON array a forced call writes, a tool result as a system turn; without tools the prompt is the one
+    the model was trained on."""
     tokenizer = Tokenizer(default_model_path())
     engines = CannedEngines(tokenizer, ["85"])
-    app = app_over(engines, ChatParsing(tool_call_parser="deepseekv3"))
+    app = app_over(engines, ChatParsing())
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 37, "b": 48}'}}
 
     async def calls(client):
-        with_tools = await client.chat.completions.create(model="default", messages=MESSAGES, tools=[ADD])
-        plain = await client.chat.completions.create(model="default", messages=MESSAGES)
-        with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(model="default", messages=[
-                *MESSAGES, {"role": "tool", "tool_call_id": "call_1", "content": "85"}], tools=[ADD])
-        return whole(with_tools), whole(plain), e.value.body["message"]
+        await client.chat.completions.create(model="default", messages=MESSAGES)
+        await client.chat.completions.create(model="default", messages=MESSAGES, tools=[ADD])
+        await client.chat.completions.create(model="default", tools=[ADD], messages=[
+            *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "85"}])
 
-    with_tools, plain, refused = with_client(app, calls)
-    assert with_tools == plain == {"content": "85", "reasoning_content": "", "finish": "stop", "calls": []}
-    assert engines.prompts[0] == engines.prompts[1]
-    assert refused == "the chat template refused these messages: unknown role tool"
+    with_client(app, calls)
+    tools_line = '<|system|>Tools:\nadd{"a":{"type":"integer"},"b":{"type":"integer"}} a + b'
+    assert [engines.prompt_text(k) for k in range(3)] == [
+        "<bos><|user|>37+48=<|assistant|>",
+        f"<bos>{tools_line}<|user|>37+48=<|assistant|>",
+        f'<bos>{tools_line}<|user|>37+48=<|assistant|>[{{"name":"add","parameters":{{"a": 37, "b": 48}}}}]<eos>'
+        "<|system|>Tool result: 85<|assistant|>"]
 
 
-def test_required_or_named_tool_choice_is_refused_in_one_sentence(deepseek_tokenizer):
-    """tool_choice "required" or a named function needs constrained decoding (a grammar), which is not built yet:
-    a 400 saying so; so are the other malformed tool fields."""
+def test_forced_tool_choice_without_a_grammar_backend_and_bad_tool_fields_are_refused(deepseek_tokenizer):
+    """tool_choice "required" or a named function needs constrained decoding (a grammar): on a server without a
+    grammar backend (this app has none) a 400 saying so; so are the other malformed tool fields. (With a backend:
+    tests/test_structured_outputs.py.)"""
     app = app_over(CannedEngines(deepseek_tokenizer, ["85"]), ChatParsing(tool_call_parser="deepseekv3"))
     named = {"type": "function", "function": {"name": "add"}}
-    grammar = ("needs constrained decoding (a grammar), which this server does not have yet; leave it out or send "
-               '"auto" or "none"')
+    grammar = "tool_choice needs constrained decoding, and this server runs with --grammar-backend none"
     cases = [
-        ({"tools": [ADD], "tool_choice": "required"}, f'tool_choice "required" {grammar}'),
-        ({"tools": [ADD], "tool_choice": named}, f"tool_choice naming a function {grammar}"),
-        ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice must be \"auto\" or \"none\", got 'sometimes'"),
+        ({"tools": [ADD], "tool_choice": "required"}, grammar),
+        ({"tools": [ADD], "tool_choice": named}, grammar),
+        ({"tool_choice": "required"}, "tool_choice required needs tools; send the tools the model may call"),
+        ({"tools": [ADD], "tool_choice": "sometimes"}, 'tool_choice must be "auto", "none", "required" or {"type": '
+                                                       '"function", "function": {"name": ...}}, got \'sometimes\''),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0] must be {"),
         ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs.tools is an argument"),
         ({"messages": [{"role": "function", "name": "add", "content": "85"}]}, "messages[0] has role 'function'"),

@@ -29,6 +29,7 @@ from jaxdp.api.replicas import ReplicaSet
 from jaxdp.api.tokenize import router as tokenize_router
 from jaxdp.engine import BadRequest, Engine
 from jaxdp.engine.loop import EngineFailed
+from jaxdp.grammar import Grammars
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -61,10 +62,12 @@ async def render_error(request: HttpRequest, e: Exception):
 def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_name: str = "default",
                model_path: str = "", server_args: dict[str, Any] | None = None, api_key: str | None = None,
                metrics: ServerMetrics | None = None, limits: Limits | None = None,
-               bind: tuple[str, int] | None = None, parsing: ChatParsing | None = None) -> FastAPI:
+               bind: tuple[str, int] | None = None, parsing: ChatParsing | None = None,
+               grammars: Grammars | None = None) -> FastAPI:
     """The app over `backend` (an Engine is wrapped in a one-engine ReplicaSet). Starts nothing. `bind`: the
     address the server listens on (a loopback one makes the app check the Host header); `parsing`: the chat
-    output parsers (--tool-call-parser, --reasoning-parser)."""
+    output parsers (--tool-call-parser, --reasoning-parser); `grammars`: the grammar service that checks requests'
+    grammars (--grammar-backend; None refuses them)."""
     if isinstance(backend, Engine):
         backend = ReplicaSet([backend], backend.cfg.load_balance_method)
     tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
@@ -72,7 +75,7 @@ def create_app(backend: Engine | ReplicaSet, *, tokenizer=None, served_model_nam
                   "with data-parallel attention", version="0.1.0")
     metrics = metrics or ServerMetrics(backend, served_model_name)
     ctx = ServerContext(backend, tokenizer, metrics, served_model_name, model_path, server_args or {}, api_key,
-                        limits or Limits(), parsing or ChatParsing())
+                        limits or Limits(), parsing or ChatParsing(), grammars=grammars)
     app.state.ctx = ctx
     app.add_middleware(Guard, ctx=ctx, hosts=allowed_hosts(*bind) if bind else None)
     for kind in (ApiError, BadRequest, EngineFailed, RequestValidationError, StarletteHTTPException):

@@ -12,6 +12,8 @@ from jaxdp.api.common import ApiError
 from jaxdp.api.context import ServerContext
 from jaxdp.api.fields import field
 from jaxdp.api.parsers import ReasoningParser, ToolCallDelta, ToolCallParser, reasoning_parser, tool_call_parser
+from jaxdp.api.parsers.forced_calls import ToolCallArrayReader
+from jaxdp.api.structured import tool_calls_schema
 from jaxdp.tokenizer import TEMPLATE_ARGUMENTS
 
 
@@ -47,13 +49,15 @@ OPENED_BY_TEMPLATE_KWARG = {"deepseek-v3": "thinking"}
 class ChatOutput:
     """What a chat request makes of its output text: the tools it hands the template, whether their calls are read
     out of the text (`--tool-call-parser`, tools, tool_choice not "none"), how many, and whether the reasoning is
-    split off (`--reasoning-parser`, separate_reasoning)."""
+    split off (`--reasoning-parser`, separate_reasoning). With tool_choice "required" or a named function the answer
+    is forced: `forced_calls` is the grammar's JSON Schema (a JSON array of calls), read by ToolCallArrayReader."""
 
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     tool_call_parser: str | None
     reasoning_parser: str | None
     first_call_only: bool
+    forced_calls: dict[str, Any] | None = None
 
     def reader(self) -> ChoiceReader:
         """A reader for one choice's output."""
@@ -62,24 +66,33 @@ class ChatOutput:
             kwarg = OPENED_BY_TEMPLATE_KWARG.get(self.reasoning_parser)
             opened = True if kwarg is not None and self.template_kwargs.get(kwarg) is True else None
             reasoning = reasoning_parser(self.reasoning_parser, starts_open=opened)
+        if self.forced_calls is not None:
+            return ChoiceReader(None, ToolCallArrayReader(), self.first_call_only)  # (the grammar has no reasoning)
         tools = None if self.tool_call_parser is None else tool_call_parser(self.tool_call_parser, tools=self.tools)
         return ChoiceReader(reasoning, tools, self.first_call_only)
 
 
 def chat_output(ctx: ServerContext, body: dict) -> ChatOutput:
-    """The chat fields that shape the prompt and the reading of the output (tool_choice "required" or a named tool
-    have been refused by the field table already)."""
+    """The chat fields that shape the prompt and the reading of the output."""
     tools = _tools(body)
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise ApiError(f'tool_choice must be "auto" or "none", got {str(choice)[:40]!r}', param="tool_choice")
+    named = isinstance(choice, dict)
+    if choice is not None and choice not in ("auto", "none", "required") and not named:
+        raise ApiError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
+                       f'{{"name": ...}}}}, got {str(choice)[:40]!r}', param="tool_choice")
     if choice == "none":
         tools = None  # (SGLang's: the template is not told of them, and nothing is read as a call)
     parallel = field(body, "parallel_tool_calls", bool, True)
     separate = field(body, "separate_reasoning", bool, True)
+    forced = None
+    if choice == "required" or named:
+        if not tools:
+            raise ApiError(f"tool_choice {'naming a function' if named else 'required'} needs tools; send the "
+                           "tools the model may call", param="tool_choice")
+        forced = tool_calls_schema(tools, choice, parallel)
     parsing = ctx.parsing
     return ChatOutput(tools, _template_kwargs(body), parsing.tool_call_parser if tools else None,
-                      parsing.reasoning_parser if separate else None, not parallel)
+                      parsing.reasoning_parser if separate else None, not parallel, forced)
 
 
 class ChoiceReader:
@@ -88,7 +101,8 @@ class ChoiceReader:
     (`reasoning_content`, `content`, `tool_calls` with at most one entry per call); a whole answer is one read with
     `final`, so a stream's deltas assembled equal it. With neither parser a delta is all content."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, first_call_only: bool):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | ToolCallArrayReader | None,
+                 first_call_only: bool):
         self.reasoning, self.tools, self.first_call_only = reasoning, tools, first_call_only
         self.reads_reasoning = reasoning is not None
         self.calls = 0  # tool calls read so far

@@ -29,6 +29,7 @@ from jaxdp.api.replicas import ReplicaSet
 from jaxdp.config import UnsupportedConfigError
 from jaxdp.engine import BadRequest, Request, SamplingParams
 from jaxdp.engine.sched.request import Bootstrap, State
+from jaxdp.grammar import Grammars
 
 log = logging.getLogger("jaxdp.serve")
 
@@ -75,6 +76,7 @@ class ServerContext:
     api_key: str | None = None
     limits: Limits = dataclasses.field(default_factory=Limits)
     parsing: ChatParsing = dataclasses.field(default_factory=ChatParsing)
+    grammars: Grammars | None = None  # --grammar-backend's service (None: none), compiling requests' grammars
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     live: set[Job] = dataclasses.field(default_factory=set)  # submitted and not yet ended (the event loop's)
     draining: bool = False  # a shutdown is under way: new requests get a 503

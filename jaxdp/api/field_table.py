@@ -86,16 +86,6 @@ def _json(value: Any) -> str:
     return str(value)
 
 
-def _tool_choice_needs_grammar(value: Any) -> str | None:
-    """tool_choice "required" and a named function oblige the model to call: only a grammar can make it, and the
-    server has none yet. (Other values that are not "auto" or "none" are refused where tool_choice is read.)"""
-    if value == "required" or isinstance(value, dict):
-        shown = '"required"' if value == "required" else "naming a function"
-        return (f"{shown} needs constrained decoding (a grammar), which this server does not have yet; leave it "
-                'out or send "auto" or "none"')
-    return None
-
-
 # ---- the tests that show a field honoured -------------------------------------------------------------------
 FIELDS_TEST = "tests/test_request_fields.py"
 OPENAI_SAMPLING_TEST = f"{FIELDS_TEST}::test_openai_sampling_fields_reach_the_sampling_params"
@@ -113,6 +103,12 @@ PARALLEL_TOOLS_TEST = "tests/test_tool_calls_api.py::test_parallel_tool_calls_fa
 TOOL_TURN_TEST = "tests/test_tool_calls_api.py::test_a_two_turn_tool_conversation_reaches_the_template"
 REASONING_TEST = "tests/test_tool_calls_api.py::test_reasoning_content_streamed_and_not"
 MIN_TOKENS_TEST = "tests/test_sampling_controls.py::test_min_tokens_holds_off_eos_and_stop_ids_from_the_api_on"
+STRUCTURED = "tests/test_structured_outputs.py"
+RESPONSE_FORMAT_TEST = f"{STRUCTURED}::test_response_format_json_schema_validates_and_parse_returns_an_object"
+GRAMMAR_FIELDS_TEST = f"{STRUCTURED}::test_sglang_regex_ebnf_and_json_schema_on_every_endpoint"
+FORCED_TOOLS_TEST = f"{STRUCTURED}::test_tool_choice_required_and_named_return_valid_calls"
+_GRAMMAR = (", compiled by --grammar-backend (one grammar a request: two are refused; one that does not compile is "
+            "refused in one sentence)")
 CONTROLS_TEST = "tests/test_sampling_controls.py::test_penalties_and_logit_bias_reach_the_sampling_params"
 _NOT_SPEC = ", on a server that does not speculate (applied in the step, on the device)"
 
@@ -157,16 +153,18 @@ OPENAI_COMMON: dict[str, Field] = {
     "spaces_between_special_tokens": refused("true or false", True),
     "include_stop_str_in_output": refused("true or false", False),
     "no_stop_trim": refused("true or false", False),
-    "regex": refused("a regular expression (SGLang's constrained decoding)"),
-    "ebnf": refused("a grammar (SGLang's constrained decoding)"),
-    "json_schema": refused("a JSON schema (SGLang's constrained decoding)"),
+    "regex": honoured("a regular expression the output matches (SGLang's)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
+    "ebnf": honoured("a GBNF grammar the output follows (SGLang's)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
+    "json_schema": honoured("a JSON schema (text or object) the output follows (SGLang's)" + _GRAMMAR,
+                            GRAMMAR_FIELDS_TEST),
     "structural_tag": refused("a structural tag (SGLang's constrained decoding)"),
     "guided_json": refused("vLLM's guided decoding"),
     "guided_regex": refused("vLLM's guided decoding"),
     "guided_choice": refused("vLLM's guided decoding"),
     "guided_grammar": refused("vLLM's guided decoding"),
     "structured_outputs": refused("vLLM's structured outputs"),
-    "response_format": refused('{"type": "text" | "json_object" | "json_schema", ...}', {"type": "text"}),
+    "response_format": honoured('{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, '
+                                'strict}}' + _GRAMMAR, RESPONSE_FORMAT_TEST),
     "allowed_token_ids": refused("a list of token ids"),
     "bad_words": refused("a list of strings", []),
     "truncate_prompt_tokens": refused("an integer"),
@@ -200,8 +198,8 @@ CHAT: dict[str, Field] = OPENAI_COMMON | {
     "parallel_tool_calls": honoured("true or false (false: the first call only)", PARALLEL_TOOLS_TEST),
     "tools": honoured('a list of {"type": "function", "function": {name, description, parameters}}, handed to '
                       "the chat template", TOOLS_TEST),
-    "tool_choice": honoured('"auto" or "none" ("required" and a named tool need a grammar: refused)', TOOLS_TEST,
-                            refusal=_tool_choice_needs_grammar),
+    "tool_choice": honoured('"auto", "none", "required" or {"type": "function", "function": {"name": ...}} '
+                            '(the last two: a grammar makes the model call)', FORCED_TOOLS_TEST),
     "functions": refused("a list of function definitions (deprecated tools)", []),
     "function_call": refused('"none", "auto" or a named function (deprecated tool_choice)', "none", "auto"),
     "audio": refused("audio output parameters"),
@@ -285,9 +283,9 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "min_new_tokens": honoured("an integer from 0 to max_new_tokens, beside at most 16 stop_token_ids, on a server "
                                "that does not speculate: no eos, stop id or stop string ends it before",
                                MIN_TOKENS_TEST),
-    "json_schema": refused("a JSON schema"),
-    "regex": refused("a regular expression"),
-    "ebnf": refused("a grammar"),
+    "json_schema": honoured("a JSON schema (text or object)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
+    "regex": honoured("a regular expression" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
+    "ebnf": honoured("a GBNF grammar" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
     "structural_tag": refused("a structural tag"),
     "spaces_between_special_tokens": refused("true or false", True),
     "no_stop_trim": refused("true or false", False),

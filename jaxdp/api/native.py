@@ -53,6 +53,7 @@ from jaxdp.api.fields import (
     top_logprobs_num,
 )
 from jaxdp.api.logprobs import sglang_meta
+from jaxdp.api.structured import checked, sglang_grammar
 from jaxdp.engine import BadRequest, SamplingParams
 from jaxdp.engine.sched.request import with_controls
 
@@ -124,6 +125,9 @@ async def generate(http: HttpRequest):
     with_logprobs = field(body, "return_logprob", bool, False)
     prompts, is_batch = await _prompts(ctx, body, rank)
     params, n, skip = _params(ctx, body, len(prompts))
+    sps = body.get("sampling_params") or {}
+    for p, sp in zip(params, sps if isinstance(sps, list) else [sps] * len(params), strict=False):
+        p.grammar = await checked(ctx.grammars, sglang_grammar(sp, "sampling_params."), "sampling_params")
     start, top = logprob_start_len(body, with_logprobs), top_logprobs_num(body)
     chosen = token_ids_logprob(body, ctx.vocab_size)
     for p in params:

@@ -53,6 +53,7 @@ from jaxdp.api.fields import (
     token_ids,
 )
 from jaxdp.api.logprobs import completion_logprobs, token_text, vllm_prompt_logprobs
+from jaxdp.api.structured import checked, openai_grammar
 from jaxdp.engine.sched.request import with_controls
 
 router = APIRouter()
@@ -239,6 +240,8 @@ async def _handle(http: HttpRequest, chat: bool):
                        param="echo")
     usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False, where="stream_options.")
     output = chat_output(ctx, body) if chat else None
+    source, grammar = openai_grammar(body, output.forced_calls if output is not None else None)
+    params.grammar = await checked(ctx.grammars, grammar, source)
     if output is not None:
         prompts = [await chat_prompt(ctx, body.get("messages"), rank, tools=output.tools,
                                      template_kwargs=output.template_kwargs)]

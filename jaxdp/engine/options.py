@@ -96,6 +96,7 @@ class EngineConfig:
     disaggregation: DisaggConfig | None = None  # --disaggregation-mode prefill|decode (jaxdp/engine/step/pd_sides.py)
     speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/step/spec.py)
     eplb: EplbConfig | None = None  # --enable-eplb: online expert rebalancing (jaxdp/eplb/online.py)
+    grammar_backend: str = "none"  # --grammar-backend: the grammar library of structured outputs (jaxdp/grammar)
 
     @property
     def pool_page_size(self) -> int:
