@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdp.eplb.algorithm import PlacementError
 from jaxdp.eplb.distribution import EplbConfig
 from jaxdp.eplb.placement import ExpertPlacement
-from jaxdp.eplb.recorder import compiled_add
+from jaxdp.eplb.recorder import compiled_add, zeros
 from jaxdp.eplb.slots import held_physical_to_logical, map_arrays
 from jaxdp.model.layers import axes_of
 
@@ -131,13 +131,17 @@ class Rebalancer:
         counts = self.runner.last_expert_counts
         if counts is not None and counts is not self._seen:
             self._seen = counts
-            self._window = counts if self._window is None else self._add(self._window, counts)
+            self._window = self._add(zeros(self.runner.counts_spec) if self._window is None else self._window, counts)
             self.steps += 1
         if self.pending is not None:
             self.move_next_chunk()
         elif self.steps >= self.config.num_iterations and self._window is not None:
             self.start(np.asarray(self._window).sum(0))
             self._window, self.steps = None, 0
+
+    def reset(self) -> None:
+        """Forget the tokens counted so far: the next rebalance is decided from the steps after this."""
+        self._window, self.steps = None, 0
 
     def held_placement(self) -> ExpertPlacement:
         slots, replicas = self.runner.expert_map()

@@ -31,6 +31,11 @@ def compiled_add(counts: jax.ShapeDtypeStruct):
     return jax.jit(lambda total, step: total + step, donate_argnums=0).lower(counts, counts).compile()
 
 
+def zeros(counts: jax.ShapeDtypeStruct) -> jax.Array:
+    """A zero total on the devices as `counts` lays it out (a transfer from the host, no program)."""
+    return jax.device_put(np.zeros(counts.shape, counts.dtype), counts.sharding)
+
+
 class ExpertRecorder:
     """One model copy's recorder (its StepRunner holds it): off until `start`; `add` takes each step's counts."""
 
@@ -39,6 +44,7 @@ class ExpertRecorder:
         self.recording = False
         self._total: jax.Array | None = None
         self._steps = 0
+        self._counts = counts
         self._add = compiled_add(counts) if counts is not None else None
 
     def start(self) -> None:
@@ -53,7 +59,8 @@ class ExpertRecorder:
         nothing is read back."""
         if not self.recording or self._add is None:
             return
-        self._total = counts_WLE if self._total is None else self._add(self._total, counts_WLE)
+        total = zeros(self._counts) if self._total is None else self._total  # (never the step's own array:
+        self._total = self._add(total, counts_WLE)  # the add donates its first argument)
         self._steps += 1
 
     def dump(self, read=np.asarray) -> ExpertDistribution | None:
