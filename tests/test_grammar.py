@@ -226,3 +226,17 @@ def test_hostile_grammars_are_refused_or_bounded():
             raise AssertionError(f"{name}: no answer within 4 s for {s.text[:40]}") from None
         assert time.perf_counter() - t0 < 4
     grammars.close()
+
+
+def test_objects_admit_only_their_listed_properties_unless_they_say_otherwise(backend):
+    """As xgrammar's strict mode (SGLang's default): an extra key is refused where the schema lists properties
+    and says nothing of others, served where it allows them."""
+    def accepts(schema: dict, text: str) -> bool:
+        m = backend.matcher(backend.compile("json_schema", json.dumps(schema)))
+        return all(m.accept(t) for t in ids(text))
+
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    nested = {"type": "array", "items": {"anyOf": [listed]}}
+    assert accepts(listed, '{"a":1}') and not accepts(listed, '{"a":1,"b":2}')
+    assert not accepts(nested, '[{"a":1,"b":2}]')
+    assert accepts(listed | {"additionalProperties": True}, '{"a":1,"b":2}')

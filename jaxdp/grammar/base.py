@@ -85,6 +85,32 @@ def schema_object(text: str) -> dict:
     return schema
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = ("items", "additionalItems", "unevaluatedItems", "contains", "not", "if", "then", "else",
+                  "propertyNames", "additionalProperties", "unevaluatedProperties", "anyOf", "oneOf", "prefixItems")
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON Schema whose objects with listed properties admit no others unless they say so
+    (additionalProperties false where none of additionalProperties, unevaluatedProperties, patternProperties is
+    given): xgrammar's strict mode, SGLang's default, which keeps a small model from inventing keys forever.
+    The members of an allOf are left as they are (closing one would refuse the others' properties)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUES:
+            out[key] = closed_objects(value)
+    if "properties" in schema and not any(k in schema for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def sentence(error: object) -> str:
     """A library's message as the end of one sentence: its first line without a log prefix (`[time] file:line: `),
     at most 200 characters."""

@@ -3,7 +3,9 @@ once per (kind, text) against the tokenizer under `LIMITS`; each request gets an
 
 llguidance bounds its own work (lexer fuel when a grammar is built and per mask, Earley items per step, grammar
 size), so a hostile schema or a catastrophic regex ends in an error, not in a compile that never returns. JSON is
-compact (no free whitespace between tokens): a small model cannot then wander into a run of blanks.
+compact (no free whitespace between tokens) and an object with listed properties admits no others unless its schema
+says so (`closed_objects`, as xgrammar's strict mode, SGLang's default): a small model cannot then wander into a run
+of blanks or of invented keys.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ try:  # (installed with jaxdp; a server without it runs with --grammar-backend n
 except ImportError:  # pragma: no cover
     llguidance = None
 
-from jaxdp.grammar.base import GrammarError, Vocabulary, check_kind, schema_object, sentence
+from jaxdp.grammar.base import GrammarError, Vocabulary, check_kind, closed_objects, schema_object, sentence
 
 # llguidance's defaults divided by 4 for the work of building a grammar and of one mask: a server answers in
 # milliseconds or refuses (its defaults are tuned for 100-1000 ms builds)
@@ -64,7 +66,8 @@ class LLGuidanceBackend:
             if kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
             if kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(schema_object(text), overrides=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema_object(text)),
+                                                              overrides=JSON_OPTIONS)
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(text)
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))

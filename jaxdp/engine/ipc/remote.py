@@ -236,6 +236,7 @@ class RemoteEngine(ClientBase):
         self._init_intake()
         self.stats = StepStats(facts.layout.dp)
         self.delayer = DelayerCounters() if facts.cfg.prefill_delayer else None
+        self.accepts_grammars = facts.cfg.grammar_backend != "none"  # (the child's engine was given its Grammars)
         self.compiles = 0
         self.requests: dict[str, Request] = {}  # submitted and not finished
         self.wakeups = Wakeups()
