@@ -21,6 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from jaxdp.api.app import create_app
+from jaxdp.api.parsers.forced_calls import ToolCallArrayReader
 from jaxdp.engine import Engine
 from jaxdp.engine.options import EngineConfig
 from jaxdp.grammar import Grammars, vocabulary
@@ -225,3 +226,18 @@ def test_the_grammar_backend_flag(flags, expect):
         assert serve_config(parser.parse_args(flags)).engine.grammar_backend == expect
     except UserError as e:
         assert expect in str(e) and "\n" not in str(e)
+
+
+def test_a_forced_answer_reads_the_same_streamed_in_any_pieces_as_whole():
+    """ToolCallArrayReader: the grammar's JSON array of calls, fed in pieces of every size, gives exactly the calls
+    of the whole text (a brace inside a string included); text that is not an array stays content."""
+    text = ('[{"name":"get_weather","parameters":{"city":"Pa}ris","unit":"c"}},'
+            '{"name":"add","parameters":{"a":1,"b":2}}]')
+    whole = ToolCallArrayReader(lambda i: f"c{i}").feed(text)
+    assert [(d.index, d.name, json.loads(d.arguments)) for d in whole] == [
+        (0, "get_weather", {"city": "Pa}ris", "unit": "c"}), (1, "add", {"a": 1, "b": 2})]
+    for size in range(1, 12):
+        reader = ToolCallArrayReader(lambda i: f"c{i}")
+        pieces = [p for k in range(0, len(text), size) for p in reader.feed(text[k:k + size])] + reader.finish()
+        assert pieces == whole, size
+    assert ToolCallArrayReader().feed("no calls") == ["no calls"]

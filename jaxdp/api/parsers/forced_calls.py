@@ -26,6 +26,8 @@ class ToolCallArrayReader:
     def feed(self, delta: str) -> list[StreamPiece]:
         self._buffer += delta
         out: list[StreamPiece] = []
+        if self._opened and not self._closed and "}" not in delta and "]" not in delta:
+            return out  # (a call's object closes on a "}", the array on a "]": nothing new to read before one)
         while not self._closed:
             text = self._buffer.lstrip(_SPACE)
             if not self._opened:
