@@ -75,7 +75,7 @@ def check_map(slots_LES: np.ndarray, replicas_LE: np.ndarray, physical_to_logica
         layer, expert, j = (int(i) for i in np.argwhere(wrong)[0])
         raise PlacementError(f"the map sends expert {expert} of layer {layer} to slot {int(slot[layer, expert, j])}, "
                              f"which holds expert {int(held[layer, expert, j])}; a map may only name slots holding "
-                             f"its expert (moving weights is rebalancing, not built).")
+                             f"its expert (weights move with --enable-eplb, jaxdp.eplb.online).")
 
 
 def held_physical_to_logical(slots_LES: np.ndarray, replicas_LE: np.ndarray, num_physical: int) -> np.ndarray:
