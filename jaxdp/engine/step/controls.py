@@ -179,5 +179,5 @@ class SamplingControls:
                                             put(np.zeros((self.dp, FILL_CHUNK), np.bool_)))
         for B in num_seqs:
             self.choose(put(np.zeros((self.dp, B, self.vocab_size), np.float32)), idle[B], None)
-        self.count(idle[num_seqs[0]]["pen_slot"], put(np.zeros((self.dp, width), np.int32)))
+        self.count(np.full((self.dp, 1), -1, np.int32), put(np.zeros((self.dp, width), np.int32)))
         jax.block_until_ready(self.counts)
