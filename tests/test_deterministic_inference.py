@@ -11,7 +11,9 @@ import json
 
 import numpy as np
 import pytest
+from servers import Server
 
+from jaxdp.bench.deterministic import main
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.model.loader import default_model_path
 from jaxdp.ops.registry import deterministic_backend
@@ -91,10 +93,6 @@ def test_bench_command_with_the_flag_gives_one_sample(mode, extra, tmp_path, cap
     """`python -m jaxdp.bench.deterministic --mode MODE` against `jaxdp.serve --mesh dp=8
     --enable-deterministic-inference`: unique samples 1 for token ids AND logprobs, every prompt (slow: a server
     start and compile, about 2 minutes on 2 cores)."""
-    from servers import Server
-
-    from jaxdp.bench.deterministic import main
-
     server = Server(["--mesh", "dp=8", *SMALL], tmp_path / "server.log")
     try:
         url = server.wait().url

@@ -24,9 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import string
 import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp import native
+from jaxdp.engine import Engine, EngineConfig, SamplingParams
+from jaxdp.model.layers import rms_norm
+from jaxdp.ops.rows import log_softmax, row_sum
 
 ROWS = (1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 256)
 COMPANIES = [("alone, rank 0", 0, 0, False), ("cached, rank 0", 0, 0, True), ("alone, rank 1", 0, 1, True),
@@ -36,14 +44,6 @@ COMPANIES = [("alone, rank 0", 0, 0, False), ("cached, rank 0", 0, 0, True), ("a
 def op_table() -> list[tuple[str, list[int] | str]]:
     """(operation, the row counts T at which the first T rows differ from the same rows computed at T = 256; for
     exp, a sentence)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxdp import native
-    from jaxdp.model.layers import rms_norm
-    from jaxdp.ops.rows import log_softmax, row_sum
-
     rng = np.random.default_rng(0)
 
     def differs(f, *shapes) -> list[int]:
@@ -91,10 +91,6 @@ def op_table() -> list[tuple[str, list[int] | str]]:
 def probe_answers(mesh: str, deterministic: bool, temperature: float = 0.0, seed: int | None = None,
                   overlap: bool = True, chunk: int = 512) -> dict[str, list]:
     """The probe's [ids, logprobs as float.hex, cached tokens] in each of COMPANIES."""
-    import numpy as np
-
-    from jaxdp.engine import Engine, EngineConfig, SamplingParams
-
     cfg = EngineConfig(page_size=16, num_pages=64, max_running_requests=64, chunked_prefill_size=chunk,
                        disable_cuda_graph=True, overlap=overlap)
     eng = Engine("default", mesh, cfg, warmup=False, deterministic=deterministic)
@@ -134,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=512, help="all ranks together (as the server's)")
     ap.add_argument("--output", default=None, metavar="FILE")
     args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     if not args.engine:
         for name, rows in op_table():
             said = rows if isinstance(rows, str) else (
