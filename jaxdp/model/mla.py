@@ -160,7 +160,9 @@ class MLA(nnx.Module):
             batch = dataclasses.replace(batch, page_table_BN=batch.page_table_BN + page_offset)
         P = pages_per_layer or kv_PSK.shape[0]
         kv_TK = self.latent(x_TD, batch.positions_T)
-        kv_PSK = write_cache(kv_PSK, batch.slots_T, kv_TK, page_offset, P)
+        split = decode_kernel if getattr(decode_kernel, "dcp_size", 1) > 1 else None  # --dcp-size (parallel.dcp)
+        slots_T = batch.slots_T if split is None else split.local_slots(batch.slots_T, kv_PSK.shape[1])
+        kv_PSK = write_cache(kv_PSK, slots_T, kv_TK, page_offset, P)
         sel_TK = None
         if index is not None:
             keys_TE = self.indexer.keys(x_TD, batch.positions_T)
@@ -172,7 +174,9 @@ class MLA(nnx.Module):
                 sel_TK = _own_or_given(index_full, lambda: self.select(q_TQ, x_TD, keys_PSE, batch),
                                        index.sel_TK)
             index = IndexState(keys_PSE, sel_TK)
-        if absorbed:
+        if split is not None:
+            o_THV = self.attend_split(q_nope_THN, q_rope_THR, kv_PSK, batch, split)
+        elif absorbed:
             o_THV = self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, batch, decode_kernel, sel_TK)
         else:
             o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK,
@@ -279,6 +283,21 @@ class MLA(nnx.Module):
         rows = dataclasses.replace(batch, page_table_BN=batch.page_table_BN[jnp.clip(batch.seq_T, 0, B - 1)],
                                    seq_lens_B=jnp.where(real_T, batch.positions_T + 1, 0))
         return self.attend_absorbed(q_nope_THN, q_rope_THR, kv_PSK, rows, decode_kernel)
+
+    @jax.named_scope("mla_attention")
+    def attend_split(self, q_nope_THN, q_rope_THR, kv_PSK, batch: AttnBatch, split) -> jax.Array:
+        """Over a pool split token-wise over the device's DCP subgroup (`jaxdp.parallel.dcp.SplitContext`): each
+        row, a prompt's or a decoder's, over its sequence's first position + 1 tokens in the absorbed form."""
+        cfg = self.cfg
+        w_kv_b_LHX = weight(self, "w_kv_b_LHX")
+        B = batch.page_table_BN.shape[0]
+        real_T = batch.seq_T < B
+        q_latent_THL = dot("thn,lhn->thl", q_nope_THN, w_kv_b_LHX[..., : cfg.qk_nope_head_dim])
+        o_THL = split.attend(q_latent_THL, q_rope_THR, kv_PSK, batch.page_table_BN[jnp.clip(batch.seq_T, 0, B - 1)],
+                             jnp.where(real_T, batch.positions_T + 1, 0), softmax_scale=cfg.softmax_scale,
+                             kv_lora_rank=cfg.kv_lora_rank)
+        w_uv_LHV = w_kv_b_LHX[..., cfg.qk_nope_head_dim :]
+        return weight_first("lhv,thl->thv", w_uv_LHV, o_THL.astype(w_uv_LHV.dtype))
 
     def attend_rows(self, q_nope_THN, q_rope_THR, kv_TK, batch: AttnBatch, sel_TK=None) -> jax.Array:
         """No cache: row t sees the rows u of its own sequence with positions_T[u] <= positions_T[t] (and,
