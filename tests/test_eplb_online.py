@@ -144,8 +144,9 @@ def test_a_rebalance_while_requests_run_changes_no_greedy_token_and_leaves_every
             rebalancer = engine.rebalancer
             assert not rebalancer.rebalances
             rebalancer.config = EplbConfig(num_iterations=3, layers_per_chunk=1)
-            compiles = compiles_total()
+            compiles, first_map = compiles_total(), engine.runner.expert_map()[0]
             moved = [r.output_ids for r in engine.generate(prompts, greedy)]
+            assert not np.array_equal(engine.runner.expert_map()[0], first_map)  # the experts did move
             assert compiles_total() == compiles  # the moves were compiled with the engine
             assert len(rebalancer.rebalances) >= 2 and len(rebalancer.move_seconds) >= 3
             assert moved == plain
