@@ -18,6 +18,7 @@ from jaxdp.api.openai_api import _params as openai_params
 from jaxdp.batch import CONTROL_KEYS
 from jaxdp.config import get_config
 from jaxdp.engine import BadRequest, Engine, EngineConfig, SamplingParams
+from jaxdp.engine import loop as loop_module
 from jaxdp.engine.options import SpeculativeConfig
 from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.request import BAN_WIDTH, MAX_MIN_TOKENS_STOP_IDS, GrammarSpec, Request
@@ -170,6 +171,56 @@ def test_penalties_bias_and_grammars_are_checked_and_refused_in_one_sentence():
         eng.shutdown()
 
 
+class HeldGrammars:
+    """A grammar backend whose futures the test completes: "bad" fails, anything else waits for `release`."""
+
+    def __init__(self):
+        self.futures: list[concurrent.futures.Future] = []
+
+    def start(self, spec: GrammarSpec) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if spec.text == "bad":
+            fut.set_exception(ValueError("the grammar does not compile"))
+        self.futures.append(fut)
+        return fut
+
+    def release(self, matcher) -> None:
+        for fut in self.futures:
+            if not fut.done():
+                fut.set_result(matcher)
+
+
+def test_a_grammar_request_waits_for_its_matcher_and_penalties_for_a_slot(monkeypatch):
+    """The scheduler admits a request with a grammar once its matcher is compiled (others run meanwhile), ends
+    one whose grammar failed with the reason, and admits requests with penalties as penalty slots free up (each
+    slot back once its request leaves). The device step is a stand-in: every sampled token is 1."""
+    monkeypatch.setattr(loop_module, "PENALTY_SLOTS", 2)
+    grammars = HeldGrammars()
+    eng = Engine(HostOnlyRunner("tiny", "dp=1", 64, 4), config=EngineConfig(max_running_requests=4), warmup=False,
+                 grammars=grammars)
+    try:
+        held = eng.submit(eng.make_request([5, 6, 7], SamplingParams(max_new_tokens=6, grammar=fake_grammar([1], 3))))
+        bad = eng.submit(eng.make_request([5, 6], SamplingParams(grammar=GrammarSpec("regex", "bad"))))
+        free = eng.submit(eng.make_request([5, 6], SamplingParams(max_new_tokens=3)))
+        for _ in range(6):
+            eng.step()
+        assert free.finished and bad.finish_reason == "abort" and "the grammar does not compile" in bad.error
+        assert not held.output_ids and not held.finished  # (its matcher is not ready: not admitted)
+        grammars.release(FakeMatcher([1], 3))
+        eng.run_until_idle()
+        assert (held.output_ids, held.finish_reason) == ([1, 1, 1], "stop")  # (the grammar's end stops it)
+        sched = eng.schedulers[0]
+        pen = [eng.submit(eng.make_request([5, 6], SamplingParams(max_new_tokens=4, presence_penalty=1.0)))
+               for _ in range(4)]
+        most = 0
+        while eng.step():
+            most = max(most, len(sched.running))
+            assert len(sched.free_slots) + sum(r.penalty_slot >= 0 for r in pen) == 2
+        assert most == 2 and all(r.finish_reason == "length" for r in pen) and sorted(sched.free_slots) == [0, 1]
+    finally:
+        eng.shutdown()
+
+
 def small_config(dp: int) -> EngineConfig:
     """Per rank: 8 requests, prompt chunks of 16 (test_engine's sizes)."""
     return EngineConfig(page_size=4, num_pages=64, max_running_requests=8 * dp, chunked_prefill_size=16 * dp,
@@ -302,14 +353,21 @@ def run_layout(mesh_spec: str) -> list[tuple[list[int], str]]:
     return [(r.output_ids, r.finish_reason) for r in reqs + both[:8]]
 
 
-def test_min_tokens_gives_the_same_greedy_tokens_under_dp8_as_one_device():
+def test_sampling_controls_give_the_same_greedy_tokens_under_dp8_as_one_device():
     assert run_layout("dp=8") == run_layout("dp=1")
 
 
 @pytest.mark.slow
-def test_min_tokens_gives_the_same_greedy_tokens_under_tp8_as_one_device():
-    """tp=8 splits the vocabulary of the LM head: the ban applies to the gathered logits all the same."""
+def test_sampling_controls_give_the_same_greedy_tokens_under_tp8_as_one_device():
+    """tp=8 splits the vocabulary of the LM head: the ban, the bias, the penalties and the bitmask apply to the
+    gathered logits all the same."""
     assert run_layout("tp=8") == run_layout("dp=1")
+
+
+@pytest.mark.slow
+def test_sampling_controls_give_the_same_greedy_tokens_under_dp8_ep_as_one_device():
+    """dp=8 with the experts spread over the 8 devices (moe=ep): the same tokens as one device."""
+    assert run_layout("dp=8,moe=ep") == run_layout("dp=1")
 
 
 def test_sampling_controls_on_a_speculating_server_are_refused_in_one_sentence():
