@@ -9,6 +9,7 @@ and the return) and for the LM head (`lm_head`). On one device those are plain c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import jax
@@ -36,6 +37,18 @@ class Comm(Protocol):
     def moe(self, h_TD: jax.Array, valid_T: jax.Array, moe: MoE) -> tuple[jax.Array, jax.Array]: ...
     def dense_ffn(self, h_TD: jax.Array, valid_T: jax.Array, mlp: MLP) -> jax.Array: ...
     def lm_head(self, h_BD: jax.Array, w_DV: jax.Array) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One of two micro-batches of a step (two-batch overlap, `jaxdp.parallel.tbo`): the step's rows it carries
+    (rows_M [M]; T for a row it does not carry), their valid flags, attention's view of them, and the comm at its
+    row count."""
+
+    rows_M: jax.Array
+    valid_M: jax.Array
+    batch: AttnBatch
+    comm: Comm
 
 
 class DecoderLayer(nnx.Module):
@@ -75,7 +88,8 @@ class DeepseekV3(nnx.Module):
         return self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
 
     def __call__(self, tokens_T, valid_T, batch: AttnBatch, kv_cache: dict, logits_idx_B, comm: Comm, *,
-                 absorbed: bool, decode_kernel=None, return_hidden: bool = False, rows_by_layer: bool = False):
+                 absorbed: bool, decode_kernel=None, return_hidden: bool = False, rows_by_layer: bool = False,
+                 micro: tuple[MicroBatch, MicroBatch] | None = None):
         """One step over the rows of this device.
 
         kv_cache: {"dense": [Ld, P, S, K], "moe": [Lm, P, S, K]}, plus with DSA (`cfg.index_topk`) the
@@ -85,6 +99,8 @@ class DeepseekV3(nnx.Module):
         rows received per expert summed over MoE layers [E_local]; with `rows_by_layer`, what `comm.moe` returned
         for each MoE layer, stacked [L, ...], unsummed); with `return_hidden`, also the final
         normed hidden state of every row [T, D] (what the MTP layer reads, `jaxdp.model.mtp`).
+        micro: two micro-batches that split the rows (two-batch overlap): each layer runs them as independent
+        chains (`_run_stack_tbo`), and `batch` and `comm` serve only the LM head.
         """
         cfg = self.cfg
         with jax.named_scope("embedding"):  # (the scopes name the parts of `python -m jaxdp.bench.profile`)
@@ -95,8 +111,19 @@ class DeepseekV3(nnx.Module):
         full = cfg.indexer_full
         stacks = (("dense", self.dense_layers, 0, cfg.num_dense_layers),
                   ("moe", self.moe_layers, cfg.num_dense_layers, cfg.num_layers))
+        if micro is not None:
+            if cfg.index_topk or kv_cache is None:
+                raise ValueError("two-batch overlap needs a KV cache and a model without DSA's indexer; run this "
+                                 "step whole.")
+            x_MD = [jnp.take(x_TD, mb.rows_M, axis=0, mode="fill", fill_value=0) for mb in micro]
         for name, stack, first, end in stacks:
             if stack is None:
+                continue
+            if micro is not None:
+                x_MD, new_cache[name], rows_LE = _run_stack_tbo(stack, x_MD, micro, kv_cache[name], absorbed,
+                                                                decode_kernel, is_moe=name == "moe")
+                if name == "moe":
+                    expert_rows = rows_LE if rows_by_layer else jax.tree.map(lambda a: a.sum(0), rows_LE)
                 continue
             kv = None if kv_cache is None else kv_cache[name]
             index = None
@@ -113,6 +140,10 @@ class DeepseekV3(nnx.Module):
                 sel_TK = index[1]
             if name == "moe":
                 expert_rows = rows_LE if rows_by_layer else rows_LE.sum(0)
+        if micro is not None:  # the rows back in the step's order (the rows a micro-batch does not carry: dropped)
+            x_TD = jnp.zeros_like(x_TD)
+            for mb, x in zip(micro, x_MD, strict=True):
+                x_TD = x_TD.at[mb.rows_M].set(x, mode="drop")
         with jax.named_scope("lm_head"):
             h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
             one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
@@ -174,6 +205,69 @@ def _run_stack(stack: DecoderLayer, x_TD, valid_T, batch, kv_LPSK, comm: Comm, a
         keys = None if idx.keys_PSE is None else idx.keys_PSE.reshape(L, P, S, E)
         index = (keys, idx.sel_TK, full)
     return x_TD, None if kv is None else kv.reshape(L, P, S, K), index, rows_LE
+
+
+def _run_stack_tbo(stack: DecoderLayer, x_MD: list, micro: tuple[MicroBatch, MicroBatch], kv_LPSK, absorbed,
+                   decode_kernel, is_moe: bool):
+    """`_run_stack` for two micro-batches, software-pipelined across the layer boundary as SGLang's TBO stages
+    are: micro-batch 1 runs half a layer behind micro-batch 0. Iteration i of the scan runs
+        mb0: attention(i) -> [dispatch / gather] -> experts(i) -> [combine / return]
+        mb1: [dispatch / gather] -> experts(i) -> [combine / return] -> attention(i + 1)
+    whose only link is the cache (attention's writes, disjoint sequences), so each collective of one micro-batch
+    has the other's compute to hide behind: mb1's dispatch under mb0's attention, mb0's dispatch under mb1's
+    experts, mb1's combine under mb0's experts, mb0's combine under mb1's attention. Micro-batch 1's attention
+    of layer 0 runs before the scan, and both micro-batches' last layer after it.
+    Returns ([x0, x1], the stack's cache, rows per expert of both micro-batches per layer, stacked)."""
+    graphdef, whole, state = nnx.split(stack, read_in_place(stack), ...)
+    eps = stack.attn.cfg.rms_norm_eps
+    L, P, S, K = kv_LPSK.shape
+    mb0, mb1 = micro
+
+    def layer_at(i):
+        pick = (lambda a: a[i]) if isinstance(i, int) else (lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: InStack(a, i), whole), jax.tree.map(pick, state))
+
+    def attention(layer, x_MD, kv_PSK, mb: MicroBatch, i):
+        h_MD = rms_norm(x_MD, layer.attn_norm[...], eps)
+        a_MD, kv_PSK, _ = layer.attn(h_MD, kv_PSK, mb.batch, absorbed=absorbed, decode_kernel=decode_kernel,
+                                     page_offset=i * P, pages_per_layer=P)
+        return a_MD, kv_PSK
+
+    def ffn(layer, a_MD, x_MD, mb: MicroBatch):
+        x_rows, h_rows = mb.comm.attn_to_ffn(a_MD, x_MD, layer.ffn_norm[...], eps)
+        if is_moe:
+            y_rows, rows_E = mb.comm.moe(h_rows, mb.valid_M, layer.ffn)
+        else:
+            with jax.named_scope("dense_ffn"):
+                y_rows, rows_E = mb.comm.dense_ffn(h_rows, mb.valid_M, layer.ffn), jnp.zeros((0,), jnp.int32)
+        return mb.comm.ffn_to_attn(y_rows, x_rows), rows_E
+
+    def both_ffn(layer, a0, x0, a1, x1):
+        x1, rows1 = ffn(layer, a1, x1, mb1)
+        x0, rows0 = ffn(layer, a0, x0, mb0)
+        return x0, x1, jax.tree.map(jnp.add, rows0, rows1)
+
+    def body(carry, i):
+        x0, x1, a1, kv = carry
+        layer = layer_at(i)
+        a0, kv = attention(layer, x0, kv, mb0, i)
+        x0, x1, rows = both_ffn(layer, a0, x0, a1, x1)
+        a1, kv = attention(layer_at(i + 1), x1, kv, mb1, i + 1)
+        return (x0, x1, a1, kv), rows
+
+    x0, x1 = x_MD
+    kv = kv_LPSK.reshape(L * P, S, K)
+    a1, kv = attention(layer_at(0), x1, kv, mb1, 0)
+    rows_LE = None
+    if L > 1:
+        (x0, x1, a1, kv), rows_LE = jax.lax.scan(body, (x0, x1, a1, kv), jnp.arange(L - 1))
+    last = layer_at(L - 1)
+    a0, kv = attention(last, x0, kv, mb0, L - 1)
+    x0, x1, rows = both_ffn(last, a0, x0, a1, x1)
+    rows = jax.tree.map(lambda a: a[None], rows)
+    if rows_LE is not None:
+        rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), rows_LE, rows)
+    return [x0, x1], kv.reshape(L, P, S, K), rows
 
 
 def empty_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> dict:

@@ -41,6 +41,8 @@ from jaxdp.parallel.packing import pack, packed_layout, unpack, width
 from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import check_divisible, lm_head_mode, shard_state, state_specs
 from jaxdp.parallel.spec_step import build_spec_step, spec_abstract_args
+from jaxdp.parallel.tbo import micro_batches
+from jaxdp.parallel.tbo_split import split_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class StepShape:
     sum_rows: int = 0  # SUM_LEN buffer rows
     all_logits: bool = False  # logits of every token row (checking numbers), not one per sequence
     draft_tokens: int = 0  # a speculative step (jaxdp.parallel.spec_step): verify, accept and draft this many
+    micro_rows: int = 0  # two-batch overlap: rows of each of two micro-batches (jaxdp.parallel.tbo); 0: whole
 
     @property
     def num_logits(self) -> int:
@@ -261,14 +264,19 @@ class StepRunner:
             tok = b["tokens_T"]
             b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
             cache = {k: v[0] for k, v in cache.items()}
+            tbo_split = None
+            if shape.micro_rows:  # (the ranks' split rows ride after their row counts)
+                rows_R, tbo_split = rows_R[: lay.dp], rows_R[lay.dp + jax.lax.axis_index("dp")]
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged,
                             count_experts=count)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
+            micro = None if tbo_split is None else micro_batches(attn, b["valid_T"], tbo_split, shape.micro_rows,
+                                                                 shape.absorbed, comm)
             main, _ = split_draft(cache)  # (a draft KV passes through)
             logits_BV, main, rows = model(b["tokens_T"], b["valid_T"], attn, main, b["logits_idx_B"],
                                           comm, absorbed=shape.absorbed, decode_kernel=decode_kernel,
-                                          rows_by_layer=count)
+                                          rows_by_layer=count, micro=micro)
             rows_E, counts_LE = (rows[0].sum(0), rows[1]) if count else (rows, jnp.zeros((0, 0), jnp.int32))
             cache = {k: v[None] for k, v in (cache | main).items()}
             return logits_BV[None], cache, rows_E[None], counts_LE[None]
@@ -300,7 +308,8 @@ class StepRunner:
             return spec_abstract_args(self, shape)
         dp, sh = self.layout.dp, NamedSharding(self.mesh, P("dp"))
         batch = jax.ShapeDtypeStruct((dp, width(packed_step_layout(shape))), jnp.int32, sharding=sh)
-        rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=NamedSharding(self.mesh, P()))
+        rows = jax.ShapeDtypeStruct(((2 if shape.micro_rows else 1) * dp,), jnp.int32,
+                                    sharding=NamedSharding(self.mesh, P()))
         prev = jax.ShapeDtypeStruct((dp, self.token_carry), jnp.int32, sharding=sh)
         return self.state, self.cache, batch, rows, prev
 
@@ -309,10 +318,19 @@ class StepRunner:
         """Run one step; returns (logits [dp, B, V] device array, rows per expert [world, E_local]).
 
         prev_tokens: [dp, token_carry] int32 on the device, the previous step's sampled tokens, which
-        negative entries of `tokens_T` refer to (the step is queued without waiting for them)."""
+        negative entries of `tokens_T` refer to (the step is queued without waiting for them).
+        A two-batch-overlap shape (`micro_rows`) splits every rank where `jaxdp.parallel.tbo_split` says; the caller
+        asks for one only when every rank can split (the agreement's `tbo`)."""
         self.compile(shape)
         batch = self.put(pack(stacked, packed_step_layout(shape)))  # (one transfer for the 8 arrays)
-        rows = self.put(np.asarray(stacked["rows_R"], np.int32), P())
+        rows_R = np.asarray(stacked["rows_R"], np.int32)
+        if shape.micro_rows:
+            split_R = split_rows(stacked["seq_T"], stacked["valid_T"], shape.absorbed, 0.0, shape.micro_rows)
+            if split_R is None:
+                raise ValueError(f"this step does not split into two micro-batches of {shape.micro_rows} rows at "
+                                 "sequence boundaries; run its whole shape (micro_rows=0).")
+            rows_R = np.concatenate([rows_R, split_R])
+        rows = self.put(rows_R, P())
         if prev_tokens is None:
             if self._no_prev is None:  # (kept: the step does not donate it)
                 self._no_prev = self.put(np.zeros((self.layout.dp, self.token_carry), np.int32))
