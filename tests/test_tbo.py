@@ -6,6 +6,8 @@ the whole step's and its logits are close (today's layout tolerance), and so are
 host's split rules (SGLang's balanced boundary and threshold) on hand-worked cases.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -105,3 +107,27 @@ def test_split_rules_follow_sglang():
     assert micro_rows(8, THRESHOLD, True) == 4
     with pytest.raises(ValueError, match="must be in"):
         check_threshold(0.7)
+
+
+def test_ranks_split_only_when_every_busy_rank_can():
+    from jaxdp.parallel.agreement import Proposal, agree_on_step
+
+    can, cannot, idle = Proposal(8, True, False, tbo_ok=True), Proposal(8, True, False), Proposal(0, False, False)
+    assert agree_on_step([can, can, idle]).tbo  # an idle rank never holds the split back
+    assert not agree_on_step([can, cannot, idle]).tbo
+    assert not agree_on_step([idle, idle]).tbo  # no step at all
+
+
+def test_buckets_compile_every_split_shape_and_choose_it_when_agreed():
+    from jaxdp.engine.step.buckets import Buckets
+    from jaxdp.parallel.agreement import Proposal, agree_on_step
+
+    plain = Buckets.make(8, 64, 4, decode=[1, 8], extend=[16, 64], max_len_rows=16).with_pages(4, 8)
+    tbo = dataclasses.replace(plain, tbo_threshold=THRESHOLD, tp=2)
+    extra = set(tbo.shapes()) - set(plain.shapes())
+    assert {(s.kind, s.num_rows, s.micro_rows, s.gather_mode) for s in extra} == {
+        ("decode", 8, 4, "max_len"), ("extend", 16, 10, "max_len"), ("extend", 64, 34, "max_len")}
+    both = agree_on_step([Proposal(40, True, False, pages=2, tbo_ok=True)] * 4)
+    one = agree_on_step([Proposal(40, True, False, pages=2, tbo_ok=True), Proposal(40, True, False, pages=2)] * 2)
+    assert tbo.shape_for([40] * 4, both).micro_rows == 34 and tbo.shape_for([40] * 4, both) in extra
+    assert tbo.shape_for([40] * 4, one).micro_rows == 0 and plain.shape_for([40] * 4, both).micro_rows == 0

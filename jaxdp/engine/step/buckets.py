@@ -25,6 +25,7 @@ import dataclasses
 from jaxdp.parallel.accounting import decode_buckets
 from jaxdp.parallel.agreement import Agreement
 from jaxdp.parallel.step import StepShape
+from jaxdp.parallel.tbo_split import micro_rows
 
 PAGE_BUCKET_TOKENS = 4096  # the smallest page bucket covers this many tokens
 PAGE_BUCKET_GROWTH = 4  # each next page bucket is this many times larger (fewer shapes to compile than x2)
@@ -55,6 +56,8 @@ class Buckets:
     pages: tuple[int, ...] = ()  # page-table widths (page_buckets); () until `with_pages`
     draft_tokens: int = 0  # speculative decoding: every step is a speculative one (jaxdp.parallel.spec_step)
     spec_off_above: int | None = None  # ... plain stretches (jaxdp.engine.step.spec): the plain shapes too
+    tbo_threshold: float | None = None  # --enable-two-batch-overlap's threshold (None: off): the split shapes too
+    tp: int = 1  # devices of an attention group (a micro-batch's rows are a multiple)
 
     @property
     def largest_decode_rows(self) -> int:
@@ -126,7 +129,15 @@ class Buckets:
             out += [StepShape(True, b, b, n) for b in self.decode]
             for t in self.extend:
                 out += [StepShape(False, t, self.extend_seqs(t), n, m, s) for m, s in self.extend_modes(t)]
+        if self.tbo_threshold is not None:  # every split shape too, compiled at start-up like the rest
+            out += list(dict.fromkeys(self.micro(s) for s in out if s.num_rows > 1))
         return out
+
+    def micro(self, shape: StepShape) -> StepShape:
+        """`shape` run as two micro-batches (two-batch overlap, `jaxdp.parallel.tbo`): each of `micro_rows` rows,
+        gathering MAX_LEN per micro-batch (so the SUM_LEN variants of a bucket share one split shape)."""
+        m = micro_rows(shape.num_rows, self.tbo_threshold, shape.absorbed, self.tp)
+        return dataclasses.replace(shape, gather_mode="max_len", sum_rows=0, micro_rows=m)
 
     def prompt_logprob_shape(self) -> StepShape:
         """The extend step that returns the logits of every row (a step where some request asks for prompt
@@ -148,8 +159,10 @@ class Buckets:
                                        draft_tokens=self.draft_tokens)
         if agreement.use_decode_bucket:
             b = self.decode[bisect.bisect_left(self.decode, busiest)]
-            return StepShape(True, b, b, pages_per_seq)
-        return self._extend_shape(rows, busiest, pages_per_seq)
+            shape = StepShape(True, b, b, pages_per_seq)
+        else:
+            shape = self._extend_shape(rows, busiest, pages_per_seq)
+        return self.micro(shape) if agreement.tbo and self.tbo_threshold is not None and shape.num_rows > 1 else shape
 
     def _extend_shape(self, rows: list[int], busiest: int, pages_per_seq: int) -> StepShape:
         t = self.extend[bisect.bisect_left(self.extend, busiest)]
