@@ -228,12 +228,23 @@ def _run_stack_tbo(stack: DecoderLayer, x_MD: list, micro: tuple[MicroBatch, Mic
         return nnx.merge(graphdef, jax.tree.map(lambda a: InStack(a, i), whole), jax.tree.map(pick, state))
 
     def attention(layer, x_MD, kv_PSK, mb: MicroBatch, i):
+        with jax.named_scope(scope(mb)):
+            return _attention(layer, x_MD, kv_PSK, mb, i)
+
+    def scope(mb: MicroBatch) -> str:  # (what the overlap report reads in XLA's schedule, jaxdp.planner.tbo_report)
+        return f"tbo_mb{0 if mb is mb0 else 1}"
+
+    def _attention(layer, x_MD, kv_PSK, mb: MicroBatch, i):
         h_MD = rms_norm(x_MD, layer.attn_norm[...], eps)
         a_MD, kv_PSK, _ = layer.attn(h_MD, kv_PSK, mb.batch, absorbed=absorbed, decode_kernel=decode_kernel,
                                      page_offset=i * P, pages_per_layer=P)
         return a_MD, kv_PSK
 
     def ffn(layer, a_MD, x_MD, mb: MicroBatch):
+        with jax.named_scope(scope(mb)):
+            return _ffn(layer, a_MD, x_MD, mb)
+
+    def _ffn(layer, a_MD, x_MD, mb: MicroBatch):
         x_rows, h_rows = mb.comm.attn_to_ffn(a_MD, x_MD, layer.ffn_norm[...], eps)
         if is_moe:
             y_rows, rows_E = mb.comm.moe(h_rows, mb.valid_M, layer.ffn)
