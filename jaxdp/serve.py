@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant kernels: a request's tokens and logprobs do not depend on what shares its "
                         "steps, its rank, its chunking or a prefix-cache hit (a CPU's native kernels; "
                         "docs/determinism.md)")
+    g.add_argument("--dcp-size", type=int, default=1, metavar="N",
+                   help="decode context parallelism: each attention group's KV pool split token-wise over N of its tp "
+                        "devices (N divides tp), so the group holds N times the tokens (docs/dcp.md)")
     g.add_argument("--quantization", choices=["nvfp4", "fp8"], default=None,
                    help="nvfp4: the routed experts in NVFP4 (a ModelOpt NVFP4 checkpoint turns this on by itself); "
                         "fp8: the layers' weights in block FP8 (a block-FP8 checkpoint stays FP8 by itself)")

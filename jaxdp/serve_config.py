@@ -31,7 +31,9 @@ from jaxdp.eplb.distribution import RecorderError, check_recorder_mode, eplb_con
 from jaxdp.grammar import DEFAULT_BACKEND, backend_problem
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
+from jaxdp.ops.registry import deterministic_conflict
 from jaxdp.parallel.accounting import decode_buckets
+from jaxdp.parallel.dcp import DCPError, check_dcp_pool
 
 CPU_KV_BUDGET = 2**28  # bytes per rank on a CPU (256 MiB), times --mem-fraction-static
 
@@ -254,7 +256,11 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
                          draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend,
                          ep_num_redundant_experts=args.ep_num_redundant_experts,
                          init_expert_location=args.init_expert_location,
-                         deterministic=args.enable_deterministic_inference)
+                         deterministic=args.enable_deterministic_inference, dcp_size=args.dcp_size)
+    check_dcp_flags(args.dcp_size, layout, engine)
+    if args.enable_deterministic_inference and (why := deterministic_conflict(
+            args.attention_backend, args.moe_runner_backend, args.fp8_gemm_backend)):
+        raise UserError(why)
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)
@@ -274,6 +280,17 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     flags = {k: v for k, v in vars(args).items() if k not in ("api_key", "engine_child")} | {"model_path": path}
     return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), limits, layout, dist, http,
                        tokenizer, args.compilation_cache_dir, engine_process, flags, tool_parser, thinking_parser)
+
+
+def check_dcp_flags(dcp: int, layout: Layout, engine) -> None:
+    """--dcp-size, refused in one sentence where the layout, the page size or another flag cannot take it."""
+    try:
+        check_dcp_pool(dcp, layout.tp, engine.pool_page_size)
+    except DCPError as e:
+        raise UserError(str(e).rstrip(".")) from None
+    if dcp > 1 and (engine.speculative is not None or engine.disaggregation is not None):
+        raise UserError(f"--dcp-size {dcp} is not built with --speculative-algorithm or --disaggregation-mode yet; "
+                        "drop one of them")
 
 
 def pool_pages(sizing: PoolSizing, runner, replica: int) -> int:

@@ -45,10 +45,14 @@ def test_merge_of_parts_is_whole_attention(N):
     q_l, q_r, kv, lens = data()
     want = full_attention(q_l, q_r, kv, lens)
     pools, table = split_pool(kv, N, 2)
-    parts = [mla_decode_partial(q_l, q_r, pools[d], table, local_lengths(lens, d, N), softmax_scale=SCALE,
-                                kv_lora_rank=L) for d in range(N)]
-    o, lse = [p[0] for p in parts], [p[1] for p in parts]
-    got = merge_partials(jnp.stack(o), jnp.stack(lse))
+
+    @jax.jit
+    def parts_and_merge(q_l, q_r, pools, lens):
+        o, lse = jax.vmap(lambda pool, d: mla_decode_partial(q_l, q_r, pool, table, local_lengths(lens, d, N),
+                                                             softmax_scale=SCALE, kv_lora_rank=L))(pools, jnp.arange(N))
+        return o, merge_partials(o, lse)
+
+    o, got = parts_and_merge(q_l, q_r, pools, lens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # (a part alone is not the whole: the merge does the work)
     assert not np.allclose(np.asarray(o[0]), np.asarray(want), atol=1e-3)

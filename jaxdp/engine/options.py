@@ -30,6 +30,7 @@ class ModelOptions:
     ep_num_redundant_experts: int = 0  # moe=ep: R redundant expert slots (jaxdp.eplb.slots)
     init_expert_location: str | None = None  # a placement or recorded load file (jaxdp.eplb.placement)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant kernels (docs/determinism.md)
+    dcp_size: int = 1  # --dcp-size: the KV pool split token-wise over the group's tp devices (docs/dcp.md)
 
 
 @dataclasses.dataclass(frozen=True)

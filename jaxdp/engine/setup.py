@@ -29,6 +29,7 @@ from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
 from jaxdp.ops.attention import decode_kernels
 from jaxdp.ops.platform import default_dtype
 from jaxdp.ops.registry import fp8_gemm_backend, moe_runner_backend
+from jaxdp.parallel.dcp import check_dcp_pool
 from jaxdp.parallel.spec_step import run_spec_step
 from jaxdp.parallel.step import StepOptions, StepRunner
 from jaxdp.tokenizer import Tokenizer
@@ -129,6 +130,7 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     if o.dtype == "auto":
         o = dataclasses.replace(o, dtype=default_dtype(stored_float_dtype(o.path) if o.path else None))
     gemm = fp8_gemm_backend(o.fp8_gemm_backend, deterministic=o.deterministic)
+    check_dcp_pool(o.dcp_size, layout.tp, page_size)  # (before the weights load)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     if o.ep_num_redundant_experts or o.init_expert_location:  # redundant experts: E + R slots and the map
@@ -141,7 +143,7 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
                           num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     step = StepOptions(decode_kernel=decode_kernels(o.attention_backend, deterministic=o.deterministic),
                        moe_backend=moe_runner_backend(o.moe_backend, deterministic=o.deterministic),
-                       index_key_dtype=o.index_key_dtype)
+                       index_key_dtype=o.index_key_dtype, dcp_size=o.dcp_size)
     runners = []
     for i, mesh in enumerate(meshes):
         copies = [first] if draft is None else [first, draft]

@@ -35,6 +35,7 @@ from jaxdp.model.mtp import MTPLayer, mtp_layer_is_moe
 from jaxdp.model.quant import expert_quantization, with_moe_runner_backend
 from jaxdp.model.sharded import ShardedModel
 from jaxdp.parallel.accounting import StepAccount, account_step
+from jaxdp.parallel.dcp import DCPError, SplitContext, check_dcp_pool, split_pool_spec
 from jaxdp.parallel.draft_kv import DRAFT_PREFIX, split_draft
 from jaxdp.parallel.packing import Layout as PackedLayout
 from jaxdp.parallel.packing import pack, packed_layout, unpack, width
@@ -93,6 +94,7 @@ class StepOptions:
     token_carry: int = 1
     abstract: bool = False
     index_key_dtype: str | None = None
+    dcp_size: int = 1  # --dcp-size: the pool split token-wise over DCP subgroups of the group's tp (parallel.dcp)
 
     def __post_init__(self):
         if self.index_key_dtype not in (None, "fp8"):
@@ -120,6 +122,13 @@ class StepRunner:
         self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.num_pages, self.page_size = num_pages, page_size
         self.decode_kernel = o.decode_kernel
+        self.dcp_size = o.dcp_size
+        if o.dcp_size != 1:  # each device's pool holds page_size / dcp slots of every page (jaxdp.parallel.dcp)
+            check_dcp_pool(o.dcp_size, layout.tp, page_size)
+            if self.cfg.index_topk or draft is not None:
+                raise DCPError(f"--dcp-size {o.dcp_size} is built for dense MLA without speculative decoding; drop "
+                               "--dcp-size for a sparse-attention model or with --speculative-algorithm.")
+            self.decode_kernel = SplitContext(o.dcp_size, layout.tp)
         self.expert_quantization = expert_quantization(model)
         check_divisible(self.cfg, layout, self.expert_quantization)
         self.abstract = o.abstract
@@ -161,14 +170,22 @@ class StepRunner:
         return entries
 
     @property
+    def cache_spec(self) -> P:
+        """How the pool lies on the mesh: one per attention group, or split over its devices (--dcp-size)."""
+        return split_pool_spec() if self.dcp_size > 1 else P("dp")
+
+    @property
     def pool_bytes_per_token(self) -> int:
         """What one token takes in a rank's pool, over all layers (latent entries and index keys)."""
-        return sum(n * w * np.dtype(dt).itemsize for n, w, dt in self._cache_entries(self.cache_dtype).values())
+        total = sum(n * w * np.dtype(dt).itemsize for n, w, dt in self._cache_entries(self.cache_dtype).values())
+        return -(-total // self.dcp_size)  # (on one device: a split pool holds 1/dcp of each token's group)
 
     def _empty_cache(self, dtype) -> dict:
-        """The paged pool per stack: [dp, layers, pages, page_size, width] (see _cache_entries)."""
-        dp, sharding = self.layout.dp, NamedSharding(self.mesh, P("dp"))
-        shapes = {k: ((dp, n, self.num_pages, self.page_size, w), dt)
+        """The paged pool per stack: [dp, layers, pages, page_size, width] (see _cache_entries); split by --dcp-size,
+        [dp, tp, layers, pages, page_size / dcp_size, width], each device its own part (`jaxdp.parallel.dcp`)."""
+        dp, sharding = self.layout.dp, NamedSharding(self.mesh, self.cache_spec)
+        split = (self.layout.tp,) if self.dcp_size > 1 else ()
+        shapes = {k: ((dp, *split, n, self.num_pages, self.page_size // self.dcp_size, w), dt)
                   for k, (n, w, dt) in self._cache_entries(dtype).items()}
         if self.abstract:
             return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in shapes.items()}
@@ -257,13 +274,14 @@ class StepRunner:
         tied = cfg.tie_word_embeddings
         ep_ragged = ragged_a2a_on(self.mesh.devices.flat[0].platform)
         count = cfg.num_moe_layers > 0  # routed tokens per layer and logical expert (the recorder's)
+        split = self.dcp_size > 1
 
         def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
             # a negative token -1-j is the j-th token sampled by the previous step on this rank
             tok = b["tokens_T"]
             b["tokens_T"] = jnp.where(tok >= 0, tok, prev_tokens[0][jnp.clip(-tok - 1, 0, prev_tokens.shape[1] - 1)])
-            cache = {k: v[0] for k, v in cache.items()}
+            cache = {k: v[0, 0] if split else v[0] for k, v in cache.items()}
             tbo_split = None
             if shape.micro_rows:  # (the ranks' split rows ride after their row counts)
                 rows_R, tbo_split = rows_R[: lay.dp], rows_R[lay.dp + jax.lax.axis_index("dp")]
@@ -278,11 +296,11 @@ class StepRunner:
                                           comm, absorbed=shape.absorbed, decode_kernel=decode_kernel,
                                           rows_by_layer=count, micro=micro)
             rows_E, counts_LE = (rows[0].sum(0), rows[1]) if count else (rows, jnp.zeros((0, 0), jnp.int32))
-            cache = {k: v[None] for k, v in (cache | main).items()}
+            cache = {k: v[None, None] if split else v[None] for k, v in (cache | main).items()}
             return logits_BV[None], cache, rows_E[None], counts_LE[None]
 
         batch_specs = {k: P("dp") for k in STEP_FIELDS}
-        cache_specs = {k: P("dp") for k in self.cache}
+        cache_specs = {k: self.cache_spec for k in self.cache}
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(self.state_specs, cache_specs, batch_specs, P(), P("dp")),
                            out_specs=(P("dp"), cache_specs, P(ALL), P(ALL)), check_vma=False)
