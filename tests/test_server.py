@@ -116,6 +116,33 @@ def test_chat_and_streaming_with_the_openai_client(server):
 # ---- /generate -----------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="a grammar needs the default model's tokenizer")
+def test_structured_outputs_through_the_engine_process(server):
+    """The default server (its engines in a child process, dp=8) serves grammars: a response_format's JSON
+    validates with jsonschema, a forced tool call's arguments with its tool's schema (test_structured_outputs.py has
+    the rest, in process)."""
+    import jsonschema
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"]}
+    add = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                            "b": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    c = client(server)
+    answer = c.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Ada is 36."}], max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), person)
+    call = c.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "37+48="}], max_tokens=48, temperature=0,
+        tools=[{"type": "function", "function": {"name": "add", "parameters": add}}], tool_choice="required",
+        parallel_tool_calls=False)
+    assert call.choices[0].finish_reason == "tool_calls"
+    (made,) = call.choices[0].message.tool_calls
+    assert made.function.name == "add"
+    jsonschema.validate(json.loads(made.function.arguments), add)
+
+
 def test_generate_pins_ranks_and_streams(server):
     body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
     assert post(server, "/generate", body | {"routed_dp_rank": 5}).json()["meta_info"]["dp_rank"] == 5
