@@ -17,7 +17,8 @@ prompt and any output it already has (`fill_slots`, before the step that first s
 token is counted on the device right after sampling (`counted`, the state donated), so there is no host round
 trip per token and, with the overlap, the next step (queued after this one) sees this one's tokens. A slot freed
 while a step is in flight may still be counted into by that step: whoever takes it next is filled after it, in
-queue order.
+queue order. Across nodes each node fills its own ranks' slots (`fill_slots` has no collective: each rank's slot
+is its own devices' rows), while the agreement's bits make every node run the same `prepare` and `counted`.
 
 Steps whose rows have no controls (the agreement's bits, `Agreement.controls`, say none on any rank) run none of
 this; a step with some runs `prepare` (each part a `lax.cond`, so rows and steps without it pay little) and, with
