@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxdp.grammar import (
     BACKENDS,
@@ -240,3 +242,46 @@ def test_objects_admit_only_their_listed_properties_unless_they_say_otherwise(ba
     assert accepts(listed, '{"a":1}') and not accepts(listed, '{"a":1,"b":2}')
     assert not accepts(nested, '[{"a":1,"b":2}]')
     assert accepts(listed | {"additionalProperties": True}, '{"a":1,"b":2}')
+
+
+REGEX_ATOMS = st.sampled_from(["a", "b", "[a-z]", r"\d", ".", "(a|aa)", "[^x]"])
+
+
+def _regex(draw_atom, depth: int):
+    return st.recursive(draw_atom, lambda inner: st.one_of(
+        st.tuples(inner, st.sampled_from(["*", "+", "?", "{1,50}", "{20}", "{0,200}"])).map(
+            lambda t: f"({t[0]}){t[1]}"),
+        st.lists(inner, min_size=2, max_size=3).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + "|".join(xs) + ")")), max_leaves=depth)
+
+
+SCHEMAS = st.recursive(
+    st.sampled_from([{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "string", "pattern": "a{1,30}b"},
+                     {"enum": ["x", "y", "z"]}, {"type": "number"}, {"type": "string", "minLength": 5000}]),
+    lambda inner: st.one_of(
+        st.dictionaries(st.text("abc", min_size=1, max_size=3), inner, min_size=1, max_size=4).map(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props)}),
+        inner.map(lambda item: {"type": "array", "items": item, "minItems": 1, "maxItems": 300}),
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs})), max_leaves=30)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_regex(REGEX_ATOMS, 12).map(lambda r: ("regex", r)),
+                 SCHEMAS.map(lambda s: ("json_schema", json.dumps(s)))))
+def test_fuzzed_regexes_and_schemas_are_answered_within_the_bound(grammar):
+    """Nested quantifiers, alternations, deep and wide schemas (hypothesis, derandomized): every one is served or
+    refused in one sentence within the service's time limit, and a matcher's first mask comes within a second."""
+    kind, text = grammar
+    t0 = time.perf_counter()
+    try:
+        m = FUZZ_SERVICE.start(SimpleNamespace(kind=kind, text=text)).result(FUZZ_SERVICE.timeout_s + 1)
+    except GrammarError as e:
+        assert "\n" not in str(e)
+        return
+    assert time.perf_counter() - t0 < FUZZ_SERVICE.timeout_s + 1
+    t0 = time.perf_counter()
+    m.fill(np.zeros(VOCAB.bitmask_words, np.int32))
+    assert time.perf_counter() - t0 < 1.0, text[:80]
+
+
+FUZZ_SERVICE = Grammars(BACKENDS["llguidance"](VOCAB), timeout_s=2.0)
