@@ -50,6 +50,32 @@ def _scope_of(mod, ins) -> int | None:
     return mb
 
 
+def _collective_scope(mod, instrs, k: int, done_name: str | None) -> int | None:
+    """The micro-batch of the collective at instrs[k]: its own scope, else (XLA:GPU leaves a ragged all-to-all's
+    start without metadata) the scope of what reads its result (through views), else of what it reads."""
+    ins = instrs[k]
+    mb = _scope_of(mod, ins)
+    if mb is not None:
+        return mb
+    by_name = {i.name: i for i in instrs}
+    frontier, seen = {done_name or ins.name}, set()
+    for _ in range(4):  # readers of the result
+        readers = [i for i in instrs[k + 1:] if frontier & set(i.operands) and i.name not in seen]
+        for i in readers:
+            if (mb := _scope_of(mod, i)) is not None:
+                return mb
+        seen |= {i.name for i in readers}
+        frontier = {i.name for i in readers}
+    frontier = set(ins.operands)
+    for _ in range(4):  # producers of its operands
+        producers = [by_name[n] for n in frontier if n in by_name]
+        for i in producers:
+            if (mb := _scope_of(mod, i)) is not None:
+                return mb
+        frontier = {o for i in producers for o in i.operands}
+    return None
+
+
 def overlap_report(hlo_text: str) -> dict[str, Any]:
     """Per micro-batch collective of the scheduled HLO: (op, micro-batch, computation, asynchronous, the other
     micro-batch's compute instructions between its start and done and their names); `ok`: there is at least one
@@ -62,13 +88,17 @@ def overlap_report(hlo_text: str) -> dict[str, Any]:
         position = {i.name: k for k, i in enumerate(instrs)}
         for k, ins in enumerate(instrs):
             kind = _collective_kind(mod, ins)
-            mb = _scope_of(mod, ins)
-            if kind is None or mb is None or ins.opcode.endswith("-done"):
+            if kind is None or ins.opcode.endswith("-done"):
+                continue
+            done = None
+            if ins.opcode.endswith("-start"):
+                done = next((j for j in instrs[k + 1:] if ins.name in j.operands and j.opcode.endswith("-done")), None)
+            mb = _collective_scope(mod, instrs, k, done.name if done else None)
+            if mb is None:
                 continue
             row = {"op": kind, "micro_batch": mb, "computation": comp, "instruction": ins.name,
                    "async": ins.opcode.endswith("-start"), "other_compute": 0, "with": []}
             if row["async"]:
-                done = next((j for j in instrs[k + 1:] if ins.name in j.operands and j.opcode.endswith("-done")), None)
                 between = instrs[k + 1: position[done.name]] if done else []
                 other = [i for i in between if i.opcode in _COMPUTE and _scope_of(mod, i) == 1 - mb]
                 row["other_compute"] = len(other)
