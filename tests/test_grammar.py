@@ -285,3 +285,10 @@ def test_fuzzed_regexes_and_schemas_are_answered_within_the_bound(grammar):
 
 
 FUZZ_SERVICE = Grammars(BACKENDS["llguidance"](VOCAB), timeout_s=2.0)
+
+
+def test_terminated_means_nothing_but_the_stop_token_is_left(backend):
+    """`a+` after one a could go on: not terminated; `ab` after ab: terminated (the same on both backends)."""
+    more, done = backend.matcher(backend.compile("regex", "a+")), backend.matcher(backend.compile("regex", "ab"))
+    assert more.accept(ids("a")[0]) and not more.terminated()
+    assert all(done.accept(t) for t in ids("ab")) and done.terminated()

@@ -33,8 +33,12 @@ def vocab_type(tokenizer: dict):
 
 
 class XGrammarMatcher:
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, vocab: Vocabulary):
+        self.inner, self.vocab = inner, vocab
+        self._scratch_W = np.zeros(vocab.bitmask_words, np.int32)
+        self._stops_W = np.zeros(vocab.bitmask_words, np.int32)
+        for t in vocab.stop_ids:
+            self._stops_W[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     def fill(self, bitmask_W: np.ndarray) -> None:
         self.inner.fill_next_token_bitmask(bitmask_W.reshape(1, -1))
@@ -43,7 +47,15 @@ class XGrammarMatcher:
         return self.inner.accept_token(token)
 
     def terminated(self) -> bool:
-        return self.inner.is_terminated() or self.inner.is_completed()
+        """The grammar has ended: its stop token taken, or nothing but a stop token allowed next (llguidance's
+        `is_stopped`; xgrammar's own `is_completed` is true as soon as the grammar could end, `a+` after one a)."""
+        if self.inner.is_terminated():
+            return True
+        if not self.inner.is_completed():
+            return False
+        self._scratch_W[:] = 0
+        self.fill(self._scratch_W)
+        return bool(((self._scratch_W & ~self._stops_W) == 0).all())
 
     def reset(self) -> None:
         self.inner.reset()
@@ -83,4 +95,4 @@ class XGrammarBackend:
             raise GrammarError(f"the {kind} cannot be served: {sentence(e)}") from None
 
     def matcher(self, compiled) -> XGrammarMatcher:
-        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab)
