@@ -17,6 +17,7 @@ from jaxdp.bench.deterministic import main
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.model.loader import default_model_path
 from jaxdp.ops.registry import deterministic_backend
+from jaxdp.serve import UserError, build_parser, serve_config
 
 HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
 needs_model = pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default model (with its tokenizer) is absent")
@@ -78,6 +79,11 @@ def test_flag_refusals_are_one_sentence():
         msg = str(e.value)
         assert msg.startswith("--enable-deterministic-inference ") and says in msg and "\n" not in msg
     assert deterministic_backend("mla_decode", "native", "cpu") == "native"
+    # the server refuses a conflicting backend flag before anything loads
+    args = build_parser().parse_args(["--enable-deterministic-inference", "--attention-backend", "xla"])
+    with pytest.raises(UserError, match="^--enable-deterministic-inference runs --attention-backend native"):
+        serve_config(args)
+    assert serve_config(build_parser().parse_args(["--enable-deterministic-inference"])).model.deterministic
 
 
 SMALL = ["--chunked-prefill-size", "128", "--max-running-requests", "64", "--cuda-graph-bs", "4",

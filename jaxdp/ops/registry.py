@@ -102,6 +102,16 @@ def deterministic_backend(op: str, requested: str | None = None, platform: str |
     return backend
 
 
+def deterministic_conflict(attention: str | None, moe_runner: str | None, fp8_gemm: str | None) -> str | None:
+    """The one sentence that refuses a backend flag beside --enable-deterministic-inference on any platform (one
+    not batch-invariant on a CPU), or None; checked before anything loads (the platform is checked later)."""
+    for op, requested in (("mla_decode", attention), ("expert_gemm", moe_runner), ("projection_gemm", fp8_gemm)):
+        if requested not in (None, INVARIANT[op]["cpu"]):
+            return (f"{DETERMINISTIC_FLAG} runs {OPS[op].flag} {INVARIANT[op]['cpu']} (batch-invariant); leave out "
+                    f"{OPS[op].flag} {requested}")
+    return None
+
+
 def _refuse(why: str) -> str:
     raise ValueError(f"{DETERMINISTIC_FLAG} {why}")
 
