@@ -30,6 +30,7 @@ from jaxdp.planner import xla_target
 from jaxdp.planner.compile import abstract_sharded
 from jaxdp.planner.hlo_checks import _COMPUTE, _collective_kind, _op_name, parse
 
+SOL_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_analytical_sol_latency_estimator=true"
 _SCOPE = re.compile(r'op_name="[^"]*tbo_mb([01])')
 
 
@@ -104,6 +105,8 @@ def overlap_report(hlo_text: str) -> dict[str, Any]:
                 row["other_compute"] = len(other)
                 row["with"] = sorted({_op_name(i.line) or i.opcode for i in other})[:4]
             rows.append(row)
+    for r in rows:
+        r["in_scan"] = r["computation"] != mod.entry  # (the scan's body; outside: the peeled first / last layer)
     ok = bool(rows) and all(r["other_compute"] > 0 for r in rows)
     return {"ok": ok, "collectives": rows,
             "overlapped": sum(r["other_compute"] > 0 for r in rows), "total": len(rows)}
@@ -117,7 +120,7 @@ def format_report(name: str, report: dict[str, Any]) -> list[str]:
              "  mb  collective            async  other mb's compute inside (count: some names)"]
     for r in report["collectives"]:
         inside = f"{r['other_compute']}: {', '.join(r['with'])}" if r["other_compute"] else "none"
-        where = "" if r["computation"].startswith(("main", "ENTRY")) else f" [{r['computation'][:28]}]"
+        where = " [layer scan]" if r.get("in_scan") else " [outside the scan: dense / first / last layer]"
         lines.append(f"  {r['micro_batch']}   {r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
     return lines
 
@@ -152,8 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu", default="H200")
     ap.add_argument("--json", help="write the reports here")
     ap.add_argument("--dump", help="write each step's scheduled HLO into this folder")
+    ap.add_argument("--estimator", choices=("sol", "default"), default="sol",
+                    help="XLA:GPU's latency estimator for the latency-hiding scheduler: sol (its analytical "
+                         "speed-of-light model) or default (XLA's approximate one)")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (JAX stays on its CPU backend; XLA:GPU compiles, as plan does)
+    if args.estimator == "sol":  # (read when the GPU client starts, which is after this)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SOL_FLAGS}".strip()
     texts = compile_steps(args.layers, tuple(args.kinds.split(",")), args.gpu)
     reports = {}
     for name, text in texts.items():
