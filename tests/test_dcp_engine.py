@@ -20,8 +20,9 @@ needs_model = pytest.mark.skipif(not HAVE_DEFAULT, reason="the embedded default 
 def answers(mesh: str, dcp: int, num_pages: int = 32) -> dict:
     """Greedy tokens of a chunked 130-token prompt, a prompt sharing its first 128 tokens (a prefix-cache hit) and
     two short prompts, on both ranks; with the runner's pool and its sizing at the default memory fraction."""
+    dp = int(mesh.split(",")[0].removeprefix("dp="))
     cfg = EngineConfig(page_size=16, num_pages=num_pages, max_running_requests=8, chunked_prefill_size=64,
-                       decode_buckets=[4], extend_buckets=[32], disable_cuda_graph=True)  # (few shapes to compile)
+                       decode_buckets=[8 // dp], extend_buckets=[64 // dp], disable_cuda_graph=True)  # (few shapes)
     eng = Engine("default", mesh, cfg, warmup=False, dcp_size=dcp)
     tok = eng.tokenizer
 
@@ -33,7 +34,7 @@ def answers(mesh: str, dcp: int, num_pages: int = 32) -> dict:
     letters = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=120))
     long = ids(f"reverse {letters}=")
     sp = SamplingParams(max_new_tokens=8, temperature=0)
-    first = eng.generate([long, ids("12+34="), ids(f"reverse {letters[:30]}=")], sp, ranks=[0, 1, 0])
+    first = eng.generate([long, ids("12+34="), ids(f"reverse {letters[:30]}=")], sp, ranks=[0, 1 % dp, 0])
     hit = eng.generate([long[:-1] + ids("x=")], sp, ranks=[0])[0]
     runner = eng.runner
     shard = runner.cache["moe"].addressable_shards[0].data
@@ -41,6 +42,7 @@ def answers(mesh: str, dcp: int, num_pages: int = 32) -> dict:
            "long": len(long), "tokens_per_group": runner.num_pages * runner.page_size,
            "bytes_per_device": sum(a.addressable_shards[0].data.nbytes for a in runner.cache.values()),
            "shard_shape": shard.shape, "sized_pages": pool_pages(PoolSizing(), runner, 0)}
+    eng.shutdown()
     return out
 
 
@@ -84,3 +86,24 @@ def test_bad_dcp_flags_refused_in_one_sentence(flags, words):
 def test_engine_refuses_before_loading():
     with pytest.raises(ValueError, match="must divide"):
         Engine("default", "dp=2,tp=4", EngineConfig(disable_cuda_graph=True), warmup=False, dcp_size=3)
+
+
+def retraction_answers(dcp: int) -> tuple[list, int]:
+    """Eight prompts whose answers outgrow a rank's pool of 40 tokens (pages of 4: one slot a device at dcp 4), so
+    requests are retracted and read again."""
+    cfg = EngineConfig(page_size=4, num_pages=10, max_running_requests=8, chunked_prefill_size=16,
+                       decode_buckets=[1, 2, 4], disable_cuda_graph=True)
+    eng = Engine("default", "dp=2,tp=4", cfg, warmup=False, dcp_size=dcp)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(10, 500, size=6 + i % 3)] for i in range(8)]
+    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0))
+    retracted = sum(s.retracted_total for s in eng.schedulers)
+    eng.shutdown()
+    return [r.output_ids for r in reqs], retracted
+
+
+@needs_model
+@pytest.mark.slow
+def test_retraction_in_a_split_pool():
+    """Retraction frees a request's pages and reads it again: in a split pool the answers are dcp=1's."""
+    (whole, _), (split, retracted) = retraction_answers(1), retraction_answers(4)
+    assert retracted > 0 and split == whole
