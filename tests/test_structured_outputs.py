@@ -241,3 +241,44 @@ def test_a_forced_answer_reads_the_same_streamed_in_any_pieces_as_whole():
         pieces = [p for k in range(0, len(text), size) for p in reader.feed(text[k:k + size])] + reader.finish()
         assert pieces == whole, size
     assert ToolCallArrayReader().feed("no calls") == ["no calls"]
+
+
+@pytest.mark.slow
+def test_200_sampled_constrained_outputs_at_dp8_all_validate():
+    """Issue 46's validity goal: 200 constrained answers of the default model, sampled (temperature 1, a seed each)
+    on a dp=8 engine through the API, a third each a JSON schema, a regex and a forced tool call, all validate
+    (jsonschema, re.fullmatch, the tool's schema). Bounded strings and numbers: the model is small (README)."""
+    config = EngineConfig(page_size=16, num_pages=32, max_running_requests=64, chunked_prefill_size=1024,
+                          decode_buckets=[8], extend_buckets=[256])
+    eng = Engine("default", "dp=8", config)
+    eng.grammars = Grammars.create("llguidance", vocabulary(eng.tokenizer, eng.runner.cfg.vocab_size))
+    eng.accepts_grammars = True
+    eng.start()
+    pattern = r"[a-z]{2,6}-\d{1,3}"
+
+    async def one(client, i: int):
+        kind = i % 3
+        common = {"model": "default", "max_tokens": 96, "temperature": 1.0, "seed": i}  # (a call is ~70 bytes)
+        if kind == 0:
+            r = await client.chat.completions.create(messages=MESSAGES, **common, response_format={
+                "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+            jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        elif kind == 1:
+            r = await client.completions.create(prompt=f"{i}+{i}=", extra_body={"regex": pattern}, **common)
+            assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+        else:
+            r = await client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                     parallel_tool_calls=False, **common)
+            (call,) = r.choices[0].message.tool_calls
+            call_of(call)
+        return r.choices[0].finish_reason
+
+    async def calls(client, http):
+        return await asyncio.gather(*(one(client, i) for i in range(200)), return_exceptions=True)
+
+    try:
+        finishes = run(app_over(eng), calls)
+    finally:
+        eng.shutdown()
+    failed = [(i, f) for i, f in enumerate(finishes) if f not in ("stop", "tool_calls")]
+    assert not failed, failed[:5]
