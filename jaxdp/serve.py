@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (the overlap is off anyway when "
                         "speculating)")
+    g.add_argument("--enable-two-batch-overlap", action="store_true",
+                   help="split a step into two micro-batches when every rank can, so that one's expert dispatch and "
+                        "combine run during the other's compute (docs/tbo.md)")
+    g.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
+                   help="with --enable-two-batch-overlap: the smallest share of a prompt step's tokens either "
+                        "micro-batch may hold (a rank whose split is more uneven runs the step whole)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="a rank reading a prompt carries its own decoding requests in the same step")
     g.add_argument("--enable-prefill-delayer", action="store_true",

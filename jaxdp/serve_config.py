@@ -34,6 +34,7 @@ from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
 from jaxdp.ops.registry import deterministic_conflict
 from jaxdp.parallel.accounting import decode_buckets
 from jaxdp.parallel.dcp import DCPError, check_dcp_pool
+from jaxdp.parallel.tbo_split import check_threshold
 
 CPU_KV_BUDGET = 2**28  # bytes per rank on a CPU (256 MiB), times --mem-fraction-static
 
@@ -87,8 +88,17 @@ def engine_config(args, num_pages: int | None = None):
                         disable_cuda_graph=args.disable_cuda_graph, load_balance_method=args.load_balance_method,
                         enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
                         enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg,
-                        overlap=not args.disable_overlap_schedule,
+                        overlap=not args.disable_overlap_schedule, tbo_threshold=tbo_threshold(args),
                         grammar_backend=grammar_backend(args.grammar_backend, args.speculative_algorithm))
+
+
+def tbo_threshold(args) -> float | None:
+    """--enable-two-batch-overlap's threshold (None: off); one outside (0, 0.5] is refused in one sentence."""
+    try:
+        check_threshold(args.tbo_token_distribution_threshold)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return args.tbo_token_distribution_threshold if args.enable_two_batch_overlap else None
 
 
 def grammar_backend(flag: str | None, speculative: str | None) -> str:

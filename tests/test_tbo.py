@@ -16,7 +16,7 @@ from jaxdp.batch import Piece, build_rank_batch, stack_ranks
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import load_model
 from jaxdp.parallel.step import StepRunner, StepShape
-from jaxdp.parallel.tbo_split import check_threshold, micro_rows, split_row
+from jaxdp.parallel.tbo_split import check_threshold, micro_rows, split_bits, split_row
 
 PAGE, NPAGES, PAGES_PER_SEQ = 8, 64, 4
 T_EXT, B = 32, 8
@@ -112,10 +112,15 @@ def test_split_rules_follow_sglang():
 def test_ranks_split_only_when_every_busy_rank_can():
     from jaxdp.parallel.agreement import Proposal, agree_on_step
 
-    can, cannot, idle = Proposal(8, True, False, tbo_ok=True), Proposal(8, True, False), Proposal(0, False, False)
+    can, cannot, idle = Proposal(8, True, False, tbo=2), Proposal(8, True, False, tbo=1), Proposal(0, False, False)
     assert agree_on_step([can, can, idle]).tbo  # an idle rank never holds the split back
-    assert not agree_on_step([can, cannot, idle]).tbo
+    assert not agree_on_step([can, cannot, idle]).tbo  # (its batch splits only as a decode step)
     assert not agree_on_step([idle, idle]).tbo  # no step at all
+    dec, odd = Proposal(3, False, True, tbo=1), Proposal(3, False, True, tbo=1)
+    assert agree_on_step([dec, odd]).tbo and not agree_on_step([dec, Proposal(3, False, True)]).tbo
+    # what a rank proposes: three decoders split as a decode step (1 | 2), not as one-token extends (1/3 < 0.48)
+    assert split_bits([1, 1, 1], THRESHOLD) == 1 and split_bits([1, 1, 1, 1], THRESHOLD) == 3
+    assert split_bits([5, 4, 1], THRESHOLD) == 2 and split_bits([6, 4], THRESHOLD) == 0
 
 
 def test_buckets_compile_every_split_shape_and_choose_it_when_agreed():
@@ -127,7 +132,19 @@ def test_buckets_compile_every_split_shape_and_choose_it_when_agreed():
     extra = set(tbo.shapes()) - set(plain.shapes())
     assert {(s.kind, s.num_rows, s.micro_rows, s.gather_mode) for s in extra} == {
         ("decode", 8, 4, "max_len"), ("extend", 16, 10, "max_len"), ("extend", 64, 34, "max_len")}
-    both = agree_on_step([Proposal(40, True, False, pages=2, tbo_ok=True)] * 4)
-    one = agree_on_step([Proposal(40, True, False, pages=2, tbo_ok=True), Proposal(40, True, False, pages=2)] * 2)
+    both = agree_on_step([Proposal(40, True, False, pages=2, tbo=2)] * 4)
+    one = agree_on_step([Proposal(40, True, False, pages=2, tbo=2), Proposal(40, True, False, pages=2)] * 2)
     assert tbo.shape_for([40] * 4, both).micro_rows == 34 and tbo.shape_for([40] * 4, both) in extra
     assert tbo.shape_for([40] * 4, one).micro_rows == 0 and plain.shape_for([40] * 4, both).micro_rows == 0
+
+
+def test_server_flags():
+    from jaxdp.serve import build_parser
+    from jaxdp.serve_config import UserError, tbo_threshold
+
+    parse = build_parser().parse_args
+    assert tbo_threshold(parse([])) is None  # off by default
+    assert tbo_threshold(parse(["--enable-two-batch-overlap"])) == 0.48  # SGLang's default
+    assert tbo_threshold(parse(["--enable-two-batch-overlap", "--tbo-token-distribution-threshold", "0.3"])) == 0.3
+    with pytest.raises(UserError, match="must be in"):
+        tbo_threshold(parse(["--enable-two-batch-overlap", "--tbo-token-distribution-threshold", "0.7"]))

@@ -126,7 +126,8 @@ class Engine(ClientBase):
         runner.ensure_token_carry(max(max_running, *(c.decode_buckets or [1])))  # tokens read back
         buckets = Buckets.make(max_running, chunk, dp, c.decode_buckets, c.extend_buckets,
                                c.max_len_extend_rows, draft_tokens,
-                               spec.disable_by_batch_size if spec else None).with_pages(pages_per_seq, page_size)
+                               spec.disable_by_batch_size if spec else None, c.tbo_threshold,
+                               layout.tp).with_pages(pages_per_seq, page_size)
         # the step kinds: plain (with its prompt-logprob part), and the verify when speculating
         controls = None if hasattr(runner, "sample_tokens") else SamplingControls(  # (a stand-in samples itself)
             runner, dp, sched_cfg.penalty_slots, model_cfg.vocab_size)

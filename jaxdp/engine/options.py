@@ -98,6 +98,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-algorithm (jaxdp/engine/step/spec.py)
     eplb: EplbConfig | None = None  # --enable-eplb: online expert rebalancing (jaxdp/eplb/online.py)
     grammar_backend: str = "none"  # --grammar-backend: the grammar library of structured outputs (jaxdp/grammar)
+    tbo_threshold: float | None = None  # --enable-two-batch-overlap's --tbo-token-distribution-threshold (docs/tbo.md)
 
     @property
     def pool_page_size(self) -> int:

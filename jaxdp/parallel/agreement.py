@@ -25,7 +25,8 @@ class Proposal:
     held: int = 0  # speculative decoding: the requests the rank holds, running or waiting
     drafting: bool = False  # ... one of them drafts or would (it speculates)
     controls: int = 0  # bits: 1 a request of its has a logit bias or penalties, 2 a grammar (the sampler's variant)
-    tbo_ok: bool = False  # two-batch overlap is on and its batch splits (jaxdp.parallel.tbo_split.split_row)
+    tbo: int = 0  # two-batch overlap (jaxdp.parallel.tbo_split.split_bits): 1 its batch splits as a decode step,
+    # 2 as an extend step (a decode batch can run as one-token extends beside another rank's prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Agreement:
     held: int = 0  # SUM over ranks: the requests held (speculation's switch: jaxdp.engine.step.spec)
     any_drafting: bool = False  # OR over ranks: a request drafts or would
     controls: int = 0  # OR over ranks of their control bits: which sampler variant the step runs
-    tbo: bool = False  # AND over the ranks with rows: the step runs as two micro-batches (an idle rank always can)
+    tbo: bool = False  # AND over the ranks with rows (of the bit of the step's kind): the step runs as two
+    # micro-batches (an idle rank always can)
 
     @property
     def max_requests(self) -> int:
@@ -72,4 +74,4 @@ def agree_on_step(proposals: list[Proposal]) -> Agreement:
                      tuple(p.requests for p in proposals),
                      sum(p.held for p in proposals), any(p.drafting for p in proposals),
                      functools.reduce(operator.or_, (p.controls for p in busy), 0),
-                     run and all(p.tbo_ok for p in busy))
+                     run and all(p.tbo & (1 if use_decode else 2) for p in busy))

@@ -64,6 +64,19 @@ def split_row(seq_T: np.ndarray, valid_T: np.ndarray, absorbed: bool, threshold:
     return s
 
 
+def split_bits(lens: list[int], threshold: float) -> int:
+    """What a rank proposes (`jaxdp.parallel.agreement.Proposal.tbo`) for a batch of sequences of `lens` rows in
+    the step's order: 1 when it splits as a decode step (one row each), 2 when it splits as an extend step (its
+    prompt pieces, and decoders as one-token extends). Idle (no rows): both. The compiled micro-batch holds
+    every split the threshold accepts (`micro_rows`), so fit is not checked here."""
+    n = int(sum(lens))
+    seq = np.repeat(np.arange(len(lens)), lens)
+    valid = np.ones(n, bool)
+    decode = all(k == 1 for k in lens)
+    extend = split_row(seq, valid, False, threshold, n) is not None
+    return (1 if decode else 0) | (2 if extend else 0)
+
+
 def split_rows(seq_RT: np.ndarray, valid_RT: np.ndarray, absorbed: bool, threshold: float,
                num_micro_rows: int) -> np.ndarray | None:
     """Every rank's split row [dp], or None when some rank cannot split (then none does)."""

@@ -73,9 +73,10 @@ class Buckets:
     @classmethod
     def make(cls, max_running: int, chunk: int, dp: int, decode: list[int] | None = None,
              extend: list[int] | None = None, max_len_rows: int = 256, draft_tokens: int = 0,
-             spec_off_above: int | None = None) -> Buckets:
+             spec_off_above: int | None = None, tbo_threshold: float | None = None, tp: int = 1) -> Buckets:
         """draft_tokens: speculative decoding's; a verify of every running request, draft_tokens + 1 rows each,
-        must fit the largest extend bucket. spec_off_above: --speculative-disable-by-batch-size."""
+        must fit the largest extend bucket. spec_off_above: --speculative-disable-by-batch-size. tbo_threshold:
+        --tbo-token-distribution-threshold with --enable-two-batch-overlap (None: off); tp: an attention group's."""
         dec = sorted(decode) if decode else decode_buckets(max_running)
         rows = max(chunk, max_running * (draft_tokens + 1))
         top = _pow2(rows)
@@ -84,7 +85,8 @@ class Buckets:
             raise ValueError(f"the largest extend bucket {ext[-1]} is below the per-rank chunk {chunk} / batch "
                              f"{max_running} (x{draft_tokens + 1} rows a request when speculating); add a larger "
                              "bucket")
-        return cls(dec, ext, max_running, dp, max_len_rows, draft_tokens=draft_tokens, spec_off_above=spec_off_above)
+        return cls(dec, ext, max_running, dp, max_len_rows, draft_tokens=draft_tokens, spec_off_above=spec_off_above,
+                   tbo_threshold=tbo_threshold, tp=tp)
 
     def extend_seqs(self, rows: int) -> int:
         return min(rows, self.max_seqs)

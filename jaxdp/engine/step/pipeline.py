@@ -23,6 +23,7 @@ part, `jaxdp.engine.step.prompt_logprobs.PromptLogprobs`) and, under speculative
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -46,6 +47,7 @@ from jaxdp.engine.step.sampling import book_top_logprobs, sample_tokens, top_log
 from jaxdp.engine.step.step_stats import InFlight, Launched, StepStats, compiles_on_this_thread
 from jaxdp.parallel.agreement import Agreement, Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.parallel.tbo_split import split_bits
 
 log = logging.getLogger("jaxdp.engine")
 
@@ -94,7 +96,11 @@ class PlainStep:
         tops = [s.top_logprob_requests > 0 for s in schedulers]  # ("a request asks for top logprobs": a count)
         controls = [s.controls(p) for s, p in zip(schedulers, plans, strict=True)]
         self._grammar = any(c & GRAMMAR for c in controls)
-        return rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops, controls_R=controls)
+        out = rank_proposals(plans, self.buckets.decode[-1], self.rows.num_pages, tops, controls_R=controls)
+        if self.buckets.tbo_threshold is not None:  # two-batch overlap: whether each rank's batch splits
+            out = [dataclasses.replace(p, tbo=split_bits(plan_lens(plan), self.buckets.tbo_threshold)) if plan else p
+                   for p, plan in zip(out, plans, strict=True)]
+        return out
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         if agreement.any_prompt_logprobs:  # a prompt read in this step asks for logprobs: every row's logits
@@ -293,3 +299,9 @@ class StepPipeline:
     def drop_inflight(self) -> None:
         """Forget the step in flight (its requests are aborted): it is never booked."""
         self.inflight = None
+
+
+def plan_lens(plan: RankPlan) -> list[int]:
+    """A rank's sequences' rows in the step's order (`jaxdp.engine.sched.rows.plan_arrays`): its prompt pieces, then
+    its decoders (one row each)."""
+    return [len(p.tokens) for p in plan.pieces] + [1] * (plan.num_rows - sum(len(p.tokens) for p in plan.pieces))
