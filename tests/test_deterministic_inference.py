@@ -28,7 +28,11 @@ def ids(tok, text: str) -> list[int]:
     return e if isinstance(e, list) else e.ids
 
 
-def probe_answers(deterministic: bool) -> dict[str, tuple]:
+COMPANIES = [("alone, rank 0", 0, 0, False), ("cached, rank 0", 0, 0, True), ("alone, rank 1", 0, 1, True),
+             ("among 3, rank 0", 3, 0, True), ("among 15, rank 3", 15, 3, True), ("among 31, rank 5", 31, 5, True)]
+
+
+def probe_answers(deterministic: bool, companies=COMPANIES) -> dict[str, tuple]:
     """The probe's (ids, logprobs as float.hex) in each company, from one dp=8 engine."""
     cfg = EngineConfig(page_size=16, num_pages=64, max_running_requests=64, chunked_prefill_size=512,
                        disable_cuda_graph=True)
@@ -40,15 +44,14 @@ def probe_answers(deterministic: bool) -> dict[str, tuple]:
                   f"{int(rng.integers(1, 99))}+{int(rng.integers(1, 99))}=") for i in range(31)]
     sp = SamplingParams(max_new_tokens=24, temperature=0, return_logprob=True)
     out = {}
-    for name, n, rank, flush in [("alone, rank 0", 0, 0, False), ("cached, rank 0", 0, 0, True),
-                                 ("alone, rank 1", 0, 1, True), ("among 3, rank 0", 3, 0, True),
-                                 ("among 15, rank 3", 15, 3, True), ("among 31, rank 5", 31, 5, True)]:
+    for name, n, rank, flush in companies:
         r = eng.generate(others[:n] + [probe], sp, ranks=[None] * n + [rank])[-1]
         assert r.output_ids and len(r.output_logprobs) == len(r.output_ids)
         out[name] = (tuple(r.output_ids), tuple(float(v).hex() for v in r.output_logprobs), r.cached_tokens)
         if flush:
             eng.flush_cache()
-    assert out["cached, rank 0"][2] > 0 and out["alone, rank 1"][2] == 0  # the hit happened, the flush too
+    assert out["cached, rank 0"][2] > 0  # the hit happened
+    assert all(out[name][2] == 0 for name in out if name != "cached, rank 0")  # the flushes too
     eng.shutdown()
     return out
 
@@ -63,9 +66,9 @@ def test_flag_makes_the_probe_bit_identical_under_dp8():
 
 @needs_model
 def test_without_the_flag_logprobs_differ_on_this_machine():
-    """What the flag fixes, shown: today's default kernels give the probe more than one logprob set in the same
-    sequence (the same ids: the default model's margins are wide)."""
-    out = probe_answers(False)
+    """What the flag fixes, shown: today's default kernels give the probe another logprob set after a prefix-cache
+    hit than cold (the same ids: the default model's margins are wide)."""
+    out = probe_answers(False, COMPANIES[:2])
     assert len({v[0] for v in out.values()}) == 1
     assert len({v[1] for v in out.values()}) > 1
 
