@@ -23,7 +23,14 @@ from jaxdp.engine.options import SpeculativeConfig
 from jaxdp.engine.sched.finish import finish_reason
 from jaxdp.engine.sched.request import BAN_WIDTH, MAX_MIN_TOKENS_STOP_IDS, GrammarSpec, Request
 from jaxdp.engine.sched.rows import SAMPLING_FIELDS, sampling_row
-from jaxdp.engine.step.controls import FILL_CHUNK, bitmask_words, counted, fill_slots, prepare
+from jaxdp.engine.step.controls import (
+    FILL_CHUNK,
+    bitmask_words,
+    counted,
+    fill_slots,
+    prepare,
+    sample_with_controls,
+)
 from jaxdp.engine.step.sampling import sample_tokens
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.decoder import DeepseekV3
@@ -143,9 +150,15 @@ def test_the_controls_match_the_numpy_reference_row_by_row():
             want = reference_logits(logits[r, b], prompt[r, b] if pen else [], out[r, b] if pen else [], params[b])
             np.testing.assert_allclose(got[r, b], want, rtol=1e-5, atol=1e-4, err_msg=f"row {r}, {b}")
     t = jnp.zeros((R, B))
-    tokens, logprobs = sample_tokens(jnp.asarray(logits), t, t + 1, jnp.full((R, B), -1), t, jnp.zeros((R, B, 2),
-                                     jnp.uint32), None, None, jnp.asarray(got))
+    before = np.asarray(counts)
+    tokens, logprobs, counts = sample_with_controls(  # (greedy rows, no floor; the step's compiled function)
+        jnp.asarray(logits), t, t + 1, jnp.full((R, B), -1), t, jnp.zeros((R, B, 2), jnp.uint32), jnp.zeros((R, B),
+        jnp.int32), jnp.full((R, B, BAN_WIDTH), -1), *(jnp.asarray(host[k]) for k in CONTROL_KEYS), counts, seen,
+        jnp.asarray(mask), width=B)
     assert (np.asarray(tokens) == got.argmax(-1)).all()
+    added = np.asarray(counts) - before  # (each penalised row's token counted in its slot, nothing else)
+    assert added.sum() == (slots >= 0).sum() and all(added[r, slots[r, b], int(tokens[r, b])] == 1
+                                                    for r in range(R) for b in range(B) if slots[r, b] >= 0)
     raw = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
     np.testing.assert_allclose(np.asarray(logprobs), np.take_along_axis(np.asarray(raw), np.asarray(tokens)[..., None],
                                                                         -1)[..., 0], rtol=1e-5, atol=1e-5)

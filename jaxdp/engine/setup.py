@@ -55,22 +55,24 @@ def enable_compilation_cache(directory: str | None) -> None:
 def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: int,
                   controls: SamplingControls | None = None) -> None:
     """Compile every step shape and its sampling ahead of time, and run each once on padding (the stand-in for
-    CUDA graph capture, which runs the forward too); with `controls`, the sampling controls' variants too (a
-    logit bias or penalties, and a grammar's bitmask) for every batch size."""
+    CUDA graph capture, which runs the forward too); with `controls` (a real runner's), the sampling is theirs
+    (`jaxdp.engine.step.controls.sample_with_controls`: a logit bias, penalties, a grammar's bitmask)."""
     from tqdm import tqdm
 
     shapes = buckets.shapes()
     t0 = time.perf_counter()
-    idle_by_seqs = {}
     for shape in tqdm(shapes, desc="Compiling steps", unit="step", disable=None):
         runner.compile(shape)
         run_idle(runner, shape, dp)
         if shape.draft_tokens:  # a speculative step samples inside itself
             continue
-        idle = idle_by_seqs[shape.num_seqs] = empty_step(dp, 1, shape.num_seqs, 1, 0)
+        idle = empty_step(dp, 1, shape.num_seqs, 1, 0)
         logits = runner.put(np.zeros((dp, shape.num_seqs, vocab), np.float32))
-        jax.block_until_ready(sample(logits, *(runner.put(idle[k]) for k in SAMPLING_KEYS), logits,
-                                     width=runner.token_carry))
+        params = [runner.put(idle[k]) for k in SAMPLING_KEYS]
+        if controls is not None:
+            jax.block_until_ready(controls.sample(logits, params, idle, None, 0, runner.token_carry))
+        else:
+            jax.block_until_ready(sample(logits, *params, width=runner.token_carry))
         if sample is sample_tokens:  # (a stand-in runner has no real logits)
             chosen = runner.put(np.zeros((dp, shape.num_seqs, MAX_LOGPROB_TOKEN_IDS), np.int32))
             jax.block_until_ready(top_logprobs(logits, chosen))
@@ -81,7 +83,7 @@ def compile_steps(runner: StepRunner, sample, buckets: Buckets, dp: int, vocab: 
                         np.zeros((dp, T, MAX_LOGPROB_TOKEN_IDS), np.int32))
                 jax.block_until_ready(prompt_logprobs(rows, *(runner.put(a) for a in asks)))
     if controls is not None:
-        controls.warm(sorted(idle_by_seqs), runner.token_carry, idle_by_seqs)
+        controls.warm()
     log.info("compiled %d step shapes in %.1f s (decode buckets %s; extend buckets %s; page-table widths %s)",
              len(shapes), time.perf_counter() - t0, buckets.decode, buckets.extend, list(buckets.pages))
 

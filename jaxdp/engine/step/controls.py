@@ -20,9 +20,11 @@ while a step is in flight may still be counted into by that step: whoever takes 
 queue order. Across nodes each node fills its own ranks' slots (`fill_slots` has no collective: each rank's slot
 is its own devices' rows), while the agreement's bits make every node run the same `prepare` and `counted`.
 
-Steps whose rows have no controls (the agreement's bits, `Agreement.controls`, say none on any rank) run none of
-this; a step with some runs `prepare` (each part a `lax.cond`, so rows and steps without it pay little) and, with
-penalties, `counted`. Every variant is compiled at start-up (`warm`); none while serving.
+All of it runs inside one compiled sampling function per batch size, `sample_with_controls` (the logits prepared,
+sampled, the tokens counted), each part under a `lax.cond` on whether any row of the step has it: a step whose
+rows have none (the agreement's bits, `Agreement.controls`, say none on any rank) uploads nothing for them (it
+passes padding arrays kept on the device) and pays three scalar tests. It is compiled at start-up with the steps
+(`warm`), so the controls add no compile of their own but `fill_slots`'s; none while serving.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.batch import CONTROL_KEYS
+from jaxdp.batch import CONTROL_KEYS, empty_step
 from jaxdp.engine.sched.rank_plan import RankPlan
+from jaxdp.engine.step.sampling import sample_tokens
 
 BIAS_OR_PENALTY, GRAMMAR = 1, 2  # the bits of `Agreement.controls`
 FILL_CHUNK = 2048  # token ids a slot is filled with per call (a long prompt takes several)
@@ -50,12 +53,10 @@ def allowed_tokens(bitmask_RBW, vocab_size: int):
     return bits.reshape(*bitmask_RBW.shape[:-1], -1)[..., :vocab_size].astype(bool)
 
 
-@jax.jit
 def prepare(logits_RBV, bias_ids_RBX, bias_values_RBX, pen_slot_RB, frequency_RB, presence_RB, repetition_RB,
             counts_RPV, seen_RPV, bitmask_RBW):
     """The logits a step's rows choose from: the logit bias added, the penalties applied, and every token the
-    bitmask does not allow at -inf (module docstring). One variant per batch size: a step without a grammar passes
-    an all-ones bitmask kept on the device."""
+    bitmask does not allow at -inf (module docstring; a step without a grammar passes an all-ones bitmask)."""
     V = logits_RBV.shape[-1]
     out = logits_RBV.astype(jnp.float32)
 
@@ -77,21 +78,33 @@ def prepare(logits_RBV, bias_ids_RBX, bias_values_RBX, pen_slot_RB, frequency_RB
         return x - jnp.where(has[..., None], sub, 0.0)
 
     out = jax.lax.cond(jnp.any(has), penalise, lambda: out)
-    out = jnp.where(allowed_tokens(bitmask_RBW, V), out, -jnp.inf)
+    masked = lambda: jnp.where(allowed_tokens(bitmask_RBW, V), out, -jnp.inf)  # noqa: E731
+    out = jax.lax.cond(jnp.any(bitmask_RBW != -1), masked, lambda: out)
     return out.astype(logits_RBV.dtype)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def counted(counts_RPV, pen_slot_RW, tokens_RW):
-    """The counts with each penalised row's sampled token added (both padded to the carry width W, so one variant
-    serves every batch size)."""
+def counted(counts_RPV, pen_slot_RB, tokens_RB):
+    """The counts with each penalised row's sampled token added."""
     P = counts_RPV.shape[1]
 
     def add():
-        slot = jnp.where(pen_slot_RW >= 0, pen_slot_RW, P)  # (P: dropped)
-        return jax.vmap(lambda c, s, t: c.at[s, t].add(1, mode="drop"))(counts_RPV, slot, tokens_RW)
+        slot = jnp.where(pen_slot_RB >= 0, pen_slot_RB, P)  # (P: dropped)
+        return jax.vmap(lambda c, s, t: c.at[s, t].add(1, mode="drop"))(counts_RPV, slot, tokens_RB)
 
-    return jax.lax.cond(jnp.any(pen_slot_RW >= 0), add, lambda: counts_RPV)
+    return jax.lax.cond(jnp.any(pen_slot_RB >= 0), add, lambda: counts_RPV)
+
+
+@functools.partial(jax.jit, static_argnames="width", donate_argnames="counts_RPV")
+def sample_with_controls(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2, min_tokens_RB, ban_RBS,
+                         bias_ids_RBX, bias_values_RBX, pen_slot_RB, frequency_RB, presence_RB, repetition_RB,
+                         counts_RPV, seen_RPV, bitmask_RBW, width: int):
+    """A step's tokens and their unmodified log-probabilities (`sample_tokens`, padded to `width`), chosen from the
+    prepared logits (`prepare`), and the counts with them added (`counted`; the counts donated)."""
+    choose = prepare(logits_RBV, bias_ids_RBX, bias_values_RBX, pen_slot_RB, frequency_RB, presence_RB,
+                     repetition_RB, counts_RPV, seen_RPV, bitmask_RBW)
+    tokens, logprobs = sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys_RB2,
+                                     min_tokens_RB, ban_RBS, choose, width=width)
+    return tokens, logprobs, counted(counts_RPV, pen_slot_RB, tokens[:, : pen_slot_RB.shape[1]])
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -132,7 +145,7 @@ class SamplingControls:
         self.slots = max(slots, 1)
         self.counts = runner.put(np.zeros((dp, self.slots, vocab_size), np.int32))
         self.seen = runner.put(np.zeros((dp, self.slots, vocab_size), np.bool_))
-        self._allow_all: dict[int, jax.Array] = {}  # by batch size: the bitmask of a step without a grammar
+        self._padding: dict[int, list[jax.Array]] = {}  # by batch size: a step's controls and bitmask, all padding
 
     def fill(self, plans: list[RankPlan | None]) -> None:
         """Fill the slots this step's plans gave (their requests' prompt and output so far), before it samples."""
@@ -154,31 +167,33 @@ class SamplingControls:
             put = self.runner.put
             self.counts, self.seen = fill_slots(self.counts, self.seen, put(slot), put(reset), put(ids), put(out))
 
-    def choose(self, logits, host: dict[str, np.ndarray], bitmask: np.ndarray | None):
-        """The logits the step's rows choose from (then `count` its tokens)."""
+    def sample(self, logits, params: list, host: dict[str, np.ndarray], bitmask: np.ndarray | None, bits: int,
+               width: int):
+        """Sample the step (`params`: its sampling arrays on the device) with its rows' controls (`host`: the step's
+        arrays, read when `bits` says a row has a bias or penalties; `bitmask`: None when no row of this node has a
+        grammar), counting the tokens into the slots; returns tokens and logprobs."""
         put, B = self.runner.put, logits.shape[1]
-        if bitmask is None:  # (no grammar here, or only another node's)
-            if B not in self._allow_all:
-                self._allow_all[B] = put(np.full((self.dp, B, bitmask_words(self.vocab_size)), -1, np.int32))
-            mask = self._allow_all[B]
-        else:
-            mask = put(bitmask)
-        return prepare(logits, *(put(host[k]) for k in CONTROL_KEYS), self.counts, self.seen, mask)
+        pad = self.padding(B)
+        controls = [put(host[k]) for k in CONTROL_KEYS] if bits & BIAS_OR_PENALTY else pad[:-1]
+        mask = pad[-1] if bitmask is None else put(bitmask)
+        tokens, logprobs, self.counts = sample_with_controls(logits, *params, *controls, self.counts, self.seen, mask,
+                                                             width=width)
+        return tokens, logprobs
 
-    def count(self, pen_slot_RB: np.ndarray, tokens) -> None:
-        """Count the step's sampled tokens (`tokens` [dp, W] on the device) into its penalised rows' slots."""
-        slot = np.full(tokens.shape, -1, np.int32)
-        slot[:, : pen_slot_RB.shape[1]] = pen_slot_RB
-        self.counts = counted(self.counts, self.runner.put(slot), tokens)
+    def padding(self, B: int) -> list:
+        """A step of B sequences' controls and bitmask with nothing in them, on the device (put once)."""
+        if B not in self._padding:
+            idle = empty_step(self.dp, 1, B, 1, 0)
+            mask = np.full((self.dp, B, bitmask_words(self.vocab_size)), -1, np.int32)
+            self._padding[B] = [self.runner.put(a) for a in (*(idle[k] for k in CONTROL_KEYS), mask)]
+        return self._padding[B]
 
-    def warm(self, num_seqs: list[int], width: int, idle: dict[str, np.ndarray]) -> None:
-        """Compile and run every variant once on padding (`idle`: a step's padding arrays of each B, by B)."""
+    def warm(self) -> None:
+        """Compile and run `fill_slots` once on padding (`sample_with_controls` compiles with the steps:
+        `jaxdp.engine.setup.compile_steps`)."""
         put = self.runner.put
         z = np.zeros(self.dp, np.int32)
         self.counts, self.seen = fill_slots(self.counts, self.seen, put(z - 1), put(z.astype(bool)),
                                             put(np.full((self.dp, FILL_CHUNK), -1, np.int32)),
                                             put(np.zeros((self.dp, FILL_CHUNK), np.bool_)))
-        for B in num_seqs:
-            self.choose(put(np.zeros((self.dp, B, self.vocab_size), np.float32)), idle[B], None)
-        self.count(np.full((self.dp, 1), -1, np.int32), put(np.zeros((self.dp, width), np.int32)))
         jax.block_until_ready(self.counts)

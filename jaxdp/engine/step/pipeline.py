@@ -123,13 +123,13 @@ class PlainStep:
         extra = {}
         if asks is not None:  # every row's logits: the sampler gets each sequence's row, the rest is reduced here
             logits, extra["prompt"] = self.prompt.reduce(runner, logits, asks)
-        bits, choose = agreement.controls if self.controls is not None else 0, logits
-        if bits:
-            self.controls.fill(plans)
-            choose = self.controls.choose(logits, out, bitmask)
-        tokens, logprobs = self.sample(logits, *params, choose, width=runner.token_carry)
-        if bits & BIAS_OR_PENALTY:
-            self.controls.count(out["pen_slot"], tokens)
+        if self.controls is None:  # (a stand-in runner samples itself)
+            tokens, logprobs = self.sample(logits, *params, width=runner.token_carry)
+        else:
+            if agreement.controls & BIAS_OR_PENALTY:
+                self.controls.fill(plans)
+            tokens, logprobs = self.controls.sample(logits, params, out, bitmask, agreement.controls,
+                                                    runner.token_carry)
         if agreement.any_top:  # top logprobs: on every node together (the agreement says), or on none
             extra["top"] = top_logprobs(logits, runner.put(chosen_ids(plans, shape.num_seqs)))
         return Launched(tokens, logprobs, extra)
