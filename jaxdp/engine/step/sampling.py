@@ -84,8 +84,8 @@ def sample_tokens(logits_RBV, temperature_RB, top_p_RB, top_k_RB, min_p_RB, keys
     only when a row asks for a top_p, or for a top_k over PARTIAL_TOP_K (most of a large batch's sampling
     time: every row's vocabulary sorted). `min_tokens_RB` and `ban_RBS` (both or neither): the rows' min_tokens
     floors and the ids it holds off (`banned`). `choose_RBV`: the logits the rows choose from when they differ from
-    `logits_RBV` (a logit bias, penalties or a grammar's mask: `jaxdp.engine.step.controls.prepare`); the engine
-    always passes it (the same array when no row has controls), so one compiled variant serves both."""
+    `logits_RBV` (a logit bias, penalties or a grammar's mask: the engine samples through
+    `jaxdp.engine.step.controls.sample_with_controls`, which passes its prepared logits here)."""
     if choose_RBV is None:
         choose_RBV = logits_RBV
     if min_tokens_RB is not None:
