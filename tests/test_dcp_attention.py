@@ -4,6 +4,7 @@ mesh's tp devices (queries gathered, lse gathered, outputs reduce-scattered), wi
 p mod N; and the cache writes land on the owner device only."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,8 +81,12 @@ def test_subgroup_attention_on_the_mesh(N):
     def run(q_l, q_r, pool, lens):
         return split.attend(q_l[0], q_r[0], pool[0, 0], table, lens[0], softmax_scale=SCALE, kv_lora_rank=L)[None]
 
-    got = np.asarray(jax.jit(run)(q_l, q_r, pool, lens))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    step = jax.jit(run).lower(q_l, q_r, pool, lens).compile()
+    np.testing.assert_allclose(np.asarray(step(q_l, q_r, pool, lens)), want, rtol=1e-5, atol=1e-5)
+    # the query and lse gathers and the reduce-scatter run within each subgroup of N devices
+    groups = re.findall(r"(all-gather|reduce-scatter)\(.*?replica_groups=\{(\{[\d,{}]*\})\}", step.as_text())
+    assert sorted(op for op, _ in groups) == ["all-gather", "all-gather", "reduce-scatter"]
+    assert all(len(g.split(",")) == N for _, gs in groups for g in re.findall(r"\{([\d,]+)\}", gs))
 
 
 def test_cache_writes_land_on_the_owner():

@@ -13,9 +13,8 @@ own tokens), the partial outputs' log-sum-exps all-gathered, each partial output
 the rescaled outputs reduce-scattered back to each device's own heads: the same result as attention over the
 whole sequence (`jaxdp.ops.partial_attention.merge_partials` is the single-device reference).
 
-With N < tp the collectives run over the whole tp axis and each device keeps its subgroup's part (the query and
-lse gathers bring tp / N times the bytes the subgroup needs, and the reduce-scatter sums zeros from the other
-subgroups): exact, but not yet the subgroup-only collectives the planner counts (`jaxdp.planner.dcp`).
+With N < tp the collectives run within each subgroup (`axis_index_groups`), as the planner counts them
+(`jaxdp.planner.dcp`).
 """
 
 from __future__ import annotations
@@ -75,25 +74,22 @@ class SplitContext:
         page_T, off_T = slots_T // (local_page_size * N), slots_T % (local_page_size * N)
         return jnp.where(off_T % N == self.rank(), page_T * local_page_size + off_T // N, DROPPED_SLOT)
 
+    def groups(self) -> list[list[int]] | None:
+        """The DCP subgroups as tp indices (the collectives' axis_index_groups; None: the subgroup is the group)."""
+        N = self.dcp_size
+        return None if N == self.tp else [list(range(s * N, s * N + N)) for s in range(self.tp // N)]
+
     def attend(self, q_latent_THL, q_rope_THR, kv_PSK, page_table_TN, lens_T, *, softmax_scale, kv_lora_rank):
         """Each row over the first lens_T tokens of its sequence (page_table_TN: the row's sequence's pages), all
         of them, wherever in the subgroup they are stored: o [T, H/tp, L] for this device's heads (float32)."""
-        N, tp = self.dcp_size, self.tp
-        me = jax.lax.axis_index(TP_AXIS)
-        d = me % N
-        first = me - d  # the subgroup's first tp index
-        H = q_latent_THL.shape[1]
+        N, groups = self.dcp_size, self.groups()
         L = q_latent_THL.shape[-1]
         q_THK = jnp.concatenate([q_latent_THL, q_rope_THR.astype(q_latent_THL.dtype)], -1)
-        q_all = jax.lax.all_gather(q_THK, TP_AXIS, axis=1, tiled=True)  # [T, tp * H, K]
-        q_sub = q_all if N == tp else jax.lax.dynamic_slice_in_dim(q_all, first * H, N * H, axis=1)
-        o_THL, lse_TH = mla_decode_partial(q_sub[..., :L], q_sub[..., L:], kv_PSK, page_table_TN,
-                                           local_lengths(lens_T, d, N), softmax_scale=softmax_scale,
+        q_THK = jax.lax.all_gather(q_THK, TP_AXIS, axis=1, tiled=True, axis_index_groups=groups)  # [T, N * H, K]
+        o_THL, lse_TH = mla_decode_partial(q_THK[..., :L], q_THK[..., L:], kv_PSK, page_table_TN,
+                                           local_lengths(lens_T, self.rank(), N), softmax_scale=softmax_scale,
                                            kv_lora_rank=kv_lora_rank)
-        lse_all = jax.lax.all_gather(lse_TH, TP_AXIS)  # [tp, T, N * H]
-        lse_sub = lse_all if N == tp else jax.lax.dynamic_slice_in_dim(lse_all, first, N, axis=0)
-        o_THL = o_THL * jnp.exp(lse_TH - jax.nn.logsumexp(lse_sub, axis=0))[..., None]
-        if N < tp:  # the subgroup's heads at their place among the tp axis's (zeros elsewhere)
-            o_THL = jax.lax.dynamic_update_slice_in_dim(
-                jnp.zeros((o_THL.shape[0], tp * H, L), o_THL.dtype), o_THL, first * H, axis=1)
-        return jax.lax.psum_scatter(o_THL, TP_AXIS, scatter_dimension=1, tiled=True)  # [T, H, L]
+        lse_NTH = jax.lax.all_gather(lse_TH, TP_AXIS, axis_index_groups=groups)  # [N, T, N * H]
+        o_THL = o_THL * jnp.exp(lse_TH - jax.nn.logsumexp(lse_NTH, axis=0))[..., None]
+        return jax.lax.psum_scatter(o_THL, TP_AXIS, scatter_dimension=1, tiled=True,
+                                    axis_index_groups=groups)  # [T, H, L]
