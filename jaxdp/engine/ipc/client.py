@@ -139,7 +139,8 @@ def check_controls(params: SamplingParams, speculative: bool, disagg: str | None
                          f"apply {asked[0]} yet; leave it out, or use a server without speculative decoding")
     if params.grammar is not None and not grammars:
         raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
-                         "json_schema, regex and ebnf out, or start it with --grammar-backend xgrammar")
+                         "json_schema, regex and ebnf out, or start it with --grammar-backend llguidance (the default) "
+                         "or xgrammar")
     if disagg is not None and (params.has_penalties or params.grammar is not None):
         raise BadRequest(f"this server runs --disaggregation-mode {disagg}, which does not apply penalties or "
                          "grammars yet; leave frequency_penalty, presence_penalty, repetition_penalty and grammars "
