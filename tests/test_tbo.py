@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.engine.step.buckets import Buckets
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import load_model
+from jaxdp.parallel.agreement import Proposal, agree_on_step
 from jaxdp.parallel.step import StepRunner, StepShape
 from jaxdp.parallel.tbo_split import check_threshold, micro_rows, split_bits, split_row
+from jaxdp.serve import build_parser
+from jaxdp.serve_config import UserError, tbo_threshold
 
 PAGE, NPAGES, PAGES_PER_SEQ = 8, 64, 4
 T_EXT, B = 32, 8
@@ -110,8 +114,6 @@ def test_split_rules_follow_sglang():
 
 
 def test_ranks_split_only_when_every_busy_rank_can():
-    from jaxdp.parallel.agreement import Proposal, agree_on_step
-
     can, cannot, idle = Proposal(8, True, False, tbo=2), Proposal(8, True, False, tbo=1), Proposal(0, False, False)
     assert agree_on_step([can, can, idle]).tbo  # an idle rank never holds the split back
     assert not agree_on_step([can, cannot, idle]).tbo  # (its batch splits only as a decode step)
@@ -124,9 +126,6 @@ def test_ranks_split_only_when_every_busy_rank_can():
 
 
 def test_buckets_compile_every_split_shape_and_choose_it_when_agreed():
-    from jaxdp.engine.step.buckets import Buckets
-    from jaxdp.parallel.agreement import Proposal, agree_on_step
-
     plain = Buckets.make(8, 64, 4, decode=[1, 8], extend=[16, 64], max_len_rows=16).with_pages(4, 8)
     tbo = dataclasses.replace(plain, tbo_threshold=THRESHOLD, tp=2)
     extra = set(tbo.shapes()) - set(plain.shapes())
@@ -139,9 +138,6 @@ def test_buckets_compile_every_split_shape_and_choose_it_when_agreed():
 
 
 def test_server_flags():
-    from jaxdp.serve import build_parser
-    from jaxdp.serve_config import UserError, tbo_threshold
-
     parse = build_parser().parse_args
     assert tbo_threshold(parse([])) is None  # off by default
     assert tbo_threshold(parse(["--enable-two-batch-overlap"])) == 0.48  # SGLang's default
