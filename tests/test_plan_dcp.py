@@ -50,7 +50,7 @@ def test_the_collectives_are_the_queries_the_lse_and_the_outputs_of_the_subgroup
     (["--dcp-size", "3"], "must divide the attention group's tp=8"),
     (["--dcp-size", "0"], "is not a device count"),
     (["--attn-dp-size", "32", "--dcp-size", "2"], "each group is one device (tp=1)"),
-    (["--dcp-size", "8", "--compile"], "does not split its KV pool"),
+    (["--dcp-size", "8", "--compile", "--speculative-algorithm", "EAGLE"], "does not speculate over a split"),
 ])
 def test_a_dcp_size_the_layout_cannot_take_is_one_sentence(extra, says, capsys):
     assert main([*K3_ROW, *extra]) == 2

@@ -175,9 +175,9 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         check_dcp(args.dcp_size, layout.tp)
     except DCPError as e:
         raise PlanError(str(e)) from None
-    if args.dcp_size > 1 and args.compile:
-        raise PlanError(f"--compile compiles the engine's step, which does not split its KV pool over a group "
-                        f"yet; drop --dcp-size {args.dcp_size} or --compile.")
+    if args.dcp_size > 1 and args.compile and args.speculative_algorithm is not None:
+        raise PlanError(f"--compile compiles the engine's step, which does not speculate over a split KV pool "
+                        f"yet; drop --dcp-size {args.dcp_size} or --speculative-algorithm.")
     if not 0 < args.balancedness <= 1:
         raise PlanError(f"--balancedness {args.balancedness} is mean / max tokens a GPU; give a value in (0, 1].")
     if args.balancedness != 1 and layout.moe != "ep":
@@ -247,7 +247,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             raise PlanError(f"--compile-steps {args.compile_steps!r} must be decode, extend or decode,extend.")
         case = CompileCase(args.decode_rows, args.extend_rows, args.context, args.page_size, kinds,
                            args.moe_runner_backend, args.compile_target or default_target(), args.attention_backend,
-                           draft_tokens)
+                           draft_tokens, args.dcp_size)
         result = compile_plan(cfg, layout, plan, case, gpu)
         plan["compiled"] = result.pop("compiled")
         plan["compile"] = result
@@ -335,7 +335,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "GPU (default 1.0: even)")
     p.add_argument("--dcp-size", type=int, default=1, metavar="N",
                    help="decode context parallelism (SGLang's flag): each attention group's KV split token-wise "
-                        "over N of its devices (N divides tp); counted on paper only (jaxdp/planner/dcp.py)")
+                        "over N of its devices (N divides tp); counted by jaxdp/planner/dcp.py, compiled with --compile")
     p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")
     p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")

@@ -62,6 +62,7 @@ class CompileCase:
     target: str = "cpu"  # "gpu": XLA:GPU for the plan's GPU (jaxdp.planner.xla_target); "cpu": XLA:CPU
     attention_backend: str | None = None  # --attention-backend (None: the target's: pallas on a GPU)
     draft_tokens: int = 0  # speculative decoding (--speculative-num-steps): the steps verify and draft this many
+    dcp_size: int = 1  # --dcp-size: the pool split token-wise over the group's devices (jaxdp.parallel.dcp)
 
 
 # --expert-dtype -> the loader's quantization: fp8 is a DeepSeek block-FP8 checkpoint (every Linear of the
@@ -140,7 +141,8 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     num_pages = max(1, tokens // case.page_size)
     spec = case.draft_tokens > 0  # the MTP layer's weights and its draft KV (one more layer of entries) too
     kv = kv_bytes(cfg, kv_dtype, include_mtp=spec)
-    planned_kv = num_pages * case.page_size * kv.per_token  # latents and (DSA) index keys, bf16
+    per_token = kv.per_token / case.dcp_size  # on one device (--dcp-size: 1/dcp of each of the group's tokens)
+    planned_kv = int(num_pages * case.page_size * per_token)  # latents and (DSA) index keys, bf16
     redundant = plan.get("num_redundant_experts", 0)
     planned_w = total_bytes(weights_per_device(cfg, layout, expert_dtype, placement="jaxdp", include_mtp=spec,
                                                num_redundant_experts=redundant))
@@ -153,7 +155,8 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
     draft = abstract_draft(cfg, layout, mesh, expert_dtype) if spec else None
     kernels, moe = decode_kernels(case.attention_backend, platform), moe_runner_backend(case.moe_backend, platform)
     runner, one_page = (StepRunner(model, layout, mesh, num_pages=n, page_size=case.page_size, draft=draft,
-                                   cache_dtype=jnp.bfloat16, abstract=True, moe_backend=moe, decode_kernel=kernels)
+                                   cache_dtype=jnp.bfloat16, abstract=True, moe_backend=moe, decode_kernel=kernels,
+                                   dcp_size=case.dcp_size)
                         for n in (num_pages, 1))
     compiled = []
     for shape in step_shapes(layout, case):
@@ -188,7 +191,7 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
             entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
                                          kernels.name == "pallas")
         compiled.append(entry)
-    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, kv.per_token, tokens, gpu.memory_bytes),
+    return {"compiled": compiled, "fit": _fit(compiled, planned_kv, per_token, tokens, gpu.memory_bytes),
             "host_devices": layout.total_devices, "backend": platform, "page_size": case.page_size,
             "num_pages_per_rank": num_pages, "target": case.target, "draft_tokens": case.draft_tokens,
             "device_kind": devices[0].device_kind, "moe_runner_backend": moe,
