@@ -335,7 +335,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "GPU (default 1.0: even)")
     p.add_argument("--dcp-size", type=int, default=1, metavar="N",
                    help="decode context parallelism (SGLang's flag): each attention group's KV split token-wise "
-                        "over N of its devices (N divides tp); counted by jaxdp/planner/dcp.py, compiled with --compile")
+                        "over N of its devices (N divides tp); counted by jaxdp/planner/dcp.py; --compile compiles it")
     p.add_argument("--rows", help="rows per attention group, e.g. 16,16,16,16 (default: the five situations)")
     p.add_argument("--extend", action="store_true", help="--rows is a prompt step (default: decode)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request (roofline)")
