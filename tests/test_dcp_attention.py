@@ -35,15 +35,17 @@ def split_pool(kv_BCK, N, S_local):
     return jnp.asarray(parts.reshape(N, B * pages, S_local, K)), jnp.asarray(table)
 
 
-def data(B=3, H=4, C=32, seed=0):
+def data(B=3, H=4, C=32, seed=0, lens=(1, 13, 32)):
     k = jax.random.split(jax.random.key(seed), 3)
     return (jax.random.normal(k[0], (B, H, L)), jax.random.normal(k[1], (B, H, R)),
-            jax.random.normal(k[2], (B, C, L + R)), jnp.array([1, 13, 32][:B], jnp.int32))
+            jax.random.normal(k[2], (B, C, L + R)), jnp.array(lens[:B], jnp.int32))
 
 
-@pytest.mark.parametrize("N", [2, 4])
-def test_merge_of_parts_is_whole_attention(N):
-    q_l, q_r, kv, lens = data()
+@pytest.mark.parametrize("N,C,lens", [(2, 32, (1, 13, 32)), (4, 32, (1, 13, 32)),
+                                      (2, 256, (1, 13, 32)), (2, 256, (1, 100, 256))])
+def test_merge_of_parts_is_whole_attention(N, C, lens):
+    """(C 256: a table of 64 pages of 2, read as its first 32 pages or whole, as the rows' lengths need)"""
+    q_l, q_r, kv, lens = data(C=C, lens=lens)
     want = full_attention(q_l, q_r, kv, lens)
     pools, table = split_pool(kv, N, 2)
 

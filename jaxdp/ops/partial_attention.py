@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdp.ops.attention import NEG_INF, gather_context
+from jaxdp.ops.attention import NEG_INF, decode_widths, gather_context
 
 
 def attend_latents_partial(q_BHK, kv_BXK, valid_BX, softmax_scale, kv_lora_rank):
@@ -30,11 +30,23 @@ def attend_latents_partial(q_BHK, kv_BXK, valid_BX, softmax_scale, kv_lora_rank)
 
 def mla_decode_partial(q_latent_BHL, q_rope_BHR, kv_PSK, page_table_BN, lens_B, *, softmax_scale, kv_lora_rank):
     """Each row's query over the first lens_B[b] entries its page table names (in table order): (o [B, H, L],
-    lse [B, H]), both float32."""
+    lse [B, H]), both float32. As `mla_decode_xla`, it gathers only the leading pages the longest row fills,
+    rounded up to a width of `decode_widths` (one branch of a switch each), not the whole page table."""
     q_BHK = jnp.concatenate([q_latent_BHL, q_rope_BHR.astype(q_latent_BHL.dtype)], -1)
-    kv_BCK = gather_context(kv_PSK, page_table_BN)
-    valid_BC = jnp.arange(kv_BCK.shape[1])[None, :] < lens_B[:, None]
-    return attend_latents_partial(q_BHK, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
+    N, S = page_table_BN.shape[1], kv_PSK.shape[1]
+
+    def attend(n):
+        def run(q_BHK, kv_PSK, page_table_BN, lens_B):
+            kv_BCK = gather_context(kv_PSK, page_table_BN[:, :n])
+            valid_BC = jnp.arange(n * S)[None, :] < lens_B[:, None]
+            return attend_latents_partial(q_BHK, kv_BCK, valid_BC, softmax_scale, kv_lora_rank)
+        return run
+
+    widths, args = decode_widths(N, S), (q_BHK, kv_PSK, page_table_BN, lens_B)
+    if len(widths) == 1:
+        return attend(N)(*args)
+    branch = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < (jnp.max(lens_B) + S - 1) // S)
+    return jax.lax.switch(branch, [attend(n) for n in widths], *args)
 
 
 def merge_partials(o_NBHL: jax.Array, lse_NBH: jax.Array) -> jax.Array:
