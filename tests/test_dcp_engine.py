@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
+from jaxdp.engine.options import DisaggConfig
 from jaxdp.model.loader import default_model_path
 from jaxdp.serve import build_parser
 from jaxdp.serve_config import PoolSizing, UserError, pool_pages, serve_config
@@ -86,6 +87,14 @@ def test_bad_dcp_flags_refused_in_one_sentence(flags, words):
 def test_engine_refuses_before_loading():
     with pytest.raises(ValueError, match="must divide"):
         Engine("default", "dp=2,tp=4", EngineConfig(disable_cuda_graph=True), warmup=False, dcp_size=3)
+
+
+@needs_model
+def test_engine_refuses_a_hand_off_into_a_split_pool():
+    cfg = EngineConfig(num_pages=8, disaggregation=DisaggConfig("decode"), disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="not built with --dcp-size 4") as e:
+        Engine("default", "dp=2,tp=4", cfg, warmup=False, dcp_size=4)
+    assert "\n" not in str(e.value)
 
 
 def retraction_answers(dcp: int) -> tuple[list, int]:

@@ -203,6 +203,9 @@ def make_disagg(cfg: DisaggConfig | None, runner, dp: int, post, local_ranks: ra
     `local_ranks`: the ranks this node schedules (default: all); `node_rank`: this node's (0: one node)."""
     if cfg is None:
         return None
+    if getattr(runner, "dcp_size", 1) > 1:  # (a split pool's parts are not in the hand-off's format: docs/dcp.md)
+        raise ValueError(f"--disaggregation-mode {cfg.mode} is not built with --dcp-size {runner.dcp_size} yet; "
+                         "drop one of them")
     if not cfg.model:  # both servers must serve one model: its architecture, as config.json would say it
         cfg = dataclasses.replace(cfg, model=model_fingerprint(dataclasses.asdict(runner.cfg)))
     local_ranks = range(dp) if local_ranks is None else local_ranks
