@@ -185,6 +185,8 @@ def test_openai_sampling_fields_reach_the_sampling_params():
     assert openai_params(ctx, {"max_completion_tokens": 9}, None).max_new_tokens == 9
     assert openai_params(ctx, {"max_tokens": 4, "max_completion_tokens": 9}, None).max_new_tokens == 4
     assert openai_params(ctx, {}, 16).max_new_tokens == 16
+    assert openai_params(ctx, {"include_stop_str_in_output": True}, 16).no_stop_trim is True  # (vLLM's name)
+    assert openai_params(ctx, {"no_stop_trim": True}, 16).no_stop_trim is True
 
 
 def test_native_sampling_fields_reach_the_sampling_params():
@@ -195,6 +197,11 @@ def test_native_sampling_fields_reach_the_sampling_params():
     (p,), n, skip = native_params(ctx, {"sampling_params": sp}, 1)
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (7, 0.5, 0.9, 5, 0.1, 11)
     assert p.stop == ["##"] and p.stop_token_ids == [3] and p.ignore_eos is True and n == 2 and skip is False
+    (p,), _, _ = native_params(ctx, {"sampling_params": {"stop_regex": r"\d+\.", "no_stop_trim": True}}, 1)
+    assert p.stop_regex == [r"\d+\."] and p.no_stop_trim is True
+    with pytest.raises(ApiError, match=r"^sampling_params\.stop_regex '\(a\)\\\\1' is not a regular expression this "
+                                       r"server reads \(invalid escape sequence"):
+        native_params(ctx, {"sampling_params": {"stop_regex": [r"(a)\1"]}}, 1)
     (p,), _, _ = native_params(ctx, {"sampling_params": {"sampling_seed": 5}}, 1)  # SGLang's name of seed
     assert p.seed == 5
     with pytest.raises(ApiError, match="seed and sampling_params.sampling_seed differ"):

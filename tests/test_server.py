@@ -165,6 +165,24 @@ def test_generate_pins_ranks_and_streams(server):
     assert len(logp) == 6 and all(lp <= 0 for lp, _tok, _text in logp)
 
 
+@pytest.mark.skipif(not HAVE_DEFAULT, reason="stop_regex needs the default model's tokenizer")
+def test_stop_regex_and_no_stop_trim_through_the_engine_process(server):
+    """SGLang's stop_regex stops a request in the engine child (its check runs there) and the text is cut before the
+    match; with no_stop_trim the match stays. The default model answers 37+48= with digits."""
+    sp = {"max_new_tokens": 12, "temperature": 0}
+    whole = post(server, "/generate", {"text": "37+48=", "sampling_params": sp}).json()
+    assert any(ch.isdigit() for ch in whole["text"]), whole["text"]
+    cut = post(server, "/generate", {"text": "37+48=", "sampling_params": sp | {"stop_regex": r"\d"}}).json()
+    kept = post(server, "/generate", {"text": "37+48=", "sampling_params": sp | {"stop_regex": [r"\d"],
+                                                                               "no_stop_trim": True}}).json()
+    first = next(i for i, ch in enumerate(whole["text"]) if ch.isdigit())
+    assert cut["text"] == whole["text"][:first] and kept["text"] == whole["text"][: first + 1]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\d"}
+    assert len(cut["output_ids"]) < len(whole["output_ids"]) or whole["meta_info"]["finish_reason"]["type"] == "stop"
+    bad = post(server, "/generate", {"text": "1", "sampling_params": {"stop_regex": "(?=a)"}})
+    assert bad.status_code == 400 and "not a regular expression this server reads" in bad.json()["error"]["message"]
+
+
 def test_round_robin_spreads_eight_requests_one_per_rank(server):
     async def run():
         async with httpx.AsyncClient(headers=AUTH, timeout=60) as c:

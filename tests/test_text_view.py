@@ -6,13 +6,21 @@ SentencePiece-style one (a leading space dropped at the start of a decode)."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from jaxdp.api.common import TextView
-from jaxdp.engine.sched.request import Request, SamplingParams, State
+from jaxdp.engine.sched.request import (
+    BadRequest,
+    Request,
+    SamplingParams,
+    State,
+    compile_stop_regexes,
+    stop_string_check,
+)
 from jaxdp.model.loader import default_model_path
 from jaxdp.tokenizer import Tokenizer
 
@@ -52,3 +60,54 @@ def test_incremental_text_equals_the_whole_text_rule_at_every_token(kind, stops)
                 break
         req.state = State.FINISHED
         assert view.text(req) == whole_text_rule(tok, req.output_ids, stops, True), req.output_ids
+
+
+# ---- stop_regex and no_stop_trim (SGLang's) ----------------------------------------------------------------------
+
+def whole_text_rule_re(tok, ids: list[int], stops: list[str], regexes: list[str], trim: bool) -> str | None:
+    """The finished text at the first token whose text holds a stop string or a stop_regex match: cut before the
+    leftmost one (after it with no_stop_trim); None while none is in it."""
+    full = tok.decode(ids, skip_special_tokens=True)
+    cuts = [(full.find(s), full.find(s) + len(s)) for s in stops if s in full]
+    cuts += [m.span() for r in regexes if (m := re.search(r, full))]
+    if not cuts:
+        return None
+    at, end = min(cuts)
+    return full[: at if trim else end]
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_stop_regex_and_no_stop_trim_cut_where_the_whole_text_rule_does(trim):
+    """A stream with stop_regex (and stop strings) gives, at the token where the engine stops it, the text the
+    rule gives for the whole output; with no_stop_trim the matched text stays. The engine's check
+    (`stop_string_check`) stops the request at that same token."""
+    tok = Tokenizer(default_model_path())
+    stops, regexes = ["zz"], [r"\d+\.", r"a[bt]+a"]
+    rng = random.Random(1)
+    ids = [tok.encode(c)[-1] for c in "abtz.123 "]
+    assert tok.decode(ids) == "abtz.123 "
+    stopped = 0
+    for _ in range(200):
+        params = SamplingParams(stop=stops, stop_regex=regexes, no_stop_trim=not trim).validate()
+        req, view = Request("r", [1], params), TextView(tok, stops, True, regexes, trim)
+        check = stop_string_check(tok, stops, regexes)
+        for _ in range(rng.randint(1, 40)):
+            req.output_ids.append(rng.choice(ids))
+            expect = whole_text_rule_re(tok, req.output_ids, stops, regexes, trim)
+            assert check(req) == (expect is not None), req.output_ids
+            if expect is not None:
+                req.state = State.FINISHED
+                assert view.text(req) == expect and view.matched in (*stops, *regexes), req.output_ids
+                stopped += 1
+                break
+            text = view.text(req)  # running: a held-back prefix of the whole text
+            assert tok.decode(req.output_ids).startswith(text)
+    assert stopped > 100  # (the draws reach a stop most of the time)
+
+
+def test_a_stop_regex_re2_cannot_read_is_one_sentence():
+    with pytest.raises(BadRequest, match=r"stop_regex '\(\?<=a\)b' is not a regular expression this server reads"):
+        SamplingParams(stop_regex=["(?<=a)b"]).validate()
+    # linear time whatever the pattern: a pattern that backtracks for ages in Python's re answers at once
+    r = compile_stop_regexes([r"(a+)+b"])[0]
+    assert r.search("a" * 5000 + "c") is None

@@ -12,7 +12,10 @@ import orjson
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from jaxdp.engine.sched.request import Request
+from jaxdp.engine.sched.request import Request, compile_stop_regexes
+
+STOP_REGEX_HOLD = 32  # characters a running stream holds back when the request has stop_regex
+STOP_REGEX_LOOKBACK = 256  # characters before the newest text where a stop_regex match may begin
 
 
 class ApiError(Exception):
@@ -40,18 +43,22 @@ def done_ids(req: Request) -> list[int]:
 
 
 class TextView:
-    """The text of a request's output as a client sees it: decoded, cut before the first stop string,
-    holding back a partial UTF-8 character and, while running, a tail that could begin a stop string.
+    """The text of a request's output as a client sees it: decoded, cut before the first stop string or stop_regex
+    match (after it with `trim` False: SGLang's no_stop_trim), holding back a partial UTF-8 character and, while
+    running, a tail that could begin a stop string (STOP_REGEX_HOLD characters with stop_regex: a stream has sent
+    the text before that, so a match that begins further back is cut from the final text only).
 
     Decoded incrementally (as SGLang's detokenizer and vLLM's): each call decodes only the tokens since the
     text last became whole, with the token before them as context (so a tokenizer that drops a word's leading
     space at the start of a decode gives the same text as decoding everything), and looks for stop strings
     only where a new one can end. A token costs the same at the 10th output token as at the 10,000th."""
 
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
-        self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.matched: str | None = None
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, stop_regex: list[str] = (),
+                 trim: bool = True):
+        self.tokenizer, self.stop, self.skip, self.trim = tokenizer, stop, skip_special_tokens, trim
+        self.regexes = list(zip(stop_regex, compile_stop_regexes(list(stop_regex)), strict=True))
+        self.hold = max([len(s) - 1 for s in stop] + ([STOP_REGEX_HOLD] if self.regexes else [0]))
+        self.matched: str | None = None  # the stop string, or the stop_regex pattern, that ended the text
         self._text = ""  # the whole text of ids[:_read]
         self._prefix = self._read = 0  # ids[_prefix:_read] decode to the end of _text (the context)
         self._searched = 0  # _text[:_searched] holds no stop string
@@ -79,16 +86,19 @@ class TextView:
         if self._cut is not None:
             return self._text[: self._cut]
         text = self._advance(done_ids(req), req.finished)
-        if self.stop:
+        if self.stop or self.regexes:
             start = max(0, self._searched - self.hold)
-            cuts = [(at, s) for s in self.stop if (at := text.find(s, start)) >= 0]
+            cuts = [(at, at + len(s), s) for s in self.stop if (at := text.find(s, start)) >= 0]
+            back = max(0, self._searched - STOP_REGEX_LOOKBACK)
+            cuts += [(m.start(), m.end(), p) for p, r in self.regexes if (m := r.search(text, back))]
             self._searched = len(text)
             if cuts:
-                self._cut, self.matched = min(cuts)
+                at, end, self.matched = min(cuts)
+                self._cut = at if self.trim else end  # (no_stop_trim: the matched text stays)
                 return text[: self._cut]
         if not req.finished:
             text = text.rstrip("\ufffd")
-            if self.stop and self.hold:
+            if self.hold:
                 text = text[: max(0, len(text) - self.hold)]
         return text
 
@@ -102,8 +112,10 @@ def finish_reason(req: Request, view: TextView | None) -> dict[str, Any] | None:
         return {"type": "length", "length": len(ids)}
     if req.finish_reason == "abort":
         return {"type": "abort", "message": req.error or "the request was aborted"}
-    if view is not None and view.matched is not None:
-        return {"type": "stop", "matched": view.matched}
+    if view is not None:
+        view.text(req)  # (reading the text finds the stop string or pattern that cut it, whatever was read first)
+        if view.matched is not None:
+            return {"type": "stop", "matched": view.matched}
     return {"type": "stop", "matched": ids[-1] if ids else None}
 
 

@@ -181,7 +181,8 @@ class ServerContext:
                         rid = f"{rid}-{j}"
                     req = self.backend.make_request(ids, p, rid=rid, rank=rank,
                                                     bootstrap=bootstraps[i] if bootstraps else None)
-                    view = TextView(self.tokenizer, p.stop, skip_special_tokens)  # (the engine checks stops)
+                    # (the engine checks the stops; the view cuts the text there)
+                    view = TextView(self.tokenizer, p.stop, skip_special_tokens, p.stop_regex, not p.no_stop_trim)
                     jobs.append(Job(req, view, i, rids[i] if rids else None))
         except (BadRequest, UnsupportedConfigError) as e:
             for job in jobs:

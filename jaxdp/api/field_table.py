@@ -111,6 +111,10 @@ _GRAMMAR = (", compiled by --grammar-backend (one grammar a request: two are ref
             "refused in one sentence)")
 CONTROLS_TEST = "tests/test_sampling_controls.py::test_penalties_and_logit_bias_reach_the_sampling_params"
 _NOT_SPEC = ", on a server that does not speculate (applied in the step, on the device)"
+STOPS_TEST = "tests/test_text_view.py::test_stop_regex_and_no_stop_trim_cut_where_the_whole_text_rule_does"
+_STOP_REGEX = ("a regular expression (RE2: no look-around or back-references) or up to 16 of 1 to 256 characters; "
+               "a match in the text of the last 64 output tokens stops the request, and the text is cut before it")
+_NO_TRIM = "true or false: the stop string (or stop_regex match) stays in the text"
 
 # ---- fields every OpenAI endpoint shares ---------------------------------------------------------------------
 _NO_MEANING = "carries no meaning for a self-hosted server; the answer is the same without it"
@@ -151,8 +155,8 @@ OPENAI_COMMON: dict[str, Field] = {
                            "not speculate: no eos, stop id or stop string ends it before", MIN_TOKENS_TEST),
     "skip_special_tokens": refused("true or false", True),
     "spaces_between_special_tokens": refused("true or false", True),
-    "include_stop_str_in_output": refused("true or false", False),
-    "no_stop_trim": refused("true or false", False),
+    "include_stop_str_in_output": honoured(_NO_TRIM + " (vLLM's name of no_stop_trim)", OPENAI_SAMPLING_TEST),
+    "no_stop_trim": honoured(_NO_TRIM, STOPS_TEST),
     "regex": honoured("a regular expression the output matches (SGLang's)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
     "ebnf": honoured("a GBNF grammar the output follows (SGLang's)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
     "json_schema": honoured("a JSON schema (text or object) the output follows (SGLang's)" + _GRAMMAR,
@@ -276,7 +280,7 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "seed": honoured("an integer (jaxdp's name; n choices get seed, seed+1, ...)", NATIVE_SAMPLING_TEST),
     "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING_TEST),
     "stream_interval": no_effect("an integer", "a stream sends every update; the text is the same"),
-    "stop_regex": refused("a regular expression or a list of them", []),
+    "stop_regex": honoured(_STOP_REGEX, STOPS_TEST),
     "frequency_penalty": honoured("a number in [-2, 2] (times each output token's count)" + _NOT_SPEC, CONTROLS_TEST),
     "presence_penalty": honoured("a number in [-2, 2] (once per token in the output)" + _NOT_SPEC, CONTROLS_TEST),
     "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens)" + _NOT_SPEC, CONTROLS_TEST),
@@ -288,7 +292,7 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "ebnf": honoured("a GBNF grammar" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
     "structural_tag": refused("a structural tag"),
     "spaces_between_special_tokens": refused("true or false", True),
-    "no_stop_trim": refused("true or false", False),
+    "no_stop_trim": honoured(_NO_TRIM, STOPS_TEST),
     "custom_params": refused("an object for a custom logit processor", {}),
     "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100]" + _NOT_SPEC, CONTROLS_TEST),
 }

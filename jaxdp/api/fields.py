@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxdp.api.common import ApiError
 from jaxdp.api.field_table import TABLES, Status
-from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, SamplingParams
+from jaxdp.engine.sched.request import MAX_LOGPROB_TOKEN_IDS, BadRequest, SamplingParams, compile_stop_regexes
 
 MAX_N = 16  # choices per request (n)
 MAX_PROMPTS = 256  # prompts in one batched request
@@ -203,15 +203,25 @@ def token_ids(value: Any, name: str, vocab_size: int, context_len: int) -> list[
     return int_list(value, name, vocab_size, max_len=context_len)
 
 
-def stop_strings(body: dict, *, where: str = "") -> list[str]:
-    stop = field(body, "stop", (str, list), where=where)
+def stop_strings(body: dict, *, where: str = "", name: str = "stop") -> list[str]:
+    stop = field(body, name, (str, list), where=where)
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if len(stop) > MAX_STOP:
-        raise ApiError(f"{where}stop holds {len(stop)} strings, more than the {MAX_STOP} allowed", param="stop")
+        raise ApiError(f"{where}{name} holds {len(stop)} strings, more than the {MAX_STOP} allowed", param=name)
     if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop):
-        raise ApiError(f"{where}stop must be a string or a list of strings of 1 to {MAX_STOP_LEN} characters",
-                       param="stop")
+        raise ApiError(f"{where}{name} must be a string or a list of strings of 1 to {MAX_STOP_LEN} characters",
+                       param=name)
     return stop
+
+
+def stop_regexes(body: dict, *, where: str = "") -> list[str]:
+    """SGLang's stop_regex: as stop, each one a pattern RE2 reads."""
+    patterns = stop_strings(body, where=where, name="stop_regex")
+    try:
+        compile_stop_regexes(patterns)
+    except BadRequest as e:
+        raise ApiError(f"{where}{e}", param="stop_regex") from None
+    return patterns
 
 
 def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: str = "") -> SamplingParams:
@@ -234,6 +244,8 @@ def sampling_params(sp: dict, *, max_new: int | None, vocab_size: int, where: st
         stop_token_ids=int_list(stop_ids, "stop_token_ids", vocab_size, max_len=MAX_STOP_TOKEN_IDS, where=where),
         ignore_eos=field(sp, "ignore_eos", bool, False, where=where),
         min_new_tokens=SAMPLING["min_new_tokens"].check(sp, "min_new_tokens", 0, where=where),
+        stop_regex=stop_regexes(sp, where=where),
+        no_stop_trim=field(sp, "no_stop_trim", bool, False, where=where),
     )
 
 

@@ -77,6 +77,9 @@ def _params(ctx: ServerContext, body: dict, default_max: int | None, echo: bool 
         max_tokens = SAMPLING["max_new_tokens"].check(body, "max_completion_tokens", default_max, param="max_tokens")
     sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                                "ignore_eos") if body.get(k) is not None}
+    for name in ("no_stop_trim", "include_stop_str_in_output"):  # (SGLang's name; vLLM's)
+        if body.get(name) is not None:
+            sp["no_stop_trim"] = sp.get("no_stop_trim", False) or field(body, name, bool)
     for name in ("min_tokens", "min_new_tokens"):  # (vLLM's name on its OpenAI endpoints; SGLang's)
         if body.get(name) is not None:
             sp["min_new_tokens"] = SAMPLING["min_new_tokens"].check(body, name, 0)
@@ -167,7 +170,7 @@ def output_text(ctx: ServerContext, job: Job) -> str:
     """The choice's text as the client sees it. Where it is read with special tokens (a request with tools), the
     stop token that ended it is left out."""
     text, req, view = job.view.text(job.req), job.req, job.view
-    if view.skip or not req.finished or req.finish_reason != "stop" or view.matched is not None:
+    if view.skip or not req.finished or req.finish_reason != "stop" or view.matched is not None or not view.trim:
         return text
     ids = done_ids(req)
     tail = ctx.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids and ctx.tokenizer else ""

@@ -59,8 +59,8 @@ def sent(req: Request) -> SentRequest:
 def received(msg: SentRequest, tokenizer) -> Request:
     """The request `sent` made, to run here (with its stop strings checked against this tokenizer)."""
     req = Request(msg.rid, list(msg.prompt_ids), msg.params, rank=msg.rank, bootstrap=msg.bootstrap)
-    if req.params.stop and tokenizer is not None:
-        req.stop_check = stop_string_check(tokenizer, req.params.stop)
+    if (req.params.stop or req.params.stop_regex) and tokenizer is not None:
+        req.stop_check = stop_string_check(tokenizer, req.params.stop, req.params.stop_regex)
     return req
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+import re2
 
 MAX_LOGPROB_TOKEN_IDS = 20  # token_ids_logprob: the most token ids a request may ask about
 MAX_MIN_TOKENS_STOP_IDS = 16  # the most stop_token_ids beside a min_new_tokens (the sampler masks each of them)
@@ -78,6 +79,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM's, over prompt and output tokens: positive logits divided, others times
     logit_bias: dict[int, float] | None = None  # token id: bias added to its logit (at most MAX_LOGIT_BIAS)
     grammar: GrammarSpec | None = None  # the output follows this grammar (the engine's `Grammars` compiles it)
+    stop_regex: list[str] = dataclasses.field(default_factory=list)  # SGLang's: stop once the output matches one
+    no_stop_trim: bool = False  # SGLang's (vLLM's include_stop_str_in_output): the stop string stays in the text
 
     @property
     def has_penalties(self) -> bool:
@@ -119,6 +122,9 @@ class SamplingParams:
                              f"stop_token_ids, got {len(self.stop_token_ids)}; send fewer")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        compile_stop_regexes(self.stop_regex)
         return self.check_controls()
 
     def check_controls(self) -> SamplingParams:
@@ -257,14 +263,35 @@ class Request:
         start = self.params.logprob_start_len
         return start >= 0 and len(self.input_logprobs) < len(self.prompt_ids) - start
 
-def stop_string_check(tokenizer, stops: list[str]) -> Callable[[Request], bool]:
-    """True once the decoded output contains a stop string (the text is cut there by the API layer). A token is
-    at least one character, so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
-    window = max(len(s) for s in stops) + 8
+STOP_REGEX_TOKENS = 64  # a stop_regex match is looked for in the decoded text of the last this many output tokens
+
+
+def compile_stop_regexes(patterns: list[str]) -> list:
+    """The stop_regex patterns compiled by RE2 (linear time whatever the pattern and the text: a hostile pattern
+    cannot stall the loop that checks it); a pattern RE2 cannot read is a BadRequest."""
+    options = re2.Options()
+    options.log_errors = False
+    out = []
+    for p in patterns:
+        try:
+            out.append(re2.compile(p, options=options))
+        except re2.error as e:
+            why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+            raise BadRequest(f"stop_regex {p!r} is not a regular expression this server reads ({why}); send an "
+                             "RE2 pattern (no look-around or back-references)") from None
+    return out
+
+
+def stop_string_check(tokenizer, stops: list[str], regexes: list[str] = ()) -> Callable[[Request], bool]:
+    """True once the decoded output contains a stop string, or one of `regexes` matches in the text of the last
+    STOP_REGEX_TOKENS output tokens (the text is cut there by the API layer). A token is at least one character,
+    so the last (longest stop + 8) tokens hold any stop string the newest token ends."""
+    window = max([len(s) + 8 for s in stops] + ([STOP_REGEX_TOKENS] if regexes else []))
+    compiled = compile_stop_regexes(list(regexes))
 
     def check(req: Request) -> bool:
         tail = tokenizer.decode([t for t in req.output_ids[-window:] if t >= 0])  # negative: still in flight
-        return any(s in tail for s in stops)
+        return any(s in tail for s in stops) or any(r.search(tail) for r in compiled)
 
     return check
 
@@ -295,8 +322,8 @@ def new_request(rid: str, prompt_ids: list[int] | str, params: SamplingParams | 
         raise BadRequest(f"logit_bias holds token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
     req = Request(rid, [int(t) for t in prompt_ids], params)
     check(req)
-    if params.stop:
+    if params.stop or params.stop_regex:
         if tokenizer is None:
-            raise BadRequest("stop strings need the model's tokenizer; use stop_token_ids instead")
-        req.stop_check = stop_string_check(tokenizer, params.stop)
+            raise BadRequest("stop strings and stop_regex need the model's tokenizer; use stop_token_ids instead")
+        req.stop_check = stop_string_check(tokenizer, params.stop, params.stop_regex)
     return req
