@@ -58,12 +58,20 @@ def _grouped(x_TD, idx_TK, w_TK, num_local: int, expert_offset, ffn):
     group_sizes_E = jnp.bincount(local_e, length=num_local + 1)[:num_local].astype(jnp.int32)
     y = ffn(x_TD[tok_sorted], group_sizes_E)
     y = y * jnp.where(held, w_TK.reshape(-1), 0.0)[order][:, None]
-    # back to (row, choice) order, then a row's K results added in choice order: XLA:CPU's segment_sum of a row's
-    # pairs depended on the number of rows (docs/determinism.md)
-    y_TKD = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(T, K, -1)
-    out = y_TKD[:, 0]
-    for k in range(1, K):
-        out = out + y_TKD[:, k]
+
+    def in_choice_order(y):
+        # back to (row, choice) order, then a row's K results added in choice order: XLA:CPU's segment_sum of a
+        # row's pairs depended on the number of rows (docs/determinism.md)
+        y_TKD = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(T, K, -1)
+        out = y_TKD[:, 0]
+        for k in range(1, K):
+            out = out + y_TKD[:, k]
+        return out
+
+    # (on a GPU the scatter-add: the [T * K, D] copy in row order would be a large temp at size, 0.94 GB in
+    # float32 for DeepSeek-V3's 4,096 gathered rows x 8 choices, and the determinism it buys is XLA:CPU's)
+    out = jax.lax.platform_dependent(y, cpu=in_choice_order,
+                                     default=lambda y: jax.ops.segment_sum(y, tok_sorted, num_segments=T))
     return out, group_sizes_E
 
 

@@ -26,13 +26,16 @@ def _tree(x: jax.Array, op, fill) -> jax.Array:
 
 
 def row_sum(x: jax.Array, keepdims: bool = False) -> jax.Array:
-    """The sum along the last axis, the same for a row whatever the array's other dims."""
-    out = _tree(x, jnp.add, 0)
+    """The sum along the last axis, the same for a row whatever the array's other dims (the tree on a CPU; XLA's
+    own reduction elsewhere, where the tree's slices would cost a GPU time and memory and buy nothing yet)."""
+    out = jax.lax.platform_dependent(x, cpu=lambda x: _tree(x, jnp.add, 0),
+                                     default=lambda x: jnp.sum(x, -1, keepdims=True))
     return out if keepdims else out[..., 0]
 
 
 def row_max(x: jax.Array, keepdims: bool = False) -> jax.Array:
-    out = _tree(x, jnp.maximum, -jnp.inf)
+    out = jax.lax.platform_dependent(x, cpu=lambda x: _tree(x, jnp.maximum, -jnp.inf),
+                                     default=lambda x: jnp.max(x, -1, keepdims=True))
     return out if keepdims else out[..., 0]
 
 
