@@ -14,11 +14,10 @@ from jaxdp.api.parsers.tool_calls import (
     StreamPiece,
     ToolCall,
     ToolCallDelta,
-    ToolCallFormat,
-    ToolCallGrammar,
     ToolCallParser,
     assemble_tool_calls,
 )
+from jaxdp.api.parsers.tool_formats import ToolCallFormat, ToolCallGrammar
 
 __all__ = [
     "REASONING_PARSER_NAMES",

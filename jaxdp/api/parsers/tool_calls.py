@@ -1,9 +1,10 @@
 """Tool calls in a model's text: one parser for every format in `tool_formats`, streamed or not.
 
-A format is data (`ToolCallFormat`): the markers around the calls, how a call's header names the function, and how
-its arguments are written (a JSON object, or key/value tags turned into one). `ToolCallParser` reads any of them
-with one state machine, fed text deltas of any size; `parse` is the same machine fed the whole text at once, so a
-stream assembled with `assemble_tool_calls` is exactly the one-shot result.
+A format is data (`ToolCallFormat`, in `tool_formats` with the formats themselves): the markers around the calls,
+how a call's header names the function, and how its arguments are written (a JSON object, or key/value tags turned
+into one). `ToolCallParser` reads any of them with one state machine, fed text deltas of any size; `parse` is the
+same machine fed the whole text at once, so a stream assembled with `assemble_tool_calls` is exactly the one-shot
+result.
 
 The rules, the same streamed and not:
 - text outside calls is content; blank space right before a call is dropped, and right after one unless it
@@ -20,64 +21,17 @@ The rules, the same streamed and not:
 """
 
 import json
-import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jaxdp.api.parsers.markers import find_first, partial_suffix_len
+from jaxdp.api.parsers.tool_formats import ToolCallFormat
 
 # the longest a call's header (or an argument's key tag) may run before the call is taken for text
 MAX_HEADER_CHARS = 256
-# a function name: letters, digits, `_`, `.` and `-` (OpenAI's names, plus the dots of namespaced tools)
-NAME_PATTERN = r"[\w.\-]+"
 _SPACE = " \t\r\n"
-
-
-@dataclass(frozen=True)
-class ToolCallGrammar:
-    """What a grammar needs later to constrain a model to this format's calls, as data: the text it writes around
-    a call to the function `{name}` (Kimi's also numbers its calls: `{index}`), and, where the arguments are not
-    one JSON object, one argument's text with `{key}` and `{value}` (DSML adds `{string}`: "true" for a string)."""
-
-    trigger: str  # the text that opens the tool-call part of an output
-    section_begin: str  # "" where the format has no section around its calls
-    call_begin: str
-    call_end: str
-    call_separator: str
-    section_end: str
-    argument: str  # "" where the arguments are one JSON object
-
-
-@dataclass(frozen=True)
-class PairGrammar:
-    """How a format writes one argument as tags instead of JSON: `begin`, a head (the key), `value_begin`, the
-    value, `value_end`. `head` matches the text between `begin` and `value_begin` whole, with a group `key` and
-    optionally `string` ("true": the value is a string as it stands; otherwise JSON)."""
-
-    begin: str
-    value_begin: str
-    value_end: str
-    head: re.Pattern[str]
-    json_body: bool  # a call may hold one JSON object instead of tags (SGLang accepts it for DSML)
-
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """One model family's tool-call text, as data the parser reads."""
-
-    name: str  # SGLang's --tool-call-parser name
-    section_begin: str | None
-    section_end: str | None
-    call_begin: str
-    call_end: str
-    header_end: str | None  # ends a call's header and is consumed
-    header_stops: tuple[str, ...]  # end a call's header and belong to what follows it
-    header: re.Pattern[str]  # matches a header whole: group `name`, optionally `id` (Kimi's call ids)
-    pairs: PairGrammar | None  # None: the arguments are one JSON object as written
-    argument_trailer: str  # characters stripped from the end of JSON arguments (V3's closing ``` fence)
-    grammar: ToolCallGrammar
 
 
 @dataclass(frozen=True)
