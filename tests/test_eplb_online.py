@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.config import get_config
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.engine.step.step_stats import compiles_total
 from jaxdp.eplb.algorithm import PlacementError
@@ -28,11 +29,12 @@ from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.layers import axes_of
 from jaxdp.model.loader import load_model
 from jaxdp.model.quant import quantize_experts
-from jaxdp.model.sharded import shard_model
+from jaxdp.model.sharded import init_sharded, param_table, shard_model
 from jaxdp.parallel.step import StepRunner, StepShape
 
 PAGE, NPAGES, PAGES_PER_SEQ, T, B, R = 8, 16, 2, 16, 4, 8
 SPEC = "dp=8,moe=ep"
+FP8_SPEC = "dp=8,moe=ep,dense=replicated"  # SGLang's --moe-dense-tp-size 1
 SKEW = np.array([[5, 1, 2, 90, 7, 1, 30, 3], [1, 60, 2, 2, 40, 9, 1, 1]], np.int64)
 OTHER = np.array([[80, 3, 1, 1, 2, 50, 1, 9], [2, 2, 70, 1, 1, 1, 1, 45]], np.int64)
 
@@ -62,16 +64,18 @@ def steps(runner: StepRunner, cfg) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", [None, "nvfp4"])  # (the tiny block-FP8 model does not shard under EP today)
-def test_a_move_gives_every_slot_its_new_expert_with_its_scales_and_changes_no_logit(quantization):
+@pytest.mark.parametrize(("quantization", "spec"), [(None, SPEC), ("nvfp4", SPEC), ("fp8", FP8_SPEC)])
+def test_a_move_gives_every_slot_its_new_expert_with_its_scales_and_changes_no_logit(quantization, spec):
     """Slow (about 30 s each: two runners' steps compiled): a two-layer move, one layer a chunk, under dp=8,moe=ep
     with 8 redundant experts; shows the weights (and FP8 block scales, NVFP4 scales) follow the map bit for bit and
-    no logit moves."""
+    no logit moves. Block-FP8 runs with the dense layers whole on every device (FP8_SPEC): the tiny dense FFN's
+    128-wide intermediate is one scale block, which 8 devices cannot split (its experts' scales split like their
+    values either way; test_block_fp8_experts_scales_split_along_the_experts_axis)."""
     with jax.default_matmul_precision("highest"):
         cfg, model = load_model("tiny", "float32", seed=7, quantization=quantization)
         quantize_experts(model, quantization)
         logical = logical_experts(model)
-        lay = parse_mesh_spec(SPEC)
+        lay = parse_mesh_spec(spec)
         mesh = lay.make_mesh(jax.devices()[: lay.world])
         sharded = with_expert_slots(shard_model(model, lay, mesh), ExpertPlacement.from_load(SKEW, R, 8), lay, mesh)
         runner = StepRunner(sharded, lay, mesh, num_pages=NPAGES, page_size=PAGE)
@@ -168,3 +172,25 @@ def test_rebalancing_needs_the_slots():
     runner = SimpleNamespace(expert_map=lambda: None, multi_process=False)  # (experts held without a map)
     with pytest.raises(PlacementError, match="^--enable-eplb moves experts between the slots of "):
         Rebalancer(runner, EplbConfig())
+
+
+def test_block_fp8_experts_scales_split_along_the_experts_axis():
+    """Under dp=8,moe=ep a block-FP8 expert's scales split over the experts axis as its values do (so a move carries
+    them); what does not split is the tiny dense FFN's one 128-wide scale block over 8 devices, refused in one sentence
+    before anything is allocated; with dense=replicated the model builds."""
+    cfg = get_config("tiny")
+    lay = parse_mesh_spec(SPEC)
+    table = param_table(cfg, lay, np.float32, "fp8")
+    for name in ("w_gate_up_ED2I", "w_down_EID"):
+        values, scales = table[f"moe_layers.ffn.{name}"], table[f"moe_layers.ffn.{name}_bscale"]
+        assert scales.axes == values.axes and scales.spec == values.spec and values.spec[1] == ("dp", "tp")
+        assert scales.shape[:2] == values.shape[:2] == (cfg.num_moe_layers, cfg.n_routed_experts)
+    mesh = lay.make_mesh(jax.devices()[: lay.world])
+    with pytest.raises(ValueError) as e:
+        init_sharded(cfg, lay, mesh, quantization="fp8")
+    assert str(e.value).startswith("the FP8 weight dense_layers.ffn.w_down_FD (128 wide along axis 1) does not split "
+                                   "into whole 128-wide scale blocks over 8 devices") and "\n" not in str(e.value)
+    fp8 = parse_mesh_spec(FP8_SPEC)
+    built = init_sharded(cfg, fp8, fp8.make_mesh(jax.devices()[: fp8.world]), quantization="fp8")
+    scale = built.state["moe_layers"]["ffn"]["w_down_EID_bscale"].get_value()
+    assert scale.sharding.shard_shape(scale.shape)[1] == cfg.n_routed_experts // 8

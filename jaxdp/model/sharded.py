@@ -411,6 +411,8 @@ def init_sharded(cfg: ModelConfig, layout: Layout, mesh, dtype=jnp.float32, seed
     """Random weights (seeded), each array created by the devices in its final sharding."""
     rcfg, method = resolve_quantization(cfg, quantization)
     check_divisible(rcfg, layout, method)
+    if rcfg.fp8_block:  # (a block-FP8 weight split into pieces of a scale block: one sentence, before allocating)
+        check_fp8_split(param_table(cfg, layout, dtype, quantization), mesh, layout, rcfg.fp8_block[0])
     graphdef, astate = abstract_state(cfg, layout, mesh, dtype, quantization)
     shardings = jax.tree.map(lambda x: x.sharding, astate)
 
@@ -438,6 +440,8 @@ def init_mtp_sharded(cfg: ModelConfig, layout: Layout, mesh, dtype=jnp.float32, 
 
 def shard_model(model: DeepseekV3, layout: Layout, mesh) -> ShardedModel:
     """A model already in memory (e.g. restored from orbax) moved onto the mesh in the step's sharding."""
+    if model.cfg.fp8_block:
+        check_fp8_split(table_of(model, layout), mesh, layout, model.cfg.fp8_block[0])
     graphdef, state = nnx.split(model)
     specs = state_specs(state, layout)
     return ShardedModel(model.cfg, graphdef,
