@@ -49,6 +49,7 @@ from jaxdp.grammar import Grammars, vocabulary
 from jaxdp.layout import LayoutError, check_memory_balance, device_free_memory, ensure_host_devices
 from jaxdp.node import serve_node
 from jaxdp.ops.platform import keep_freed_host_memory
+from jaxdp.parallel.tbo import set_xla_flags as set_tbo_xla_flags
 from jaxdp.serve_config import (  # noqa: F401  (the flags' checks, re-exported where callers look for them)
     ServeConfig,
     UserError,
@@ -111,10 +112,23 @@ def load_tokenizer(config: ServeConfig) -> Tokenizer | None:
     return tokenizer
 
 
+def start_xla_flags(config: ServeConfig, environ=os.environ, platform: str | None = None) -> None:
+    """The XLA_FLAGS the engines need, set before JAX's backends start (when XLA reads them): with two-batch
+    overlap on a GPU, XLA:GPU's analytical latency estimator and no combining of the micro-batches' collectives
+    (`jaxdp.parallel.tbo.xla_flags`; a flag the user set keeps the user's value). platform: JAX's, predicted
+    (`jaxdp.parallel.tbo.platform_at_start`) unless given."""
+    if config.engine.tbo_threshold is not None:
+        before = environ.get("XLA_FLAGS", "")
+        if (after := set_tbo_xla_flags(environ, platform)) != before:
+            log.info("two-batch overlap on a GPU: XLA_FLAGS=%s", after)
+
+
 def start_engines(config: ServeConfig) -> tuple[ReplicaSet, Tokenizer | None]:
-    """In the process that owns the devices (the engine process, a server without one, a node > 0): join the model
-    world or ask for the host devices the mesh needs before JAX's backends start, then build the engines."""
+    """In the process that owns the devices (the engine process, a server without one, a node > 0): set the XLA
+    flags the engines need, join the model world or ask for the host devices the mesh needs before JAX's
+    backends start, then build the engines."""
     layout, dist = config.layout, config.dist
+    start_xla_flags(config)
     if dist.multi:
         ensure_host_devices(local_device_count(layout.world, dist.nnodes, layout.tp))
         init_distributed(dist)  # before anything else starts JAX's backends
