@@ -12,7 +12,8 @@ the order they run) and returns a dict with `ok` and what it found:
   grids the caller expects.
 - `experts`: no materialized array holds the routed experts' work per expert over every row (a
   `[rows, E, N]` product, what XLA makes of `ragged_dot` where it has no grouped GEMM).
-- `collectives`: each collective as a start/done pair (asynchronous) or not, and what runs between them.
+- `collectives`: each collective as a start/done pair (asynchronous) or not, and what runs between them
+  (`collective_spans`, the walk the two-batch-overlap report reads too).
 
 "Materialized" means the result of an instruction of a computation that is not fused (the entry, loop
 bodies and the like), parameters and views (bitcast, get-tuple-element, tuple) excepted.
@@ -30,7 +31,7 @@ VIEWS = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "copy
 _GEMM_CALLS = ("__cublas", "__cudnn", "__triton_gemm", "gemm")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute", "collective-broadcast")
-_COMPUTE = {"fusion", "custom-call", "dot", "convolution", "while", "conditional", "call"}
+COMPUTE = {"fusion", "custom-call", "dot", "convolution", "while", "conditional", "call"}
 
 
 def itemsize(hlo_dtype: str) -> int:
@@ -179,7 +180,7 @@ def check_fp8_weights(mod: Module) -> dict[str, Any]:
             dims = max(wide, key=_elements)
             copies.append({"shape": f"{[t for t, d in ins.arrays if d == dims][0]}[{','.join(map(str, dims))}]",
                            "elements": _elements(dims), "instruction": ins.name, "computation": comp,
-                           "op": _op_name(ins.line), "weight_sized": _elements(dims) in sizes})
+                           "op": op_name(ins.line), "weight_sized": _elements(dims) in sizes})
     copies.sort(key=lambda c: -c["elements"])
     return {"ok": not copies, "fp8_weights": len(sizes), "smallest_layer_weight_elements": smallest,
             "copies": copies[:8]}
@@ -207,13 +208,14 @@ def check_layer_copies(mod: Module, min_bytes: int = 2**20) -> dict[str, Any]:
             nbytes = _elements(dims) * itemsize(dtype)
             if nbytes >= min_bytes and (dtype, squeeze(dims)) in layers:
                 copies.append({"shape": f"{dtype}[{','.join(map(str, dims))}]", "bytes": nbytes,
-                               "instruction": ins.name, "computation": comp, "op": _op_name(ins.line)})
+                               "instruction": ins.name, "computation": comp, "op": op_name(ins.line)})
     copies.sort(key=lambda c: -c["bytes"])
     return {"ok": not copies, "copies": copies[:8], "count": len(copies),
             "bytes_per_pass": sum(c["bytes"] for c in copies)}
 
 
-def _op_name(line: str) -> str:
+def op_name(line: str) -> str:
+    """The last part of an instruction's op_name (the traced operation it comes from), or ''."""
     op = re.search(r'op_name="([^"]*)"', line)
     return op.group(1).rsplit("/", 2)[-1] if op else ""
 
@@ -261,38 +263,71 @@ def check_experts(mod: Module, experts: int, rows: set[int], widths: set[int]) -
                 w in big for w in widths if w not in (experts, *has_rows))
             if per_expert:
                 expanded.append({"shape": f"{dtype}[{','.join(map(str, dims))}]", "instruction": ins.name,
-                                 "computation": comp, "op": _op_name(ins.line)})
+                                 "computation": comp, "op": op_name(ins.line)})
     return {"ok": not expanded, "experts_per_device": experts, "expanded": expanded[:6]}
+
+
+@dataclasses.dataclass
+class CollectiveSpan:
+    """One collective of an unfused computation as scheduled: asynchronous (`start` with its `done`, and the
+    instructions the schedule runs between them) or synchronous (`start` alone, `done` None, nothing between)."""
+
+    kind: str  # "all-gather", "ragged-all-to-all", ...
+    computation: str
+    index: int  # the start's position in its computation
+    start: Instr
+    done: Instr | None
+    between: list[Instr]
+
+    @property
+    def is_async(self) -> bool:
+        return self.start.opcode.endswith("-start")
+
+    @property
+    def compute(self) -> list[Instr]:
+        """The compute scheduled inside (what can overlap the transfer)."""
+        return [i for i in self.between if i.opcode in COMPUTE]
+
+
+def collective_spans(mod: Module) -> list[CollectiveSpan]:
+    """Every collective of every unfused computation, in schedule order (the one walk `check_collectives` and
+    the two-batch-overlap report, `jaxdp.planner.tbo_report`, read)."""
+    spans = []
+    for comp, instrs in mod.computations.items():
+        if comp in mod.fused:
+            continue
+        position = {i.name: k for k, i in enumerate(instrs)}
+        for k, ins in enumerate(instrs):
+            kind = collective_kind(mod, ins)
+            if kind is None or ins.opcode.endswith("-done"):
+                continue
+            done = None
+            if ins.opcode.endswith("-start"):
+                done = next((j for j in instrs[k + 1:] if ins.name in j.operands and j.opcode.endswith("-done")),
+                            None)
+            between = instrs[k + 1: position[done.name]] if done else []
+            spans.append(CollectiveSpan(kind, comp, k, ins, done, between))
+    return spans
 
 
 def check_collectives(mod: Module) -> dict[str, Any]:
     """Every collective: asynchronous (a start with its done) or synchronous, and what the schedule puts
     between a start and its done (compute that overlaps the transfer)."""
     pairs, sync = [], []
-    for comp, instrs in mod.computations.items():
-        if comp in mod.fused:
-            continue
-        position = {i.name: k for k, i in enumerate(instrs)}
-        for k, ins in enumerate(instrs):
-            kind = _collective_kind(mod, ins)
-            if kind is None:
-                continue
-            if ins.opcode.endswith("-start"):
-                done = next((j for j in instrs[k + 1:] if ins.name in j.operands and j.opcode.endswith("-done")),
-                            None)
-                between = instrs[k + 1: position[done.name]] if done else []
-                work = [i for i in between if i.opcode in _COMPUTE]
-                pairs.append({"op": kind, "computation": comp, "done": done is not None,
-                              "overlapped": len(work), "with": sorted({_op_name(i.line) or i.opcode
-                                                                       for i in work})[:4]})
-            elif not ins.opcode.endswith("-done"):
-                sync.append({"op": kind, "computation": comp, "instruction": ins.name})
+    for s in collective_spans(mod):
+        if s.is_async:
+            work = s.compute
+            pairs.append({"op": s.kind, "computation": s.computation, "done": s.done is not None,
+                          "overlapped": len(work), "with": sorted({op_name(i.line) or i.opcode for i in work})[:4]})
+        else:
+            sync.append({"op": s.kind, "computation": s.computation, "instruction": s.start.name})
     ok = not sync and all(p["done"] for p in pairs)
     return {"ok": ok, "async": len(pairs), "overlapped": sum(p["overlapped"] > 0 for p in pairs),
             "sync": sync[:8], "pairs": pairs}
 
 
-def _collective_kind(mod: Module, ins: Instr) -> str | None:
+def collective_kind(mod: Module, ins: Instr) -> str | None:
+    """The collective an instruction is, or starts (its `-start`, or an async wrapper of it); None otherwise."""
     op = ins.opcode
     for c in sorted(_COLLECTIVES, key=len, reverse=True):
         if op in (c, f"{c}-start"):

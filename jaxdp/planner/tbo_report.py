@@ -25,88 +25,101 @@ from jaxdp.model.loader import preset_config
 from jaxdp.ops.attention import decode_kernels
 from jaxdp.ops.registry import moe_runner_backend
 from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.parallel.tbo import xla_flags as tbo_xla_flags
 from jaxdp.parallel.tbo_split import DEFAULT_THRESHOLD, micro_rows
 from jaxdp.planner import xla_target
 from jaxdp.planner.compile import abstract_sharded
-from jaxdp.planner.hlo_checks import _COMPUTE, _collective_kind, _op_name, parse
+from jaxdp.planner.hlo_checks import CollectiveSpan, Instr, Module, collective_spans, op_name, parse
 
-SOL_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_analytical_sol_latency_estimator=true"
-_SCOPE = re.compile(r'op_name="[^"]*tbo_mb([01])')
+SOL_FLAG = "xla_gpu_enable_analytical_sol_latency_estimator"
+_SCOPES = re.compile(r"tbo_mb([01])")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def micro_batches_of(line: str) -> set[int]:
+    """The micro-batches an HLO instruction was traced in (the scopes its op_name names: two where XLA merged
+    both micro-batches' operations into one)."""
+    m = _OP_NAME.search(line)
+    return {int(k) for k in _SCOPES.findall(m.group(1))} if m else set()
 
 
 def micro_batch_of(line: str) -> int | None:
-    """The micro-batch an HLO instruction was traced in (its op_name's scope), or None."""
-    m = _SCOPE.search(line)
-    return int(m.group(1)) if m else None
+    """The one micro-batch an HLO instruction was traced in, or None (none, or both)."""
+    found = micro_batches_of(line)
+    return found.pop() if len(found) == 1 else None
 
 
-def _scope_of(mod, ins) -> int | None:
-    """The micro-batch of an instruction, or of the collective an async-start wraps (the metadata is there)."""
-    mb = micro_batch_of(ins.line)
-    if mb is None and ins.opcode == "async-start":
+def _scopes(mod: Module, ins: Instr) -> set[int]:
+    """The micro-batches of an instruction, or of the collective an async-start wraps (the metadata is there)."""
+    found = micro_batches_of(ins.line)
+    if not found and ins.opcode == "async-start":
         for comp in ins.calls():
-            mb = next((m for i in mod.computations.get(comp, []) if (m := micro_batch_of(i.line)) is not None), None)
-            if mb is not None:
+            found = set().union(*(micro_batches_of(i.line) for i in mod.computations.get(comp, [])))
+            if found:
                 break
-    return mb
+    return found
 
 
-def _collective_scope(mod, instrs, k: int, done_name: str | None) -> int | None:
-    """The micro-batch of the collective at instrs[k]: its own scope, else (XLA:GPU leaves a ragged all-to-all's
-    start without metadata) the scope of what reads its result (through views), else of what it reads."""
-    ins = instrs[k]
-    mb = _scope_of(mod, ins)
-    if mb is not None:
-        return mb
+def _nearest_scopes(mod: Module, instrs: list[Instr], span: CollectiveSpan, upstream: bool) -> set[int]:
+    """The micro-batches of the nearest scoped instructions that feed the collective (upstream) or read its
+    result (downstream), within four steps through unscoped ones."""
     by_name = {i.name: i for i in instrs}
-    frontier, seen = {done_name or ins.name}, set()
-    for _ in range(4):  # readers of the result
-        readers = [i for i in instrs[k + 1:] if frontier & set(i.operands) and i.name not in seen]
-        for i in readers:
-            if (mb := _scope_of(mod, i)) is not None:
-                return mb
-        seen |= {i.name for i in readers}
-        frontier = {i.name for i in readers}
-    frontier = set(ins.operands)
-    for _ in range(4):  # producers of its operands
-        producers = [by_name[n] for n in frontier if n in by_name]
-        for i in producers:
-            if (mb := _scope_of(mod, i)) is not None:
-                return mb
-        frontier = {o for i in producers for o in i.operands}
-    return None
+    if upstream:
+        frontier = [by_name[n] for n in span.start.operands if n in by_name]
+    else:
+        names = {(span.done or span.start).name}
+        frontier = [i for i in instrs[span.index + 1:] if names & set(i.operands)]
+    seen: set[str] = set()
+    for _ in range(4):
+        found = set().union(*(_scopes(mod, i) for i in frontier))
+        if found:
+            return found
+        seen |= {i.name for i in frontier}
+        if upstream:
+            frontier = [by_name[n] for i in frontier for n in i.operands if n in by_name and n not in seen]
+        else:
+            names = {i.name for i in frontier}
+            frontier = [i for i in instrs[span.index + 1:] if names & set(i.operands) and i.name not in seen]
+    return set()
+
+
+def _collective_scopes(mod: Module, span: CollectiveSpan) -> set[int]:
+    """The micro-batch(es) of a collective: its own scopes (both: XLA combined the two micro-batches' collectives
+    into one); else (XLA:GPU leaves a ragged all-to-all's start without metadata) those of what feeds it (its
+    buffers and offsets, which are its micro-batch's alone), else of what reads its result; where one side names
+    both micro-batches (XLA fused the two micro-batches' operations into one), the other side decides."""
+    own = _scopes(mod, span.start)
+    if own:
+        return own
+    instrs = mod.computations[span.computation]
+    up = _nearest_scopes(mod, instrs, span, upstream=True)
+    if len(up) == 1:
+        return up
+    down = _nearest_scopes(mod, instrs, span, upstream=False)
+    return down if len(down) == 1 or not up else up
 
 
 def overlap_report(hlo_text: str) -> dict[str, Any]:
-    """Per micro-batch collective of the scheduled HLO: (op, micro-batch, computation, asynchronous, the other
-    micro-batch's compute instructions between its start and done and their names); `ok`: there is at least one
-    and every one has some of the other's compute inside it."""
+    """Per micro-batch collective of the scheduled HLO (`hlo_checks.collective_spans`, the walk `plan --compile`'s
+    collectives check reads): its op, micro-batch ("both" where XLA combined the two micro-batches' into one: a
+    point where each waits for the other, never overlapped), computation, whether asynchronous, and the other
+    micro-batch's compute instructions between its start and its done (count and names); `ok`: there is at least
+    one and every one has some of the other's compute inside it."""
     mod = parse(hlo_text)
     rows = []
-    for comp, instrs in mod.computations.items():
-        if comp in mod.fused:
+    for span in collective_spans(mod):
+        mbs = _collective_scopes(mod, span)
+        if not mbs:
             continue
-        position = {i.name: k for k, i in enumerate(instrs)}
-        for k, ins in enumerate(instrs):
-            kind = _collective_kind(mod, ins)
-            if kind is None or ins.opcode.endswith("-done"):
-                continue
-            done = None
-            if ins.opcode.endswith("-start"):
-                done = next((j for j in instrs[k + 1:] if ins.name in j.operands and j.opcode.endswith("-done")), None)
-            mb = _collective_scope(mod, instrs, k, done.name if done else None)
-            if mb is None:
-                continue
-            row = {"op": kind, "micro_batch": mb, "computation": comp, "instruction": ins.name,
-                   "async": ins.opcode.endswith("-start"), "other_compute": 0, "with": []}
-            if row["async"]:
-                between = instrs[k + 1: position[done.name]] if done else []
-                other = [i for i in between if i.opcode in _COMPUTE and _scope_of(mod, i) == 1 - mb]
-                row["other_compute"] = len(other)
-                row["with"] = sorted({_op_name(i.line) or i.opcode for i in other})[:4]
-            rows.append(row)
-    for r in rows:
-        r["in_scan"] = r["computation"] != mod.entry  # (the scan's body; outside: the peeled first / last layer)
+        mb = mbs.pop() if len(mbs) == 1 else "both"
+        row = {"op": span.kind, "micro_batch": mb, "computation": span.computation,
+               "instruction": span.start.name, "async": span.is_async, "other_compute": 0, "with": [],
+               "in_scan": span.computation != mod.entry}  # (the scan's body; outside: the peeled layers)
+        if span.is_async and mb != "both":
+            other = [i for i in span.compute if 1 - mb in _scopes(mod, i)]
+            row["other_compute"] = len(other)
+            row["with"] = sorted({op_name(i.line) or i.opcode for i in other})[:4]
+        rows.append(row)
     ok = bool(rows) and all(r["other_compute"] > 0 for r in rows)
     return {"ok": ok, "collectives": rows,
             "overlapped": sum(r["other_compute"] > 0 for r in rows), "total": len(rows)}
@@ -120,8 +133,10 @@ def format_report(name: str, report: dict[str, Any]) -> list[str]:
              "  mb  collective            async  other mb's compute inside (count: some names)"]
     for r in report["collectives"]:
         inside = f"{r['other_compute']}: {', '.join(r['with'])}" if r["other_compute"] else "none"
+        if r["micro_batch"] == "both":
+            inside = "none: both micro-batches' in one (XLA combined them)"
         where = " [layer scan]" if r.get("in_scan") else " [outside the scan: dense / first / last layer]"
-        lines.append(f"  {r['micro_batch']}   {r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
+        lines.append(f"  {r['micro_batch']:<4}{r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
     return lines
 
 
@@ -157,11 +172,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dump", help="write each step's scheduled HLO into this folder")
     ap.add_argument("--estimator", choices=("sol", "default"), default="sol",
                     help="XLA:GPU's latency estimator for the latency-hiding scheduler: sol (its analytical "
-                         "speed-of-light model) or default (XLA's approximate one)")
+                         "speed-of-light model, what the server sets for two-batch overlap) or default (XLA's "
+                         "approximate one)")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (JAX stays on its CPU backend; XLA:GPU compiles, as plan does)
-    if args.estimator == "sol":  # (read when the GPU client starts, which is after this)
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SOL_FLAGS}".strip()
+    # the server's XLA_FLAGS for two-batch overlap on a GPU (read when the GPU client starts, which is after this);
+    # --estimator default overrides its latency estimator, as a user's own flag would
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.estimator == "default":
+        flags = f"{flags} --{SOL_FLAG}=false"
+    os.environ["XLA_FLAGS"] = tbo_xla_flags(flags, "cuda")
     texts = compile_steps(args.layers, tuple(args.kinds.split(",")), args.gpu)
     reports = {}
     for name, text in texts.items():
