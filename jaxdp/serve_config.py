@@ -275,8 +275,7 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)
         engine.eplb = eplb_config(args.enable_eplb, args.eplb_rebalance_num_iterations,
-                                  args.eplb_rebalance_layers_per_chunk, layout.moe, args.ep_num_redundant_experts,
-                                  dist.multi)
+                                  args.eplb_rebalance_layers_per_chunk, layout.moe, args.ep_num_redundant_experts)
     except RecorderError as e:
         raise UserError(str(e).rstrip(".")) from None
     if engine.speculative is not None:  # before anything loads: the MTP layer is there, the options go with it

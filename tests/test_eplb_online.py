@@ -123,9 +123,7 @@ def test_eplb_flags_refused_in_one_sentence():
                                                    "per-chunk need --enable-eplb."),
                        ((True, None, None, "tp", 8), "--enable-eplb moves experts between the slots of"),
                        ((True, None, None, "ep", 0), "--enable-eplb moves experts between the slots of"),
-                       ((True, 0, None, "ep", 8), "--eplb-rebalance-num-iterations must be at least 1, not 0."),
-                       ((True, None, None, "ep", 8, True), "--enable-eplb is not built for a model spanning several "
-                                                           "nodes; run it with --nnodes 1.")):
+                       ((True, 0, None, "ep", 8), "--eplb-rebalance-num-iterations must be at least 1, not 0.")):
         with pytest.raises(RecorderError) as e:
             eplb_config(*args)
         assert str(e.value).startswith(says) and "\n" not in str(e.value)
@@ -169,7 +167,7 @@ def cfg_layers(engine) -> int:
 
 
 def test_rebalancing_needs_the_slots():
-    runner = SimpleNamespace(expert_map=lambda: None, multi_process=False)  # (experts held without a map)
+    runner = SimpleNamespace(expert_map=lambda: None)  # (experts held without a map)
     with pytest.raises(PlacementError, match="^--enable-eplb moves experts between the slots of "):
         Rebalancer(runner, EplbConfig())
 

@@ -35,15 +35,13 @@ class EplbConfig:
 
 
 def eplb_config(enable: bool, num_iterations: int | None, layers_per_chunk: int | None, moe: str,
-                num_redundant: int, several_nodes: bool = False) -> EplbConfig | None:
+                num_redundant: int) -> EplbConfig | None:
     """`--enable-eplb` and its two numbers, checked (a RecorderError, one sentence, names the flag to change)."""
     if not enable:
         if num_iterations is not None or layers_per_chunk is not None:
             raise RecorderError("--eplb-rebalance-num-iterations and --eplb-rebalance-layers-per-chunk need "
                                 "--enable-eplb.")
         return None
-    if several_nodes:
-        raise RecorderError("--enable-eplb is not built for a model spanning several nodes; run it with --nnodes 1.")
     if moe != "ep" or num_redundant < 1:
         raise RecorderError("--enable-eplb moves experts between the slots of --ep-num-redundant-experts under "
                             "moe=ep; give --mesh ...,moe=ep and --ep-num-redundant-experts at least 1.")

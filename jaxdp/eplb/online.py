@@ -4,11 +4,16 @@ C MoE layers at a time, while requests keep running.
 
 - **The load.** The runner's steps return their routed tokens per device, layer and logical expert
   (`jaxdp.eplb.recorder`); `Rebalancer.after_step` adds each step's array into a window on the devices (a small
-  compiled add; nothing read back per step). After N steps the window comes to the host once, summed over the
-  devices: every device's rows counted once, the same numbers whoever reads them.
+  compiled add; nothing read back per step). After N steps the window is summed over the devices into one array whole
+  on every device (`jaxdp.parallel.totals`: an all-reduce, across the nodes when the model spans several) and read
+  once: every device's rows counted once, the same numbers on every node.
 - **The placement.** The EPLB algorithm (`ExpertPlacement.from_load`, global policy with one group on one node) places
   the E experts in the same P = E + R slots. Every process computing it from the same load gets the same map (ties go
-  to the lowest index).
+  to the lowest index): on several nodes every node decides alike, with no exchange of the map.
+- **Several nodes.** Every node's engine loop runs the same steps (the ranks' agreement), and the rebalancer acts only
+  right after a step: it counts that step, decides after the N-th, and moves one chunk after each step while a
+  rebalance is under way. So every process issues the same programs (steps, sums, moves) in the same order, as a
+  program spanning processes needs, whatever idle iterations each loop makes.
 - **The move.** The layers are moved in chunks of C (all at once by default, SGLang's default), one chunk between two
   steps. One compiled program per chunk size (C, and the last chunk's when C does not divide the layers; compiled when
   the rebalancer is built, before serving) takes every parameter of the MoE stack that declares the "experts" axis
@@ -20,14 +25,16 @@ C MoE layers at a time, while requests keep running.
   twice, not the stack. On the mesh the gather of a chunk's slots crosses devices as XLA's SPMD partitioner lays it
   out (an all-gather of the chunk's experts, then each device keeps its own slots).
 
-Not built: the hierarchical policy's groups and nodes (one node, global), a model spanning several nodes, dynamic
-dispatch, and moving only the slots that change (the chunk's every slot is rewritten).
+Not built: the hierarchical policy's groups and nodes (online it is the global policy), and moving only the slots
+that change (the chunk's every slot is rewritten).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +48,9 @@ from jaxdp.eplb.placement import ExpertPlacement
 from jaxdp.eplb.recorder import compiled_add, zeros
 from jaxdp.eplb.slots import held_physical_to_logical, map_arrays
 from jaxdp.model.layers import axes_of
+from jaxdp.parallel.totals import compiled_device_sum, read_whole
+
+log = logging.getLogger("jaxdp.eplb")
 
 MAP_NAMES = ("expert_slots_ES", "expert_replicas_E")
 
@@ -66,8 +76,6 @@ class Rebalancer:
         if held is None:
             raise PlacementError("--enable-eplb moves experts between the slots of --ep-num-redundant-experts under "
                                  "moe=ep; give --ep-num-redundant-experts at least 1.")
-        if runner.multi_process:
-            raise PlacementError("--enable-eplb is not built for a model spanning several nodes; run it on one node.")
         self.runner, self.config = runner, config
         L, E, S = held[0].shape
         self.num_layers, self.num_logical, self.num_physical = L, E, E + S - 1
@@ -87,6 +95,7 @@ class Rebalancer:
         self._names = [n for n, v in moe.items() if isinstance(v, nnx.Variable) and n not in MAP_NAMES
                        and "experts" in (axes_of(v) or ())]
         self._add = compiled_add(runner.counts_spec)
+        self._sum = compiled_device_sum(runner.counts_spec)  # the window over the devices, whole on every node
         self._everywhere = NamedSharding(runner.mesh, PartitionSpec())
         self._moves = {c: self._compile_move(c) for c in self.chunk_sizes}
 
@@ -127,16 +136,18 @@ class Rebalancer:
     # ---- between steps -------------------------------------------------------------------------------------
     def after_step(self) -> None:
         """After a step: count its tokens; every `num_iterations` steps decide a new placement; move one chunk while a
-        rebalance is under way."""
+        rebalance is under way. Nothing happens when no step ran since the last call (an idle iteration), so every
+        node acts after the same steps."""
         counts = self.runner.last_expert_counts
-        if counts is not None and counts is not self._seen:
-            self._seen = counts
-            self._window = self._add(zeros(self.runner.counts_spec) if self._window is None else self._window, counts)
-            self.steps += 1
+        if counts is None or counts is self._seen:
+            return
+        self._seen = counts
+        self._window = self._add(zeros(self.runner.counts_spec) if self._window is None else self._window, counts)
+        self.steps += 1
         if self.pending is not None:
             self.move_next_chunk()
-        elif self.steps >= self.config.num_iterations and self._window is not None:
-            self.start(np.asarray(self._window).sum(0))
+        elif self.steps >= self.config.num_iterations:
+            self.start(read_whole(self._sum(self._window)).astype(np.int64))
             self._window, self.steps = None, 0
 
     def reset(self) -> None:
@@ -155,6 +166,9 @@ class Rebalancer:
         chunks = [(first, min(self.chunk, self.num_layers - first)) for first in range(0, self.num_layers, self.chunk)]
         self.pending = Rebalance(new, chunks, load_LE, old.balancedness(load_LE), new.balancedness(load_LE))
         self.rebalances = [*self.rebalances[-7:], self.pending]
+        log.info("eplb: rebalance from %d routed tokens, placement %08x -> %08x, balancedness %s -> %s",
+                 int(load_LE.sum()), placement_digest(old), placement_digest(new),
+                 _rounded(self.pending.balancedness_before), _rounded(self.pending.balancedness_after))
         return self.pending
 
     def move_next_chunk(self) -> None:
@@ -167,8 +181,9 @@ class Rebalancer:
                            self.num_physical // self.devices)
         slots, replicas = map_arrays(new)
         params, held_slots, held_replicas = self._arrays()
-        def put(a):  # (host arrays onto every device as the program takes them: a copy, no program)
-            return jax.device_put(a, self._everywhere)
+        def put(a):  # (host arrays onto every device of every process as the program takes them: no program)
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, self._everywhere, lambda index: a[index])
 
         out, held_slots, held_replicas = self._moves[size](
             params, held_slots, held_replicas, put(src), put(np.ascontiguousarray(slots[first:first + size])),
@@ -182,6 +197,15 @@ class Rebalancer:
         self.move_seconds.append(time.perf_counter() - t0)
         if not self.pending.chunks:
             self.pending = None
+
+
+def placement_digest(placement: ExpertPlacement) -> int:
+    """A CRC-32 of a placement's physical-to-logical map (int32): equal on every node that decided alike (the log)."""
+    return zlib.crc32(np.ascontiguousarray(placement.physical_to_logical, np.int32).tobytes())
+
+
+def _rounded(values: np.ndarray) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
 def source_slots(old_p2l_CP: np.ndarray, new_p2l_CP: np.ndarray, slots_per_device: int) -> np.ndarray:
