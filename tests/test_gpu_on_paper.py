@@ -150,6 +150,40 @@ def test_the_speculative_steps_compile_with_the_mtp_layer_and_pass_the_checks(tm
 
 
 @needs_plugin
+def test_redundant_expert_slots_compile_on_two_simulated_nodes(tmp_path):
+    """--ep-num-redundant-experts on 16 GPUs: two simulated nodes of 8 (each a process of its own, as a multi-node
+    deployment runs), dp=16,moe=ep with 16 redundant slots (48 + 16 = 64 slots, 4 a GPU): XLA:GPU's arguments are
+    the plan's weights (the slots and the expert map) and pool, and the grouped GEMM's grid counts a GPU's 4 slots,
+    not its 3 experts (the check fails on 3: a row tile more per slot)."""
+    d = tmp_path / "fp8"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(SMALL_FP8))
+    out = tmp_path / "plan.json"
+    argv = ["--model", str(d), "--gpus", "16", "--gpu", "H200", "--gpu-memory", "2GiB", "--mesh", "dp=16,moe=ep",
+            "--expert-dtype", "fp8", "--placement", "jaxdp", "--ep-num-redundant-experts", "16", "--compile",
+            "--compile-target", "gpu", "--compile-steps", "decode", *STEPS, "--json", str(out)]
+    assert main(argv) == 0
+    plan = json.loads(out.read_text())
+    assert (plan["compile"]["host_devices"], plan["compile"]["nodes"]) == (16, 2)
+    assert "redundant experts" in {w["name"] for w in plan["plan"]["weights"]}
+    (step,) = plan["compiled"]
+    assert abs(step["argument_vs_plan"]) < 0.03, step["argument_vs_plan"]
+    assert all(c["ok"] for c in step["checks"].values()), step["checks"]
+    assert step["checks"]["experts"]["experts_per_device"] == 4
+    # the ragged all-to-all's receive buffer: 24 rows x top-8 x 16 ranks / 16 + 4 slots row tiles, [2 x 1024 |
+    # 1024] / 64
+    assert step["checks"]["kernels"]["grids"]["fp8_grouped_matmul"] == [[196, 16, 1], [196, 32, 1]]
+
+
+def test_more_gpus_than_a_node_are_simulated_as_nodes_of_eight():
+    from jaxdp.planner.xla_target import TargetError, node_topology
+
+    assert [node_topology(n) for n in (1, 8, 16, 32)] == ["1x1x1", "1x1x8", "1x2x8", "1x4x8"]
+    with pytest.raises(TargetError, match=r"^12 GPUs do not make whole nodes of 8; use a multiple of 8 with --gpus"):
+        node_topology(12)
+
+
+@needs_plugin
 def test_the_checks_fail_on_the_xla_expert_path():
     """What the xla MoE runner (--moe-runner-backend xla) makes of NVFP4 experts, compiled by XLA:GPU: a layer of
     the stacks dequantized to bf16 outside any dot, then `lax.ragged_dot`, expanded per expert; the experts and

@@ -189,10 +189,11 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         if on_gpu:
             entry["cost"] = step_cost(executable, text, shape, gpu, planned_w, kv.per_token, case.page_size)
             entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
-                                         kernels.name == "pallas")
+                                         kernels.name == "pallas", redundant)
         compiled.append(entry)
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, per_token, tokens, gpu.memory_bytes),
-            "host_devices": layout.total_devices, "backend": platform, "page_size": case.page_size,
+            "host_devices": layout.total_devices, "nodes": len({d.process_index for d in devices}),
+            "backend": platform, "page_size": case.page_size,
             "num_pages_per_rank": num_pages, "target": case.target, "draft_tokens": case.draft_tokens,
             "device_kind": devices[0].device_kind, "moe_runner_backend": moe,
             "attention_backend": kernels.name,
@@ -285,8 +286,9 @@ def format_compiled(plan: dict[str, Any]) -> list[str]:
     """The report's lines for the plan's "compiled" and "compile" parts."""
     result = {**plan["compile"], "compiled": plan["compiled"]}
     on_gpu = result.get("target") == "gpu"
+    nodes = f" on {result['nodes']} nodes" if result.get("nodes", 1) > 1 else ""
     where = (f"XLA:GPU for {result['host_devices']} simulated {result['device_kind']} (sm_"
-             f"{result['target_description']['compute_capability'].replace('.', '')})" if on_gpu
+             f"{result['target_description']['compute_capability'].replace('.', '')}){nodes}" if on_gpu
              else f"XLA:CPU, {result['host_devices']} host devices")
     out = [f"Compiled by {where}, abstract weights, a pool of {result['num_pages_per_rank']:,} pages x "
            f"{result['page_size']} per rank; attention {result.get('attention_backend', 'xla')}, experts "

@@ -59,14 +59,14 @@ def step_forms(shape: Any) -> list[Any]:
 
 
 def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str, moe_backend: str,
-                     pallas_attention: bool) -> dict[str, list[tuple[int, int, int]]]:
+                     pallas_attention: bool, redundant: int = 0) -> dict[str, list[tuple[int, int, int]]]:
     """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules); a speculative
-    step, those of each of its forms (`step_forms`)."""
+    step, those of each of its forms (`step_forms`). `redundant`: EP's redundant expert slots (R of E + R)."""
     if shape.draft_tokens:
         merged: dict[str, list[tuple[int, int, int]]] = {}
         for form in step_forms(shape):
             for name, grids in expected_kernels(cfg, layout, form, page_size, expert_dtype, moe_backend,
-                                                pallas_attention).items():
+                                                pallas_attention, redundant).items():
                 merged.setdefault(name, []).extend(grids)
         return merged
     expected: dict[str, list[tuple[int, int, int]]] = {}
@@ -83,7 +83,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
             blocks = _cdiv(capacity, max(page_size, 32))
             expected["mla_decode_split"] = [(heads, default_num_splits(b, heads, blocks), b)]
     if moe_backend == "pallas" and expert_dtype == "nvfp4" and cfg.n_routed_experts:
-        experts, inter = moe_shards(cfg, layout)
+        experts, inter = moe_shards(cfg, layout, redundant)
         widths = [2 * inter, cfg.hidden_size]
         expected["nvfp4_grouped_matmul"] = [
             (_cdiv(r, 16) + min(experts, r), n // fit_block(64, n), 1)
@@ -120,7 +120,7 @@ def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_d
         e = cfg.n_routed_experts  # the router, float32, in place
         expected.setdefault("stacked_matmul", []).extend((_cdiv(r, 64), e // fit_block(64, e), 1) for r in rows)
         if expert_dtype == "fp8":
-            experts, inter = moe_shards(cfg, layout)
+            experts, inter = moe_shards(cfg, layout, redundant)
             expected["fp8_grouped_matmul"] = [
                 (_cdiv(r, 16) + min(experts, r), n // fit_block(64, n), 1)
                 for r in rows for n in (2 * inter, cfg.hidden_size)]
@@ -157,10 +157,11 @@ def mla_kv_b_kernels(cfg: Any, layout: Any, shape: Any, page_size: int,
     return {"fp8_head_matmul" if expert_dtype == "fp8" else "stacked_head_matmul": grids}
 
 
-def moe_shards(cfg: Any, layout: Any) -> tuple[int, int]:
-    """(experts, intermediate width) of the routed experts on one device."""
+def moe_shards(cfg: Any, layout: Any, redundant: int = 0) -> tuple[int, int]:
+    """(experts, intermediate width) of the routed experts on one device; under EP its expert slots, with
+    `redundant` more slots over the devices (`jaxdp.eplb.slots`)."""
     if layout.moe == "ep":
-        return cfg.n_routed_experts // layout.world, cfg.moe_intermediate_size
+        return (cfg.n_routed_experts + redundant) // layout.world, cfg.moe_intermediate_size
     return cfg.n_routed_experts, cfg.moe_intermediate_size // layout.world
 
 
@@ -173,10 +174,11 @@ def moe_rows(cfg: Any, layout: Any, shape: Any) -> set[int]:
 
 
 def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str,
-               moe_backend: str, pallas_attention: bool) -> dict[str, dict[str, Any]]:
+               moe_backend: str, pallas_attention: bool, redundant: int = 0) -> dict[str, dict[str, Any]]:
     mod = hlo_checks.parse(hlo_text)
-    experts, inter = moe_shards(cfg, layout)
-    expected = expected_kernels(cfg, layout, shape, page_size, expert_dtype, moe_backend, pallas_attention)
+    experts, inter = moe_shards(cfg, layout, redundant)
+    expected = expected_kernels(cfg, layout, shape, page_size, expert_dtype, moe_backend, pallas_attention,
+                                redundant)
     return {
         "fp8_weights": hlo_checks.check_fp8_weights(mod),
         "layer_copies": hlo_checks.check_layer_copies(mod),

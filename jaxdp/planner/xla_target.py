@@ -63,8 +63,23 @@ def target_fields(text: str) -> dict[str, float]:
             "compute_capability": f"{cc.group(1)}.{cc.group(2) or 0}" if cc else "?"}
 
 
+GPUS_PER_NODE = 8  # an HGX node: more GPUs than this are simulated as several nodes of this many
+
+
+def node_topology(count: int, per_node: int = GPUS_PER_NODE) -> str:
+    """The CUDA plugin's topology "slices x hosts x devices per host": one node up to `per_node` GPUs, else
+    count / per_node nodes (processes) of `per_node` each, so the compiled program's collectives span hosts."""
+    if count <= per_node:
+        return f"1x1x{count}"
+    if count % per_node:
+        raise TargetError(f"{count} GPUs do not make whole nodes of {per_node}; use a multiple of {per_node} "
+                          "with --gpus.")
+    return f"1x{count // per_node}x{per_node}"
+
+
 def gpu_devices(gpu_name: str, count: int) -> list:
-    """`count` simulated GPUs of this kind (one host), for a mesh to compile on."""
+    """`count` simulated GPUs of this kind, for a mesh to compile on: one host up to 8, else nodes of 8
+    (`node_topology`; each node a process of its own, as a multi-node deployment runs)."""
     text = target_description(gpu_name)
     if not plugin_installed():
         raise TargetError("--compile-target gpu needs the CUDA plugin of JAX's version (pip install "
@@ -74,7 +89,7 @@ def gpu_devices(gpu_name: str, count: int) -> list:
 
     try:
         topology = get_topology_desc(f"{gpu_name.lower()}x{count}", "cuda", target_config=text,
-                                     topology=f"1x1x{count}")
+                                     topology=node_topology(count))
     except Exception as e:  # the plugin failed to start (e.g. JAX tried the CUDA driver)
         raise TargetError(f"the CUDA plugin could not describe {count} x {gpu_name} ({str(e).splitlines()[0]}); "
                           "run with JAX_PLATFORMS=cpu on a machine without a CUDA driver.") from None
