@@ -6,14 +6,17 @@ refused in one sentence."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import jax
+import jsonschema
 import pytest
 
 from jaxdp.engine import Engine
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions
-from jaxdp.engine.sched.request import BadRequest, Bootstrap, SamplingParams
+from jaxdp.engine.sched.request import BadRequest, Bootstrap, GrammarSpec, SamplingParams
 from jaxdp.engine.setup import build_runners
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import default_model_path
@@ -32,9 +35,12 @@ def _engine(devices, page_size, disagg=None, max_running=8):
     runner = build_runners(ModelOptions(dtype="float32"), layout, [layout.make_mesh(devices)], num_pages=64,
                            page_size=page_size)[0]
     cfg = EngineConfig(max_running_requests=max_running, chunked_prefill_size=64, disaggregation=disagg)
+    from jaxdp.grammar import Grammars, vocabulary
     from jaxdp.tokenizer import Tokenizer
 
-    return Engine(runner, "dp=2", cfg, tokenizer=Tokenizer(default_model_path()))
+    tokenizer = Tokenizer(default_model_path())
+    grammars = Grammars.create("llguidance", vocabulary(tokenizer, runner.cfg.vocab_size))
+    return Engine(runner, "dp=2", cfg, tokenizer=tokenizer, grammars=grammars)
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +197,51 @@ def test_a_request_its_first_token_ends_leaves_the_rows_as_they_were(engines):
         assert sorted(s.rows._free) == list(range(len(s.rows.reqs))), "a row was lost or freed twice"
     _pages_back(decode)
     _pages_back(prefill)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+PATTERN = r"\d{1,3}-[a-z]{2,5}"
+
+
+def test_penalties_and_grammars_through_the_hand_off_give_the_colocated_tokens(engines):
+    """Issue 46 under disaggregation: the prefill server samples the first token with the request's penalties
+    (repetition over the prompt), logit bias and grammar; the decode server fills the penalty slot from the
+    prompt and that token and starts the grammar's matcher past it, so the greedy tokens are one colocated
+    engine's (which differ from the same prompts' without the controls: the test sees them applied)."""
+    prefill, decode, together, port = engines
+    g = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)  # (long enough for the penalties to bite)
+    person = GrammarSpec("json_schema", json.dumps(PERSON))
+    cases = [(PROMPTS[7], SamplingParams(**g, repetition_penalty=1.8)),
+             (PROMPTS[7], SamplingParams(**g, frequency_penalty=1.5, presence_penalty=0.5)),
+             (PROMPTS[3], SamplingParams(**g, repetition_penalty=1.5)),
+             (PROMPTS[2], SamplingParams(**g, repetition_penalty=1.3, frequency_penalty=0.8, logit_bias={30: 2.0})),
+             (PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0.0, grammar=GrammarSpec("regex", PATTERN))),
+             (PROMPTS[4], SamplingParams(max_new_tokens=40, temperature=0.0, grammar=person)),
+             (PROMPTS[1], SamplingParams(max_new_tokens=40, temperature=0.0, grammar=person, repetition_penalty=1.2)),
+             (PROMPTS[5], SamplingParams(max_new_tokens=8, temperature=0.0))]
+    prompts = [together.tokenizer.encode(p) for p, _ in cases]
+    want = [r.output_ids for r in together.generate(prompts, [sp for _, sp in cases])]
+    plain = [r.output_ids for r in together.generate(prompts[:7], SamplingParams(**g))]
+    assert all(w != p[: len(w)] for w, p in zip(want, plain, strict=False)), "the controls changed nothing"
+    rng = random.Random(2)
+    rooms = [rng.getrandbits(63) for _ in cases]
+    dec = [decode.submit(decode.make_request(p, sp, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for (p, sp), room in zip(cases, rooms, strict=True)]
+    pre = [prefill.submit(prefill.make_request(p, sp, bootstrap=Bootstrap("127.0.0.1", port, room)))
+           for (p, sp), room in zip(cases, rooms, strict=True)]
+    _wait(pre + dec)
+    assert [r.error for r in dec] == [None] * len(cases)
+    assert [r.output_ids for r in dec] == want
+    assert [r.output_ids[0] for r in pre] == [w[0] for w in want]
+    text = [decode.tokenizer.decode(r.output_ids) for r in dec]
+    assert re.fullmatch(PATTERN, text[4]) and dec[4].finish_reason == "stop", text[4]
+    for t, r in zip(text[5:7], dec[5:7], strict=True):
+        assert r.finish_reason == "stop", t
+        jsonschema.validate(json.loads(t), PERSON)
+    for e in (prefill, decode):
+        _pages_back(e)
+        assert all(s.constrained == 0 and s.controlled == 0 and not s.joined_to_fill for s in e.schedulers)
+        assert all(sorted(s.free_slots) == list(range(s.cfg.penalty_slots)) for s in e.schedulers)
+    assert decode.stats.compiles_in_steps == 0 and {r.kind for r in decode.stats.records} == {"decode"}

@@ -115,7 +115,7 @@ class ClientBase:
                              "top logprobs or prompt logprobs; ask for return_logprob alone, or use a server "
                              "without speculative decoding")
         if params is not None:
-            check_controls(params, f.cfg.speculative is not None, mode, self.accepts_grammars)
+            check_controls(params, f.cfg.speculative is not None, self.accepts_grammars)
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap
@@ -125,10 +125,11 @@ class ClientBase:
         return req
 
 
-def check_controls(params: SamplingParams, speculative: bool, disagg: str | None, grammars: bool) -> None:
+def check_controls(params: SamplingParams, speculative: bool, grammars: bool) -> None:
     """The sampling controls a request asks for against what the server serves them with; BadRequest in one
-    sentence. A speculating server's verify applies none of min_tokens, penalties, logit_bias or a grammar yet;
-    under disaggregation the prefill server samples the first token without a penalty slot or a matcher."""
+    sentence. A speculating server's verify applies none of min_tokens, penalties, logit_bias or a grammar yet.
+    Disaggregation takes them all: the prefill server samples the first token with them, the decode server starts
+    each request's penalty slot and matcher from its prompt and that token."""
     asked = [name for name, on in (("min_tokens (min_new_tokens)", params.min_new_tokens),
                                    ("frequency_penalty, presence_penalty and repetition_penalty", params.has_penalties),
                                    ("logit_bias", params.logit_bias), ("a grammar (response_format, json_schema, "
@@ -141,10 +142,6 @@ def check_controls(params: SamplingParams, speculative: bool, disagg: str | None
         raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
                          "json_schema, regex and ebnf out, or start it with --grammar-backend llguidance (the default) "
                          "or xgrammar")
-    if disagg is not None and (params.has_penalties or params.grammar is not None):
-        raise BadRequest(f"this server runs --disaggregation-mode {disagg}, which does not apply penalties or "
-                         "grammars yet; leave frequency_penalty, presence_penalty, repetition_penalty and grammars "
-                         "out, or use a server without disaggregation")
 
 
 def check_bootstrap(mode: str | None, bootstrap: Bootstrap | None) -> None:

@@ -83,6 +83,7 @@ class Scheduler:
         # keeps their state on the device (`jaxdp.engine.step.controls`)
         self.controlled = 0  # live requests with a logit bias or penalties (the step's sampling controls)
         self.constrained = 0  # running requests with a grammar (the step books the last one before planning)
+        self.joined_to_fill: list[Request] = []  # disaggregated decode: joined with a penalty slot, not yet filled
 
     # ---- admission -----------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
@@ -166,14 +167,17 @@ class Scheduler:
         self._finishing = 0
         if self.kv_waiting:
             self._allocate_for_kv()
+        plan = None
         if self.waiting:
             carry = decoders_to_carry(self.rows, self.cfg.chunk_size) if mixed_chunk else None
             plan = self._schedule_extend(allow_new_prompt, self.cfg.chunk_size - (0 if carry is None else len(carry)))
-            if plan is not None:
-                if carry is not None and len(carry):
-                    add_decoders(plan, carry, self.rows, self.pool, self._take_pages)
-                return plan
-        return self._schedule_decode() if self.running else None
+            if plan is not None and carry is not None and len(carry):
+                add_decoders(plan, carry, self.rows, self.pool, self._take_pages)
+        if plan is None and self.running:
+            plan = self._schedule_decode()
+        if self.joined_to_fill and plan is not None:
+            self._fill_joined(plan)
+        return plan
 
     @property
     def prompt_ready(self) -> bool:
@@ -256,23 +260,39 @@ class Scheduler:
 
     def _allocate_for_kv(self) -> None:
         """Decode side of disaggregation: pages for the prompts whose KV another server reads, in arrival order,
-        each with its output's reservation, as a prompt would be admitted; then its KV is fetched."""
+        each with its output's reservation, as a prompt would be admitted; then its KV is fetched. A request with a
+        grammar waits for its matcher first, one with penalties for a penalty slot (held while its KV travels), as
+        a prompt would; the ones behind it go on meanwhile."""
         reserved = self._reserved_by_running()
+        failed: list[tuple[Request, str]] = []
         for req in self.kv_waiting.values():
             if req.pages:
                 continue  # its KV is on its way
             if len(self.running) + sum(bool(r.pages) for r in self.kv_waiting.values()) >= self.cfg.max_running:
-                return
+                break
+            if req.params.grammar is not None and req.matcher is None and (why := self._grammar_ready(req)) is not None:
+                if why:
+                    failed.append((req, why))
+                continue
+            if req.params.has_penalties and not self.free_slots:
+                continue
             need, reserve = self.pool.pages_for(len(req.prompt_ids)), self._reserve(req)
             if need + reserve > self._available() - reserved or (pages := self._take_pages(need)) is None:
-                return  # in order: the next ones wait too
+                break  # in order: the next ones wait too
             req.pages = pages
+            if req.params.has_penalties:
+                req.penalty_slot = self.free_slots.pop()
             reserved += reserve
             self.disagg.fetch(self.rank, req)
+        for req, why in failed:
+            req.error = why
+            self.finish(req, "abort", time.perf_counter())
 
     def join_prefilled(self, req: Request, token: int, logprob: float, now: float) -> None:
         """Decode side: a request whose prompt's KV was written into its pages starts decoding from the first
-        token the prefill server sampled (unless that token already ends it)."""
+        token the prefill server sampled (unless that token already ends it): its grammar's matcher advanced past
+        that token, its penalty slot filled from its prompt and that token before it samples (`joined_to_fill`,
+        given to the next plan that holds it), as if it had read its prompt here."""
         del self.kv_waiting[req.rid]
         req.computed = req.scheduled = len(req.prompt_ids)
         req.output_ids = [int(token)]
@@ -281,15 +301,33 @@ class Scheduler:
         req.first_token_at = now
         p = req.params
         # (a request the first token ends never joins `running`: finish would take it out of a row it never had)
-        if (reason := finish_reason(req, int(token), 1, self.limit(req), self.eos_token_ids)) is not None:
+        if req.matcher is not None and not req.matcher.accept(int(token)):
+            req.error = f"the prefill server's first token {token} does not follow the request's grammar"
+            self.finish(req, "abort", now)
+        elif (reason := finish_reason(req, int(token), 1, self.limit(req), self.eos_token_ids)) is not None:
             self.finish(req, reason, now)
         else:
             req.state = State.RUNNING
             self.running[req.rid] = req
+            self.constrained += req.matcher is not None
             self.rows.join(req, int(token), -1, self.limit(req),
-                           sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size, self.eos_token_ids))
+                           sampling_row(p, req.rid, self.cfg.seed, self.cfg.vocab_size, self.eos_token_ids,
+                                        req.penalty_slot))
+            if req.penalty_slot >= 0:
+                self.joined_to_fill.append(req)
             if req.on_update:
                 req.on_update(req)
+
+    def _fill_joined(self, plan: RankPlan) -> None:
+        """The joined requests this plan samples get their penalty slot filled by its step (`plan.inits`); one
+        retracted or finished meanwhile no longer holds its slot (it takes another when it resumes)."""
+        rids = {r.rid for r in plan.reqs}
+        keep = []
+        for req in self.joined_to_fill:
+            if req.penalty_slot < 0 or req.finished:
+                continue
+            (plan.inits if req.rid in rids else keep).append(req)
+        self.joined_to_fill = keep
 
     def _schedule_decode(self) -> RankPlan | None:
         rows = self.rows.decodable()
