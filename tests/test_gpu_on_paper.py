@@ -175,6 +175,31 @@ def test_redundant_expert_slots_compile_on_two_simulated_nodes(tmp_path):
     assert step["checks"]["kernels"]["grids"]["fp8_grouped_matmul"] == [[196, 16, 1], [196, 32, 1]]
 
 
+@needs_plugin
+def test_the_split_pool_steps_collectives_are_the_ones_the_plan_counts(small_model, tmp_path):
+    """--dcp-size 8 under tp=8 (docs/dcp.md): the decode step compiled by XLA:GPU moves, in every layer, the
+    subgroup's queries (all-gather), their log-sum-exps (all-gather, float32) and the rescaled partial outputs
+    (reduce-scatter, float32) with the buffers `jaxdp.planner.dcp` counts, read from the optimized HLO; the pool
+    on a device is 1/8 of the group's tokens (arguments within 3% of the plan); attention is XLA's partial form,
+    not the MLA decode kernel."""
+    out = tmp_path / "plan.json"
+    argv = ["--model", small_model, "--gpus", "8", "--gpu", "H200", "--gpu-memory", "2GiB", "--tp-size", "8",
+            "--dcp-size", "8", "--rows", "24", "--compile", "--compile-target", "gpu", "--compile-steps", "decode",
+            *STEPS, "--json", str(out)]
+    assert main(argv) == 0
+    plan = json.loads(out.read_text())
+    dcp = plan["plan"]["dcp"]
+    assert dcp["tokens_per_group"] == 8 * dcp["tokens_per_device"] == plan["plan"]["kv_tokens_per_rank"]
+    (step,) = plan["compiled"]
+    assert abs(step["argument_vs_plan"]) < 0.03, step["argument_vs_plan"]
+    assert all(c["ok"] for c in step["checks"].values()), step["checks"]
+    assert "mla_decode_split" not in {k["name"] for k in step["checks"]["kernels"]["found"]}
+    compiled = {(c["op"], c["bytes"]): c["count"] for c in step["collectives"]}
+    assert len(dcp["collectives"]) == 3
+    for c in dcp["collectives"]:  # one each a layer (3 layers)
+        assert compiled.get((c["op"], c["buffer_bytes"])) == c["calls"] == 3, (c, step["collectives"])
+
+
 def test_more_gpus_than_a_node_are_simulated_as_nodes_of_eight():
     from jaxdp.planner.xla_target import TargetError, node_topology
 

@@ -38,7 +38,7 @@ def test_the_collectives_are_the_queries_the_lse_and_the_outputs_of_the_subgroup
     report = capsys.readouterr().out
     heads = cfg.num_heads // 8 * 8  # tp=8 gives a device 8 heads; its subgroup of 8 devices: 64
     expect = {"queries": 16 * heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2,
-              "log-sum-exp": 16 * heads * 4, "partial outputs": 16 * heads * cfg.kv_lora_rank * 2}
+              "log-sum-exp": 8 * 16 * heads * 4, "partial outputs": 16 * heads * cfg.kv_lora_rank * 4}
     assert {c["name"]: c["buffer_bytes"] for c in d["collectives"]} == expect
     assert all(c["calls"] == cfg.num_layers for c in d["collectives"])
     assert d["bytes_per_step"] == sum(expect.values()) * cfg.num_layers

@@ -41,7 +41,7 @@ from jaxdp.ops.attention import decode_kernels
 from jaxdp.ops.registry import moe_runner_backend
 from jaxdp.parallel.step import StepRunner, StepShape
 from jaxdp.planner import xla_target
-from jaxdp.planner.gpu_report import check_step, format_gpu, step_cost
+from jaxdp.planner.gpu_report import check_step, format_gpu, step_collectives, step_cost
 from jaxdp.planner.hlo_checks import itemsize
 from jaxdp.planner.weights import kv_bytes, total_bytes, weights_per_device
 
@@ -189,7 +189,8 @@ def compile_plan(cfg: Any, layout: Any, plan: dict[str, Any], case: CompileCase,
         if on_gpu:
             entry["cost"] = step_cost(executable, text, shape, gpu, planned_w, kv.per_token, case.page_size)
             entry["checks"] = check_step(text, cfg, layout, shape, case.page_size, expert_dtype, moe,
-                                         kernels.name == "pallas", redundant)
+                                         kernels.name == "pallas", redundant, case.dcp_size)
+            entry["collectives"] = step_collectives(text)
         compiled.append(entry)
     return {"compiled": compiled, "fit": _fit(compiled, planned_kv, per_token, tokens, gpu.memory_bytes),
             "host_devices": layout.total_devices, "nodes": len({d.process_index for d in devices}),

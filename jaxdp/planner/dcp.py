@@ -9,9 +9,14 @@ its DCP subgroup, so a device holds 1/N of each sequence and the group N times t
 1. all-gathers the queries: each device holds its tp's share of the heads; it needs the N subgroup members'
    heads to attend them over its own tokens: [rows, H/tp, kv_lora + rope] from each of N devices;
 2. attends those heads over its local tokens, giving partial outputs [rows, N*H/tp, kv_lora] and their
-   log-sum-exp [rows, N*H/tp] (float32);
-3. all-gathers the log-sum-exps (each device rescales its partial output by exp(lse_local - lse_total)), and
-4. reduce-scatters the rescaled outputs back to each device's own heads (the sum over the N token shards).
+   log-sum-exp [rows, N*H/tp], both float32;
+3. all-gathers the log-sum-exps ([N, rows, N*H/tp] gathered; each device rescales its partial output by
+   exp(lse_local - lse_total)), and
+4. reduce-scatters the rescaled outputs (float32, as `jaxdp.parallel.dcp.SplitContext.attend` sums them) back to
+   each device's own heads (the sum over the N token shards).
+
+The buffers are what XLA:GPU's compiled step moves (`plan --compile` lists the step's collectives from its HLO:
+docs/dcp.md).
 
 Only the attention core changes; projections, the MoE and the LM head are as without DCP. This module is the
 accounting only: the serving engine does not split its pool yet.
@@ -57,8 +62,8 @@ def dcp_collectives(cfg: ModelConfig, tp: int, dcp: int, rows: int, act_bytes: i
     layers = cfg.num_layers
     return [
         DCPCollective("queries", "all-gather", rows * heads * q_dim * act_bytes, layers),
-        DCPCollective("log-sum-exp", "all-gather", rows * heads * 4, layers),
-        DCPCollective("partial outputs", "reduce-scatter", rows * heads * cfg.kv_lora_rank * act_bytes, layers),
+        DCPCollective("log-sum-exp", "all-gather", dcp * rows * heads * 4, layers),  # float32, N gathered
+        DCPCollective("partial outputs", "reduce-scatter", rows * heads * cfg.kv_lora_rank * 4, layers),  # float32
     ]
 
 

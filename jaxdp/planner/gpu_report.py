@@ -5,6 +5,8 @@ report's lines for them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any
 
 from jaxdp.model import mla_prompt
@@ -59,19 +61,20 @@ def step_forms(shape: Any) -> list[Any]:
 
 
 def expected_kernels(cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str, moe_backend: str,
-                     pallas_attention: bool, redundant: int = 0) -> dict[str, list[tuple[int, int, int]]]:
+                     pallas_attention: bool, redundant: int = 0, dcp: int = 1) -> dict[str, list[tuple[int, int, int]]]:
     """The Pallas kernels the step should hold, with their grids (kernels_pallas' launch rules); a speculative
-    step, those of each of its forms (`step_forms`). `redundant`: EP's redundant expert slots (R of E + R)."""
+    step, those of each of its forms (`step_forms`). `redundant`: EP's redundant expert slots (R of E + R);
+    `dcp` > 1: attention over a split pool, XLA's partial attention (`jaxdp.parallel.dcp`), no MLA kernel."""
     if shape.draft_tokens:
         merged: dict[str, list[tuple[int, int, int]]] = {}
         for form in step_forms(shape):
             for name, grids in expected_kernels(cfg, layout, form, page_size, expert_dtype, moe_backend,
-                                                pallas_attention, redundant).items():
+                                                pallas_attention, redundant, dcp).items():
                 merged.setdefault(name, []).extend(grids)
         return merged
     expected: dict[str, list[tuple[int, int, int]]] = {}
     path = prompt_path(cfg, layout, shape, page_size)
-    if pallas_attention and path in ("decode", "split", "blocked"):
+    if pallas_attention and dcp == 1 and path in ("decode", "split", "blocked"):
         # a decode step's rows, or a prompt step's one-row sequences, ONE_ROW_BLOCK at a time (`MLA.attend_one_rows`)
         heads = _cdiv(cfg.num_heads // layout.tp, 16)  # block_h 16
         b = shape.num_seqs if shape.absorbed else min(ONE_ROW_BLOCK, shape.num_seqs)
@@ -174,11 +177,12 @@ def moe_rows(cfg: Any, layout: Any, shape: Any) -> set[int]:
 
 
 def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int, expert_dtype: str,
-               moe_backend: str, pallas_attention: bool, redundant: int = 0) -> dict[str, dict[str, Any]]:
+               moe_backend: str, pallas_attention: bool, redundant: int = 0,
+               dcp: int = 1) -> dict[str, dict[str, Any]]:
     mod = hlo_checks.parse(hlo_text)
     experts, inter = moe_shards(cfg, layout, redundant)
     expected = expected_kernels(cfg, layout, shape, page_size, expert_dtype, moe_backend, pallas_attention,
-                                redundant)
+                                redundant, dcp)
     return {
         "fp8_weights": hlo_checks.check_fp8_weights(mod),
         "layer_copies": hlo_checks.check_layer_copies(mod),
@@ -188,6 +192,51 @@ def check_step(hlo_text: str, cfg: Any, layout: Any, shape: Any, page_size: int,
                                             {2 * inter, inter, cfg.hidden_size}),
         "collectives": hlo_checks.check_collectives(mod),
     }
+
+
+def _multipliers(mod: Any) -> dict[str, int]:
+    """How many times one step runs each unfused computation: a while loop's body its known trip count times
+    (the layer scans), nested loops multiplied."""
+    times = {mod.entry: 1}
+    todo = [mod.entry]
+    while todo:
+        comp = todo.pop()
+        for ins in mod.computations.get(comp, []):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.line) if ins.opcode == "while" else None
+            for callee in ins.calls():
+                if callee in mod.fused or callee in times:
+                    continue
+                times[callee] = times[comp] * (int(trips.group(1)) if trips else 1)
+                todo.append(callee)
+    return times
+
+
+def step_collectives(hlo_text: str) -> list[dict[str, Any]]:
+    """Every collective one step runs, from the optimized HLO: op, the buffer on one device (the larger of what
+    it sends and what it receives: the gathered result, the reduce-scattered input; the plan's convention),
+    its shape, and how many times a step runs it (loop bodies times their trip count), largest total first."""
+    mod = hlo_checks.parse(hlo_text)
+    times = _multipliers(mod)
+    shapes = {c: {i.name: i for i in instrs} for c, instrs in mod.computations.items()}
+    found: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for span in hlo_checks.collective_spans(mod):
+        table = shapes[span.computation]
+        sent_arrays = [a for n in span.start.operands if n in table for a in table[n].arrays]
+        received_arrays = (span.done or span.start).arrays
+        if span.done is None and span.start.opcode.endswith("-start"):
+            received_arrays = []  # a start without its done: its tuple type holds the operands too
+        sent, received = _nbytes(sent_arrays), _nbytes(received_arrays)
+        arrays = sent_arrays if sent > received else received_arrays
+        shape = ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in arrays[:2]) + (
+            f" (+{len(arrays) - 2})" if len(arrays) > 2 else "")
+        key = (span.kind, shape, max(sent, received))
+        row = found.setdefault(key, {"op": span.kind, "shape": shape, "bytes": max(sent, received), "count": 0})
+        row["count"] += times.get(span.computation, 1)
+    return sorted(found.values(), key=lambda r: -r["bytes"] * r["count"])
+
+
+def _nbytes(arrays: list[tuple[str, tuple[int, ...]]]) -> int:
+    return sum(math.prod(d) * hlo_checks.itemsize(t) for t, d in arrays)
 
 
 def format_gpu(compiled: list[dict[str, Any]], gpu: dict[str, Any]) -> list[str]:
@@ -207,4 +256,13 @@ def format_gpu(compiled: list[dict[str, Any]], gpu: dict[str, Any]) -> list[str]
     for c in compiled:
         out.append(f"  checks of {c['kind']} {c['rows_per_rank']} {c['gather_mode']}:")
         out += [f"    {hlo_checks.summary_line(name, c['checks'][name])}" for name in CHECKS]
+        if rows := c.get("collectives"):
+            total = sum(r["bytes"] * r["count"] for r in rows)
+            out.append(f"  collectives of {c['kind']} {c['rows_per_rank']} {c['gather_mode']} ({total / 2**20:,.1f} "
+                       "MiB a step on one device; op shape: buffer x times a step):")
+            out += [f"    {r['op']} {r['shape']}: {_size(r['bytes'])} x {r['count']}" for r in rows]
     return out
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
