@@ -27,7 +27,7 @@ from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
 from jaxdp.engine.sched.delayer import DelayerConfig
 from jaxdp.engine.step.spec import check_speculative
-from jaxdp.eplb.distribution import RecorderError, check_recorder_mode, eplb_config
+from jaxdp.eplb.distribution import RecorderError, check_dispatch_flags, check_recorder_mode, eplb_config
 from jaxdp.grammar import DEFAULT_BACKEND, backend_problem
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
 from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
@@ -266,6 +266,7 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
                          draft=engine.speculative is not None, fp8_gemm_backend=args.fp8_gemm_backend,
                          ep_num_redundant_experts=args.ep_num_redundant_experts,
                          init_expert_location=args.init_expert_location,
+                         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
                          deterministic=args.enable_deterministic_inference, dcp_size=args.dcp_size)
     check_dcp_flags(args.dcp_size, layout, engine)
     if args.enable_deterministic_inference and (why := deterministic_conflict(
@@ -274,6 +275,7 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)
+        check_dispatch_flags(args.ep_dispatch_algorithm, args.ep_num_redundant_experts, args.init_expert_location)
         engine.eplb = eplb_config(args.enable_eplb, args.eplb_rebalance_num_iterations,
                                   args.eplb_rebalance_layers_per_chunk, layout.moe, args.ep_num_redundant_experts)
     except RecorderError as e:

@@ -26,6 +26,7 @@ import argparse
 from jaxdp.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from jaxdp.cache import cache_dir
 from jaxdp.engine.sched.controller import METHODS
+from jaxdp.eplb.distribution import DISPATCH_ALGORITHMS
 from jaxdp.layout import add_layout_args
 from jaxdp.ops.registry import ATTENTION_BACKENDS, FP8_GEMM_BACKENDS, MOE_RUNNER_BACKENDS
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moe=ep: the expert placement to start from, a JSON or .npz file holding a map "
                         "(physical_to_logical_map) or a recorded load (logical_count) (default: the EPLB "
                         "algorithm's placement of a uniform load)")
+    g.add_argument("--ep-dispatch-algorithm", choices=DISPATCH_ALGORITHMS, default="static",
+                   help="moe=ep with redundant experts: how a (row, choice) picks one of its expert's replicas: "
+                        "static (by row and choice) or dynamic (each step, the split keeping the devices' loads "
+                        "even; docs/eplb.md)")
     g.add_argument("--expert-distribution-recorder-mode", default=None, metavar="MODE",
                    help="stat: count the tokens routed to each MoE layer's experts on the devices, for "
                         "/start_expert_distribution_record and its family and /metrics' balancedness (docs/eplb.md)")

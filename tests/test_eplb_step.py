@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
 from jaxdp.engine.options import ModelOptions
@@ -197,13 +198,17 @@ def test_the_servers_flags_land_in_the_model_options(tmp_path):
     argv = ["--mesh", "dp=8,moe=ep", "--ep-num-redundant-experts", "8", "--init-expert-location", str(path)]
     model = serve_config(build_parser().parse_args(argv)).model
     assert (model.ep_num_redundant_experts, model.init_expert_location) == (R, str(path))
+    assert model.ep_dispatch_algorithm == "static"
+    dynamic = serve_config(build_parser().parse_args([*argv, "--ep-dispatch-algorithm", "dynamic"])).model
+    assert dynamic.ep_dispatch_algorithm == "dynamic"
 
 
 def test_the_engine_builds_the_slots_from_the_flags(model):
     """The one place the engine feeds the map: `build_runners` with the options the flags give."""
     lay = parse_mesh_spec("dp=8,moe=ep")
-    options = ModelOptions("tiny", "float32", seed=7, ep_num_redundant_experts=R)
+    options = ModelOptions("tiny", "float32", seed=7, ep_num_redundant_experts=R, ep_dispatch_algorithm="dynamic")
     runner = build_runners(options, lay, [lay.make_mesh(jax.devices()[:8])], num_pages=NPAGES, page_size=PAGE)[0]
+    assert nnx.merge(runner.graphdef, runner.state).moe_layers.ffn.dispatch_algorithm == "dynamic"
     slots, replicas = runner.expert_map()
     assert slots.shape == (runner.cfg.num_moe_layers, 8, R + 1) and (replicas == 2).all()
     cfg, _ = model

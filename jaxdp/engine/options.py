@@ -29,6 +29,7 @@ class ModelOptions:
     fp8_gemm_backend: str | None = None  # the projection GEMM: one of jaxdp.ops.registry.FP8_GEMM_BACKENDS
     ep_num_redundant_experts: int = 0  # moe=ep: R redundant expert slots (jaxdp.eplb.slots)
     init_expert_location: str | None = None  # a placement or recorded load file (jaxdp.eplb.placement)
+    ep_dispatch_algorithm: str = "static"  # or "dynamic": how a pair picks one of its expert's replicas (jaxdp.eplb)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant kernels (docs/determinism.md)
     dcp_size: int = 1  # --dcp-size: the KV pool split token-wise over the group's tp devices (docs/dcp.md)
 

@@ -137,7 +137,7 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
     if o.ep_num_redundant_experts or o.init_expert_location:  # redundant experts: E + R slots and the map
         placement = initial_placement(first.cfg, layout, o.ep_num_redundant_experts, o.init_expert_location)
-        first = with_expert_slots(first, placement, layout, meshes[0])
+        first = with_expert_slots(first, placement, layout, meshes[0], o.ep_dispatch_algorithm)
     log.info("Model %s built on the mesh; %s", o.path or "default", describe_weight_bytes(first.state))
     draft = None
     if o.draft:  # speculative decoding's draft model: the checkpoint's MTP layer, placed as the layers are

@@ -11,6 +11,7 @@ import numpy as np
 
 RECORDER_MODES = ("stat",)  # SGLang's others (stat_approx, per_pass, per_token) are not built
 RECORD_ACTIONS = ("start", "stop", "dump")
+DISPATCH_ALGORITHMS = ("static", "dynamic")  # --ep-dispatch-algorithm (jaxdp.model.moe.MoE.physical_choices)
 
 
 class RecorderError(ValueError):
@@ -23,6 +24,14 @@ def check_recorder_mode(mode: str | None) -> None:
     if mode is not None and mode not in RECORDER_MODES:
         raise RecorderError(f"--expert-distribution-recorder-mode {mode!r} is not built; use "
                             f"{' or '.join(RECORDER_MODES)} (or leave it out).")
+
+
+def check_dispatch_flags(algorithm: str, num_redundant: int, location: str | None) -> None:
+    """Refuse `--ep-dispatch-algorithm dynamic` without redundant experts (nothing to choose among) in one
+    sentence; the value itself is argparse's choice."""
+    if algorithm == "dynamic" and num_redundant < 1 and not location:
+        raise RecorderError("--ep-dispatch-algorithm dynamic chooses among an expert's replicas; give "
+                            "--ep-num-redundant-experts at least 1 (moe=ep).")
 
 
 @dataclasses.dataclass(frozen=True)

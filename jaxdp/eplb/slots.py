@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from jaxdp.config import ModelConfig
 from jaxdp.eplb.algorithm import PlacementError
+from jaxdp.eplb.distribution import DISPATCH_ALGORITHMS
 from jaxdp.eplb.placement import ExpertPlacement
 from jaxdp.layout import Layout, check_redundant_experts
 from jaxdp.model.layers import AXES, axes_of
@@ -89,10 +90,13 @@ def held_physical_to_logical(slots_LES: np.ndarray, replicas_LE: np.ndarray, num
     return out
 
 
-def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: Layout, mesh) -> ShardedModel:
+def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: Layout, mesh,
+                      dispatch: str = "static") -> ShardedModel:
     """The model with its MoE stack's experts held as the placement's physical slots (each parameter with the
-    "experts" axis gathered by the physical-to-logical map, in its EP sharding on `mesh`) and the map as data. An
-    abstract model (ShapeDtypeStructs, `plan --compile`) gets the shapes and shardings only."""
+    "experts" axis gathered by the physical-to-logical map, in its EP sharding on `mesh`) and the map as data, its
+    steps choosing among an expert's replicas by `dispatch` (`--ep-dispatch-algorithm`: static or dynamic,
+    `jaxdp.model.moe`). An abstract model (ShapeDtypeStructs, `plan --compile`) gets the shapes and shardings only."""
+    check_dispatch_algorithm(dispatch)
     cfg = model.cfg
     check_redundant_experts(layout, cfg.n_routed_experts, placement.num_redundant)
     if placement.num_layers != cfg.num_moe_layers or placement.num_logical != cfg.n_routed_experts:
@@ -131,8 +135,16 @@ def with_expert_slots(model: ShardedModel, placement: ExpertPlacement, layout: L
         held = (jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) if abstract
                 else jax.device_put(value, sharding))
         setattr(moe, name, ExpertMap(held, **{AXES: MAP_AXES[name]}))
+    moe.dispatch_algorithm = dispatch  # (a static field: part of the compiled step)
     graphdef, state = nnx.split(merged)
     return ShardedModel(cfg, graphdef, state)
+
+
+def check_dispatch_algorithm(dispatch: str) -> None:
+    """Refuse an unknown `--ep-dispatch-algorithm` in one sentence."""
+    if dispatch not in DISPATCH_ALGORITHMS:
+        raise PlacementError(f"--ep-dispatch-algorithm {dispatch!r} is not built; use "
+                             f"{' or '.join(DISPATCH_ALGORITHMS)}.")
 
 
 def _gather_slots(w, p2l_LP):

@@ -30,8 +30,12 @@ model never multiplies an expert no row chose on the default paths.
 Redundant experts under EP (`--ep-num-redundant-experts R`, `jaxdp.eplb`): the expert weights hold P = E + R
 physical slots (`jaxdp.eplb.slots` builds them from the logical experts), and the layer holds its
 logical-to-physical map as data (`ExpertMap` variables, inputs of the compiled step like every weight):
-`physical_choices` sends each (row, choice) to one replica of its expert (static dispatch: replica
-(row + choice) mod the expert's replica count). Without the map the slots are the logical experts.
+`physical_choices` sends each (row, choice) to one replica of its expert. Static dispatch (SGLang's
+`--ep-dispatch-algorithm static`, the default): replica (row + choice) mod the expert's replica count. Dynamic
+(`dynamic`, `dynamic_slots`): inside the step, from every device's pairs per expert (all-gathered by the caller,
+`jaxdp.parallel.places`), each replicated expert's pairs of this step are split over its replicas so as to keep the
+devices' loads even (water-filling, most concentrated expert first), the same split on every device. Without the map
+the slots are the logical experts.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class ExpertMap(nnx.Variable):
 
 
 class MoE(nnx.Module):
+    dispatch_algorithm = "static"  # with an expert map: "static" or "dynamic" (jaxdp.eplb.slots sets it; static)
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
@@ -111,13 +117,25 @@ class MoE(nnx.Module):
         """Whether the experts are held as physical slots with a logical-to-physical map (redundant experts)."""
         return hasattr(self, "expert_slots_ES")
 
-    def physical_choices(self, idx_TK: jax.Array, num_physical: int, first_row: jax.Array | int = 0) -> jax.Array:
-        """The router's logical expert ids [T, K] -> physical slot ids (static dispatch): row t's choice k of
-        expert e goes to e's replica (first_row + t + k) mod replicas(e); the padding sentinel E becomes P, one
-        past the last slot (num_physical: the slots over all devices). Without a map the ids are the slots already."""
+    @property
+    def dispatches_dynamically(self) -> bool:
+        """Whether `physical_choices` needs every device's pairs per expert (`--ep-dispatch-algorithm dynamic`)."""
+        return self.has_expert_map and self.dispatch_algorithm == "dynamic"
+
+    def physical_choices(self, idx_TK: jax.Array, num_physical: int, first_row: jax.Array | int = 0,
+                         counts_WE: jax.Array | None = None, device: jax.Array | int = 0) -> jax.Array:
+        """The router's logical expert ids [T, K] -> physical slot ids; the padding sentinel E becomes P, one past
+        the last slot (num_physical: the slots over all devices). Static dispatch: row t's choice k of expert e goes
+        to e's replica (first_row + t + k) mod replicas(e). Dynamic (`dispatches_dynamically`): `dynamic_slots`,
+        from `counts_WE` [devices, E] (every device's pairs per logical expert in this step, `count_choices`) and
+        this device's index. Without a map the ids are the slots already."""
         if not self.has_expert_map:
             return idx_TK
         slots_ES, replicas_E = self.expert_slots_ES[...], self.expert_replicas_E[...]
+        if self.dispatches_dynamically:
+            if counts_WE is None:
+                raise ValueError("dynamic expert dispatch needs every device's pairs per expert (counts_WE)")
+            return dynamic_slots(idx_TK, counts_WE, device, slots_ES, replicas_E, num_physical)
         T, K = idx_TK.shape
         E = slots_ES.shape[0]
         e_TK = jnp.minimum(idx_TK, E - 1)
@@ -179,6 +197,80 @@ def count_choices(idx_TK: jax.Array, num_experts: int) -> jax.Array:
     """Tokens routed to each logical expert [E] int32: the (row, choice) pairs of `route`'s ids [T, K], the padding
     rows' sentinel E not counted (what the expert-distribution recorder adds up, `jaxdp.eplb.recorder`)."""
     return jnp.bincount(idx_TK.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+
+def dynamic_slots(idx_TK, counts_WE, device, slots_ES, replicas_E, num_physical: int) -> jax.Array:
+    """Dynamic dispatch: this device's logical ids [T, K] -> physical slots, from every device's pairs per expert
+    `counts_WE` [W, E] (the same on every device, so every device computes the same split).
+
+    1. Each expert's pairs over all devices, c_e. Experts with one replica load its device: the base loads.
+    2. The replicated experts, most concentrated first (the most pairs per device holding a replica; ties: lower
+       id), each split its c_e over the devices holding its replicas by water-filling: the least loaded of them are
+       raised to one level (integer amounts, the remainder one each to the devices ending lowest, ties to the lower
+       replica); two replicas on one device count once. A second sweep takes each out and fills it again among the
+       others' loads, which never raises the most loaded device.
+    3. Expert e's pairs are numbered device by device (this device's after the lower devices', in row and choice
+       order here), and pair i goes to the replica whose share holds i.
+    Fixed shapes, no host round trip: the map's width R + 1 bounds the replicated experts (at most R)."""
+    E, S = slots_ES.shape
+    W = counts_WE.shape[0]
+    per_device = num_physical // W
+    counts_WE = counts_WE.astype(jnp.int32)
+    c_E = counts_WE.sum(0)
+    valid_ES = jnp.arange(S)[None, :] < replicas_E[:, None]
+    dev_ES = jnp.where(valid_ES, slots_ES // per_device, -1)
+    earlier_SS = jnp.tril(jnp.ones((S, S), bool), -1)  # [j, j']: j' < j
+    dup_ES = ((dev_ES[:, :, None] == dev_ES[:, None, :]) & earlier_SS[None] & valid_ES[:, None, :]).any(-1)
+    usable_ES = valid_ES & ~dup_ES
+    single_E = replicas_E <= 1
+    load_W = jnp.zeros((W,), jnp.int32).at[jnp.maximum(dev_ES[:, 0], 0)].add(jnp.where(single_E, c_E, 0))
+    share_ES = jnp.zeros((E, S), jnp.int32).at[:, 0].set(c_E)
+    if S > 1:  # the most concentrated first: pairs per device that holds a replica
+        spread_E = c_E.astype(jnp.float32) / jnp.maximum(usable_ES.sum(1), 1)
+        _, order = jax.lax.top_k(jnp.where(single_E, -1.0, spread_E), min(S - 1, E))
+        for sweep in range(2):  # (at most R replicated experts, twice: unrolled, no loop on the device)
+            for i in range(order.shape[0]):
+                e = order[i]
+                use_S = usable_ES[e] & ~single_E[e]
+                dev_S = jnp.maximum(dev_ES[e], 0)
+                if sweep:  # the second sweep takes each expert out and fills it again among the others
+                    load_W = load_W.at[dev_S].add(-jnp.where(use_S, share_ES[e], 0))
+                a_S = _water_fill(c_E[e], jnp.where(use_S, load_W[dev_S], 0), use_S)
+                load_W = load_W.at[dev_S].add(a_S)
+                share_ES = share_ES.at[e].set(jnp.where(single_E[e], share_ES[e], a_S))
+    T, K = idx_TK.shape
+    e_P = idx_TK.reshape(-1)
+    live_P = e_P < E
+    e_P = jnp.minimum(e_P, E - 1)
+    order_P = jnp.argsort(jnp.where(live_P, e_P, E), stable=True)
+    sorted_e = jnp.where(live_P, e_P, E)[order_P]
+    n_E = jnp.bincount(sorted_e, length=E + 1)
+    start_E = jnp.cumsum(n_E) - n_E
+    rank_P = jnp.zeros((T * K,), jnp.int32).at[order_P].set(jnp.arange(T * K, dtype=jnp.int32) - start_E[sorted_e])
+    before_E = jnp.take(jnp.cumsum(counts_WE, axis=0) - counts_WE, device, axis=0)  # lower devices' pairs
+    pair_P = before_E[e_P] + rank_P
+    ends_ES = jnp.cumsum(share_ES, axis=1)
+    j_P = jnp.minimum((ends_ES[e_P] <= pair_P[:, None]).sum(-1), S - 1)
+    slot_P = slots_ES[e_P, j_P]
+    return jnp.where(live_P, slot_P, num_physical).astype(jnp.int32).reshape(T, K)
+
+
+def _water_fill(c, load_S, use_S):
+    """Integer amounts [S] summing to c over the entries `use_S`, raising the least loaded to one level."""
+    big = jnp.iinfo(jnp.int32).max // 4
+    load = jnp.where(use_S, load_S, big).astype(jnp.float32)
+    m = use_S.sum()
+    srt = jnp.sort(load)
+    k = jnp.arange(1, load.shape[0] + 1)
+    level_k = (c + jnp.cumsum(jnp.where(k <= m, srt, 0.0))) / k
+    fits = (k <= m) & (srt <= level_k)
+    level = level_k[jnp.maximum(fits.sum() - 1, 0)]
+    f_S = jnp.where(use_S, jnp.floor(jnp.maximum(level - load, 0.0)), 0.0).astype(jnp.int32)
+    even_S = jnp.where(use_S, c // jnp.maximum(m, 1), 0)
+    f_S = jnp.where(f_S.sum() > c, even_S, f_S)  # (never more than c, whatever the float rounding)
+    rest = c - f_S.sum()
+    rank_S = jnp.argsort(jnp.argsort(jnp.where(use_S, load_S + f_S, big), stable=True), stable=True)
+    return f_S + jnp.where(use_S & (rank_S < rest), 1, 0).astype(jnp.int32)
 
 
 def dense_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID):

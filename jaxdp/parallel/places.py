@@ -233,7 +233,11 @@ class MeshComm:
             counts_E = count_choices(idx_nK, moe.cfg.n_routed_experts) if self.count_experts else None
             # logical experts -> physical slots (redundant experts: the map is an input, jaxdp.eplb)
             first_row = jax.lax.axis_index(ALL) * h_nD.shape[0]
-            idx_nK = moe.physical_choices(idx_nK, moe.num_local_experts * self.world, first_row)
+            counts_WE = None
+            if moe.dispatches_dynamically:  # (--ep-dispatch-algorithm dynamic: every device's pairs per expert)
+                counts_WE = jax.lax.all_gather(count_choices(idx_nK, moe.cfg.n_routed_experts), ALL)
+            idx_nK = moe.physical_choices(idx_nK, moe.num_local_experts * self.world, first_row, counts_WE,
+                                          jax.lax.axis_index(ALL))
             dispatch = ragged_dispatch_combine_moe if self.ep_ragged else dispatch_combine_moe
             y_nD, rows_E = dispatch(h_nD, idx_nK, w_nK, moe, self.world)
             return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), self._rows(rows_E, counts_E)
