@@ -299,9 +299,8 @@ def check_dcp_flags(dcp: int, layout: Layout, engine) -> None:
         check_dcp_pool(dcp, layout.tp, engine.pool_page_size)
     except DCPError as e:
         raise UserError(str(e).rstrip(".")) from None
-    if dcp > 1 and (engine.speculative is not None or engine.disaggregation is not None):
-        raise UserError(f"--dcp-size {dcp} is not built with --speculative-algorithm or --disaggregation-mode yet; "
-                        "drop one of them")
+    if dcp > 1 and engine.speculative is not None:
+        raise UserError(f"--dcp-size {dcp} is not built with --speculative-algorithm yet; drop one of them")
 
 
 def pool_pages(sizing: PoolSizing, runner, replica: int) -> int:

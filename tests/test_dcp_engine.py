@@ -1,16 +1,21 @@
 """`--dcp-size` in the engine (issue 48 point 3, docs/dcp.md): under dp=2,tp=4 the pool split over the group's 4
 devices answers the same greedy tokens as the unsplit pool (dcp=1), for a prompt read in chunks, a prefix-cache hit
-and short prompts on both ranks; at the same memory per device the split pool holds 4 times the tokens. The tp=8
-variants (dcp 8 and 2) are slow. Bad sizes are refused in one sentence before anything loads."""
+and short prompts on both ranks; at the same memory per device the split pool holds 4 times the tokens; KV handed
+over by a dcp=1 prefill engine is laid out in the split pool and answers the same, and the other way round. The
+tp=8 variants (dcp 8 and 2) are slow. Bad sizes are refused in one sentence before anything loads."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.engine.options import DisaggConfig
+from jaxdp.engine.sched.request import Bootstrap
 from jaxdp.model.loader import default_model_path
+from jaxdp.net import free_port
 from jaxdp.serve import build_parser
 from jaxdp.serve_config import PoolSizing, UserError, pool_pages, serve_config
 
@@ -47,9 +52,15 @@ def answers(mesh: str, dcp: int, num_pages: int = 32) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def whole_dp2_tp4() -> dict:
+    """`answers` of dp=2,tp=4 without DCP: the reference of every split pool's answers here."""
+    return answers("dp=2,tp=4", 1)
+
+
 @needs_model
-def test_split_pool_answers_as_the_whole_pool():
-    whole, split = answers("dp=2,tp=4", 1), answers("dp=2,tp=4", 4, num_pages=32)
+def test_split_pool_answers_as_the_whole_pool(whole_dp2_tp4):
+    whole, split = whole_dp2_tp4, answers("dp=2,tp=4", 4, num_pages=32)
     assert split["long"] > 64 and split["cached"] >= 112  # (chunked: 32 rows a rank a step; the hit happened)
     assert split["tokens"] == whole["tokens"]
     assert split["shard_shape"][-2] == 4  # each device holds 4 of every page's 16 tokens
@@ -84,17 +95,79 @@ def test_bad_dcp_flags_refused_in_one_sentence(flags, words):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_dcp_with_disaggregation_is_served(mode):
+    config = serve_config(args_of("--mesh", "dp=2,tp=4", "--dcp-size", "4", "--disaggregation-mode", mode))
+    assert config.engine.disaggregation.mode == mode
+    with pytest.raises(UserError, match="not built with --speculative-algorithm yet; drop one of them"):
+        serve_config(args_of("--mesh", "dp=2,tp=4", "--dcp-size", "4", "--speculative-algorithm", "EAGLE"))
+
+
 def test_engine_refuses_before_loading():
     with pytest.raises(ValueError, match="must divide"):
         Engine("default", "dp=2,tp=4", EngineConfig(disable_cuda_graph=True), warmup=False, dcp_size=3)
 
 
+def handoff_answers(prefill: tuple[str, int], decode: tuple[str, int]) -> dict:
+    """`answers`' prompts (on the same decode ranks) through a prefill engine and a decode engine ((mesh, dcp)
+    each, over this process's host devices: a mesh takes the first of them, so the two share devices): the
+    decode engine's greedy tokens, and the decode side's figures."""
+    port = free_port()
+
+    def engine(mesh, dcp, disagg):
+        dp = int(mesh.split(",")[0].removeprefix("dp="))
+        cfg = EngineConfig(page_size=16, num_pages=32, max_running_requests=8, chunked_prefill_size=64,
+                           decode_buckets=[8 // dp], extend_buckets=[64 // dp], disable_cuda_graph=True,
+                           disaggregation=disagg)
+        return Engine("default", mesh, cfg, warmup=False, dcp_size=dcp)
+
+    pre = engine(*prefill, DisaggConfig("prefill", bootstrap_port=port, model="default", timeout_s=120))
+    dec = engine(*decode, DisaggConfig("decode", model="default", timeout_s=120))
+    try:
+        for e in (pre, dec):
+            e.start()
+        def ids(text):
+            e = dec.tokenizer.encode(text)
+            return e if isinstance(e, list) else e.ids
+
+        rng = np.random.default_rng(0)
+        letters = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=120))
+        long = ids(f"reverse {letters}=")
+        prompts = [long, ids("12+34="), ids(f"reverse {letters[:30]}="), long[:-1] + ids("x=")]
+        sp = SamplingParams(max_new_tokens=8, temperature=0)
+        reqs = []
+        for i, (p, rank) in enumerate(zip(prompts, [0, 1, 0, 0], strict=True)):  # (rooms 2 and 5: prefill rank 1)
+            room = [4, 5, 2, 7][i]
+            reqs.append(dec.submit(dec.make_request(p, sp, rank=rank, bootstrap=Bootstrap("127.0.0.1", port, room))))
+            pre.submit(pre.make_request(p, sp, bootstrap=Bootstrap("127.0.0.1", port, room)))
+        deadline = time.monotonic() + 600
+        while not all(r.finished for r in reqs):
+            assert time.monotonic() < deadline, "the hand-off did not finish"
+            time.sleep(0.05)
+        return {"tokens": [r.output_ids for r in reqs], "errors": [r.error for r in reqs],
+                "kinds": {r.kind for r in dec.stats.records}, "bytes": dec.disagg.transferred_bytes}
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
 @needs_model
-def test_engine_refuses_a_hand_off_into_a_split_pool():
-    cfg = EngineConfig(num_pages=8, disaggregation=DisaggConfig("decode"), disable_cuda_graph=True)
-    with pytest.raises(ValueError, match="not built with --dcp-size 4") as e:
-        Engine("default", "dp=2,tp=4", cfg, warmup=False, dcp_size=4)
-    assert "\n" not in str(e.value)
+def test_a_hand_off_into_a_split_pool_answers_as_one_server(whole_dp2_tp4):
+    """A dcp=1 prefill engine (dp=2) hands its KV to a decode engine of dp=2,tp=4 with --dcp-size 4: each token's
+    latent lands on its owner device of each rank's group, and the decode engine answers dcp=1's greedy tokens
+    without reading a prompt."""
+    got = handoff_answers(("dp=2", 1), ("dp=2,tp=4", 4))
+    assert got["errors"] == [None] * 4 and got["kinds"] == {"decode"} and got["bytes"] > 0
+    assert got["tokens"] == whole_dp2_tp4["tokens"]
+
+
+@needs_model
+def test_a_split_prefill_pool_hands_off_to_an_unsplit_one(whole_dp2_tp4):
+    """The other way: a prefill engine of dp=2,tp=4 with --dcp-size 4 reads its prompts into a split pool and
+    hands them to a dp=2 decode engine (the parts gathered from the group's devices and interleaved)."""
+    got = handoff_answers(("dp=2,tp=4", 4), ("dp=2", 1))
+    assert got["errors"] == [None] * 4 and got["kinds"] == {"decode"}
+    assert got["tokens"] == whole_dp2_tp4["tokens"]
 
 
 def retraction_answers(dcp: int) -> tuple[list, int]:

@@ -18,6 +18,7 @@ from jaxdp.engine import Engine
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions
 from jaxdp.engine.sched.request import BadRequest, Bootstrap, GrammarSpec, SamplingParams
 from jaxdp.engine.setup import build_runners
+from jaxdp.grammar import Grammars, vocabulary
 from jaxdp.layout import parse_mesh_spec
 from jaxdp.model.loader import default_model_path
 from jaxdp.net import free_port
@@ -35,7 +36,6 @@ def _engine(devices, page_size, disagg=None, max_running=8):
     runner = build_runners(ModelOptions(dtype="float32"), layout, [layout.make_mesh(devices)], num_pages=64,
                            page_size=page_size)[0]
     cfg = EngineConfig(max_running_requests=max_running, chunked_prefill_size=64, disaggregation=disagg)
-    from jaxdp.grammar import Grammars, vocabulary
     from jaxdp.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_path())

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp.disagg.bootstrap import BootstrapClient
 from jaxdp.disagg.handoff import DecodeSide, HandoffError
-from jaxdp.disagg.kv import KVFormat
+from jaxdp.disagg.kv import KVFormat, read_request_kv, write_request_kv
 from jaxdp.disagg.transfer import TRANSPORTS, JaxTransport, TransferError, advertised, make_transport
 from jaxdp.net import free_port
 
@@ -161,3 +161,73 @@ def test_a_transfer_server_on_a_wildcard_host_gives_an_address_others_can_reach(
     assert advertised("10.0.0.2:7") == "10.0.0.2:7" and advertised("[fd00::1]:7") == "[fd00::1]:7"
     transport = JaxTransport(host="0.0.0.0")
     assert transport.address().startswith(f"{me}:") and not transport.address().startswith("0.0.0.0")
+
+
+def _split_expected(values_LTW: np.ndarray, pages: list[int], page_size: int, dcp: int, tp: int, shape) -> np.ndarray:
+    """A split pool's one rank [tp, L, P, page_size / dcp, W] holding the tokens values_LTW at `pages`, as
+    `jaxdp.parallel.dcp` lays them out (token p on the devices of DCP rank p mod dcp, at local index p // dcp)."""
+    out = np.zeros(shape, values_LTW.dtype)
+    for t in range(values_LTW.shape[1]):
+        for device in range(tp):
+            if t % dcp == device % dcp:
+                out[device, :, pages[t // page_size], t % page_size // dcp] = values_LTW[:, t]
+    return out
+
+
+@pytest.mark.parametrize("chunk, page_in, dcp_in, page_out, dcp_out", [
+    (16, 8, 1, 8, 4),  # an unsplit pool into dcp 4 (whole local pages a copy)
+    (10, 4, 1, 8, 4),  # ... chunks of 10: chunks starting off a multiple of 4 (one token a copy)
+    (16, 4, 1, 8, 2),  # into two subgroups of dcp 2 (tp 4): each subgroup holds the whole sequence
+    (16, 8, 4, 4, 1),  # a split pool (dcp 4) read into an unsplit one
+    (9, 8, 2, 12, 4),  # split to split, another N and page size, chunks off the page and DCP grids
+], ids=["whole-to-dcp4", "chunk10-to-dcp4", "to-dcp2-of-tp4", "dcp4-to-whole", "dcp2-to-dcp4"])
+def test_kv_moves_into_and_out_of_a_split_pool(chunk, page_in, dcp_in, page_out, dcp_out):
+    """`--dcp-size` on either side (issue 48): a request's KV read from one pool, split or not, and written into
+    another, value for value where `jaxdp.parallel.dcp` puts each token, every other slot untouched."""
+    def mesh_of(devices, dp, tp):
+        return jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+
+    L, W, P_in, P_out, n = 2, 6, 12, 10, 37
+    rng = np.random.default_rng(0)
+    pages_in = [5, 1, 9, 3, 0, 7, 11, 2, 4, 6][: -(-n // page_in)]
+    pages_out = [4, 8, 0, 6, 2, 9, 1, 3, 5, 7][: -(-n // page_out)]
+    values = rng.standard_normal((L, n, W)).astype(np.float32)  # the request's tokens
+    src_mesh = mesh_of(jax.devices()[:4], 1, 4)  # the prefill side: dp=1,tp=4; the decode side dp=2,tp=2 or tp=4
+    dst_mesh = mesh_of(jax.devices()[4:8], 2, 2) if dcp_out == 1 else mesh_of(jax.devices()[4:8], 1, 4)
+    # the prefill side's pool (rank 0) with the request's tokens at pages_in, as the step would have written them
+    if dcp_in == 1:
+        pool = np.zeros((1, L, P_in, page_in, W), np.float32)
+        for t in range(n):
+            pool[0, :, pages_in[t // page_in], t % page_in] = values[:, t]
+        src = jax.device_put(pool, NamedSharding(src_mesh, P("dp")))
+    else:
+        pool = _split_expected(values, pages_in, page_in, dcp_in, 4, (4, L, P_in, page_in // dcp_in, W))[None]
+        src = jax.device_put(pool, NamedSharding(src_mesh, P("dp", "tp")))
+    cache_in = {"moe": src}
+    fmt = KVFormat.of(cache_in, chunk)
+    chunks = read_request_kv(cache_in, 0, pages_in, n, fmt, dcp=dcp_in)
+    got_chunks = np.concatenate([np.asarray(c["moe"]) for c in chunks], axis=1)[:, :n]
+    np.testing.assert_array_equal(got_chunks, values)  # (the chunks are token-major whatever the pool)
+    rank = 1 if dcp_out == 1 else 0
+    if dcp_out == 1:
+        dst = jax.device_put(np.zeros((2, L, P_out, page_out, W), np.float32), NamedSharding(dst_mesh, P("dp")))
+    else:
+        dst = jax.device_put(np.zeros((1, 4, L, P_out, page_out // dcp_out, W), np.float32),
+                             NamedSharding(dst_mesh, P("dp", "tp")))
+    assert KVFormat.of({"moe": dst}, chunk) == fmt  # (a split pool's format is the unsplit one's)
+    new = np.asarray(write_request_kv({"moe": dst}, rank, pages_out, n, fmt, chunks, dcp=dcp_out)["moe"])
+    if dcp_out == 1:
+        for t in range(n):
+            np.testing.assert_array_equal(new[rank, :, pages_out[t // page_out], t % page_out], values[:, t])
+        assert (new[1 - rank] == 0).all()
+        return
+    want = _split_expected(values, pages_out, page_out, dcp_out, 4, new.shape[1:])
+    live = np.zeros(new.shape[1:], bool)  # the slots of the request's tokens (a last page's others: its own)
+    for t in range(n):
+        for device in range(4):
+            if t % dcp_out == device % dcp_out:
+                live[device, :, pages_out[t // page_out], t % page_out // dcp_out] = True
+    np.testing.assert_array_equal(new[0][live], want[live])
+    untouched = np.ones(new.shape[1:], bool)
+    untouched[:, :, pages_out] = False
+    assert (new[0][untouched] == 0).all(), "the write touched slots outside the request's pages"

@@ -67,8 +67,8 @@ class PrefillSide:
     outcome names this process's transfer server, which offers the KV of the ranks whose pages are here."""
 
     def __init__(self, fmt: KVFormat, dp: int, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",
-                 bootstrap_port: int, offer_timeout_s: float = 300.0, publish=None):
-        self.fmt, self.offer_timeout_s = fmt, offer_timeout_s
+                 bootstrap_port: int, offer_timeout_s: float = 300.0, publish=None, dcp_size: int = 1):
+        self.fmt, self.offer_timeout_s, self.dcp_size = fmt, offer_timeout_s, dcp_size  # (dcp_size: the pool's)
         self.transport = make_transport(backend, host=host)
         self.board = RoomBoard(keep_s=offer_timeout_s)
         self.server = None
@@ -83,7 +83,7 @@ class PrefillSide:
                  first_logprob: float) -> None:
         """Offer a request's KV (its first n_tokens at `rank`'s `pages` of pool `cache`) and announce the room.
         Only dispatches the read: the caller may free the pages and run the next step at once."""
-        chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt)
+        chunks = read_request_kv(cache, rank, pages, n_tokens, self.fmt, dcp=self.dcp_size)
         ticket = self.transport.offer(room, chunks, self.offer_timeout_s)
         self.offered_bytes += self.fmt.nbytes(n_tokens)
         self.publish(room, {"status": "ready", "rank": rank, "n_tokens": n_tokens, "ticket": ticket,
@@ -99,9 +99,12 @@ class PrefillSide:
 
 
 class DecodeSide:
+    """`dcp_size`: this server's --dcp-size (its pool split token-wise over each group's devices when > 1); the
+    prefill server's pool may be split or not, the KV travels in one format either way (`jaxdp.disagg.kv`)."""
+
     def __init__(self, fmt: KVFormat, fingerprint: str, *, backend: str = "jax", host: str = "127.0.0.1",
-                 timeout_s: float = 60.0):
-        self.fmt, self.fingerprint, self.timeout_s = fmt, fingerprint, timeout_s
+                 timeout_s: float = 60.0, dcp_size: int = 1):
+        self.fmt, self.fingerprint, self.timeout_s, self.dcp_size = fmt, fingerprint, timeout_s, dcp_size
         self.transport = make_transport(backend, host=host)
         self.client = BootstrapClient()
 
@@ -153,7 +156,7 @@ class DecodeSide:
 
     def write(self, cache: dict, rank: int, pages: list[int], arrived: Arrived) -> dict:
         """The pool with the request's KV at `rank`'s `pages` (on the engine loop, between steps)."""
-        return write_request_kv(cache, rank, pages, arrived.n_tokens, arrived.fmt, arrived.chunks)
+        return write_request_kv(cache, rank, pages, arrived.n_tokens, arrived.fmt, arrived.chunks, dcp=self.dcp_size)
 
     def close(self) -> None:
         self.client.close()

@@ -48,12 +48,13 @@ class PrefillMode:
         self.runner = runner
         fmt = KVFormat.of(runner.cache, CHUNK_TOKENS)
         self._outbox: list[RoomOutcome] = []  # the other nodes: rooms for node 0's bootstrap endpoint
+        dcp = getattr(runner, "dcp_size", 1)  # (a split pool: docs/dcp.md)
         self.side = PrefillSide(fmt, dp, cfg.model, backend=cfg.backend, host=cfg.host,
                                 bootstrap_port=cfg.bootstrap_port, offer_timeout_s=cfg.timeout_s,
-                                publish=None if node_rank == 0 else self._to_node_0)
+                                publish=None if node_rank == 0 else self._to_node_0, dcp_size=dcp)
         self.stats = [RankKV() for _ in range(dp)]
         for rank in local_ranks:  # compiled at start-up (for each rank's devices), never while serving
-            jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt))
+            jax.block_until_ready(read_request_kv(runner.cache, rank, [0], 1, fmt, dcp=dcp))
 
     # ---- the schedulers' policy (jaxdp.engine.sched.policy.Disagg) -------------------------------------
     def reads_elsewhere(self, req: Request) -> bool:
@@ -121,8 +122,9 @@ class DecodeMode:
     def __init__(self, cfg: DisaggConfig, runner, dp: int, post, local_ranks: range):
         """post(("kv", (req, future))): puts an arrival into the engine's inbox (thread-safe)."""
         self.runner, self.post = runner, post
+        dcp = getattr(runner, "dcp_size", 1)  # (a split pool: each device writes its own tokens, docs/dcp.md)
         self.side = DecodeSide(KVFormat.of(runner.cache, CHUNK_TOKENS), cfg.model, backend=cfg.backend,
-                               host=cfg.host, timeout_s=cfg.timeout_s)
+                               host=cfg.host, timeout_s=cfg.timeout_s, dcp_size=dcp)
         self.workers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxdp-kv")
         self.stats = [RankKV() for _ in range(dp)]
         self.transferred_bytes = 0
@@ -131,7 +133,7 @@ class DecodeMode:
         for rank in local_ranks:  # into page 0 (free at start)
             zeros = [{k: jnp.zeros(s.shape, s.dtype, device=s.sharding) for k, s in chunk.items()}
                      for chunk in fmt.specs(1, jax.sharding.SingleDeviceSharding(self._device(rank)))]
-            runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros)
+            runner.cache = write_request_kv(runner.cache, rank, [0], 1, fmt, zeros, dcp=dcp)
         jax.block_until_ready(runner.cache)
 
     # ---- the schedulers' policy (jaxdp.engine.sched.policy.Disagg) -------------------------------------
@@ -203,9 +205,6 @@ def make_disagg(cfg: DisaggConfig | None, runner, dp: int, post, local_ranks: ra
     `local_ranks`: the ranks this node schedules (default: all); `node_rank`: this node's (0: one node)."""
     if cfg is None:
         return None
-    if getattr(runner, "dcp_size", 1) > 1:  # (a split pool's parts are not in the hand-off's format: docs/dcp.md)
-        raise ValueError(f"--disaggregation-mode {cfg.mode} is not built with --dcp-size {runner.dcp_size} yet; "
-                         "drop one of them")
     if not cfg.model:  # both servers must serve one model: its architecture, as config.json would say it
         cfg = dataclasses.replace(cfg, model=model_fingerprint(dataclasses.asdict(runner.cfg)))
     local_ranks = range(dp) if local_ranks is None else local_ranks
