@@ -15,6 +15,9 @@ whole sequence (`jaxdp.ops.partial_attention.merge_partials` is the single-devic
 
 With N < tp the collectives run within each subgroup (`axis_index_groups`), as the planner counts them
 (`jaxdp.planner.dcp`).
+
+KV handed over under prefill/decode disaggregation travels token-major whatever either pool's layout;
+`jaxdp.disagg.kv` writes each device's tokens at the slots `local_slots` gives them (and reads a split pool back).
 """
 
 from __future__ import annotations
