@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdp import native
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.params import AXES, axes_of, init_normal, param
@@ -21,7 +22,7 @@ from jaxdp.ops.gemm import projection
 from jaxdp.ops.rows import row_sum
 from jaxdp.ops.stacked import StackedWeight
 
-__all__ = ["AXES", "MLP", "RMSNorm", "apply_rope", "axes_of", "dot", "init_normal", "param", "rms_norm",
+__all__ = ["AXES", "MLP", "RMSNorm", "apply_rope", "axes_of", "dot", "dot_blocks", "init_normal", "param", "rms_norm",
            "rope_inv_freq", "swiglu"]  # (the weights' declarations live in `jaxdp.model.params`)
 
 
@@ -129,13 +130,43 @@ def dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return (y[:1] if pad else y).astype(x.dtype)
 
 
+def dot_blocks(x_TK: jax.Array, w, n_in: int, blocks: int) -> jax.Array:
+    """The partial products of x [T, K] by w (its leading n_in dims flattened: [K, N]) over `blocks` contiguous
+    blocks of K, each on its own: float32 [blocks, T, N] (the fixed reduction tree's partials,
+    `jaxdp.ops.rows.block_sum`). By jaxdp's native product on a CPU (a weight the layer scan handed whole read in
+    place; a block's partial has the bits the product of that block alone gives, on whichever device holds it), by
+    XLA's elsewhere or for a block-FP8 weight."""
+    T, K = x_TK.shape
+    stacked = isinstance(w, StackedWeight)
+    values = w.values if stacked and w.scales is None and w.cols is None else None
+    N = math.prod(w.shape[n_in:])
+
+    def xla(x):
+        w_KN = (w.dense() if stacked else w).reshape(K, N)
+        return jnp.einsum("tbk,bkn->btn", x.reshape(T, blocks, K // blocks), w_KN.reshape(blocks, K // blocks, N),
+                          preferred_element_type=jnp.float32)
+
+    if stacked and values is None or not native.takes(x_TK, values if stacked else w):
+        return xla(x_TK)
+    stack, layer = (values.reshape(values.shape[0], K, N), w.layer) if stacked else (w.reshape(1, K, N), 0)
+
+    def cpu(x):
+        y = native.matmul(x, stack, layer, kblocks=blocks)
+        return y[None] if blocks == 1 else y
+
+    return jax.lax.platform_dependent(x_TK, cpu=cpu, default=xla)
+
+
 # ---- MLP ---------------------------------------------------------------------------------------
 
 
-def swiglu(x_TD: jax.Array, w_gate_up_D2F: jax.Array, w_down_FD: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)); gate and up stored together as [D, 2, F]."""
+def swiglu(x_TD: jax.Array, w_gate_up_D2F: jax.Array, w_down_FD: jax.Array, blocks: int | None = None) -> jax.Array:
+    """down(silu(gate(x)) * up(x)); gate and up stored together as [D, 2, F]. With `blocks`, the down projection's
+    partial products over that many blocks of F, unsummed: float32 [blocks, T, D] (`dot_blocks`)."""
     h_T2F = dot("td,dkf->tkf", x_TD, w_gate_up_D2F)
     h_TF = jax.nn.silu(h_T2F[:, 0].astype(jnp.float32)) * h_T2F[:, 1].astype(jnp.float32)
+    if blocks is not None:
+        return dot_blocks(h_TF.astype(x_TD.dtype), w_down_FD, 1, blocks)
     return dot("tf,fd->td", h_TF.astype(x_TD.dtype), w_down_FD)
 
 
@@ -147,5 +178,6 @@ class MLP(nnx.Module):
         self.w_gate_up_D2F = param(init_normal(rngs, (hidden, 2, inter), dtype, hidden), ("embed", "gate_up", mlp_axis))
         self.w_down_FD = param(init_normal(rngs, (inter, hidden), dtype, inter), (mlp_axis, "embed"))
 
-    def __call__(self, x_TD: jax.Array) -> jax.Array:
-        return swiglu(x_TD, weight(self, "w_gate_up_D2F"), weight(self, "w_down_FD"))
+    def __call__(self, x_TD: jax.Array, blocks: int | None = None) -> jax.Array:
+        """[T, D]; with `blocks`, the down projection's partial products [blocks, T, D] float32 (`swiglu`)."""
+        return swiglu(x_TD, weight(self, "w_gate_up_D2F"), weight(self, "w_down_FD"), blocks)

@@ -32,11 +32,12 @@ from jaxdp.config import ModelConfig
 from jaxdp.model import mla_prompt
 from jaxdp.model.fp8 import weight
 from jaxdp.model.indexer import Indexer, pack_fp8_keys, selected_mask, selection_size, unpack_fp8_keys
-from jaxdp.model.layers import apply_rope, dot, init_normal, param, rms_norm
+from jaxdp.model.layers import apply_rope, dot, dot_blocks, init_normal, param, rms_norm
 from jaxdp.model.mla_prompt import attend_blocked, attend_dense, attend_selected
 from jaxdp.ops.attention import NEG_INF, gather_context, mla_decode_default, sparse_mla_decode_xla, write_rows
 from jaxdp.ops.gemm import einsum as weight_einsum
 from jaxdp.ops.gemm import projection
+from jaxdp.ops.rows import fixed_blocks
 from jaxdp.ops.stacked import StackedWeight
 
 ONE_ROW_BLOCK = 16  # a prompt step's one-row sequences (decoders riding along) attended at once
@@ -127,9 +128,17 @@ class MLA(nnx.Module):
         return jnp.concatenate([latent_TL, k_rope_TR], axis=-1)
 
     @jax.named_scope("mla_projections")
-    def output(self, o_THV: jax.Array) -> jax.Array:
-        """o_proj over this device's heads: a partial sum when heads are split over tp."""
-        return dot("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
+    def output(self, o_THV: jax.Array, blocks: bool = False) -> jax.Array:
+        """o_proj over this device's heads: a partial sum when heads are split over tp. With `blocks`
+        (--enable-deterministic-inference), its partial products over this device's share of a fixed number of
+        blocks of heads, unsummed ([b, T, D] float32, `dot_blocks`): the comm adds every device's blocks by one
+        fixed tree (`jaxdp.parallel.places.MeshComm.attn_to_ffn`), so the sum does not depend on tp."""
+        if not blocks:
+            return dot("thv,hvd->td", o_THV, weight(self, "w_o_HVD"))
+        T, H, V = o_THV.shape
+        tp = self.cfg.num_heads // H
+        blocks = fixed_blocks(self.cfg.num_heads, tp) // tp
+        return dot_blocks(o_THV.reshape(T, H * V), weight(self, "w_o_HVD"), 2, blocks)
 
     # ---- the two attention paths -----------------------------------------------------------------
     def __call__(self, x_TD, kv_PSK, batch: AttnBatch, *, absorbed: bool, decode_kernel=None, page_offset=0,
@@ -181,7 +190,7 @@ class MLA(nnx.Module):
         else:
             o_THV = self.attend_expanded(q_nope_THN, q_rope_THR, kv_PSK, batch, sel_TK,
                                          kv_TK.astype(kv_PSK.dtype), decode_kernel)
-        return self.output(o_THV.astype(x_TD.dtype)), kv_PSK, index
+        return self.output(o_THV.astype(x_TD.dtype), getattr(decode_kernel, "batch_invariant", False)), kv_PSK, index
 
     def select(self, q_TQ, x_TD, keys_PSE, batch: AttnBatch) -> jax.Array:
         """This layer's DSA selection over the cached context of each row's sequence [T, index_topk], prompt

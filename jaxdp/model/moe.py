@@ -47,7 +47,7 @@ from flax import nnx
 from jaxdp.config import ModelConfig
 from jaxdp.model.fp8 import weight
 from jaxdp.model.layers import MLP, axes_of, init_normal, param
-from jaxdp.ops.experts import dense, routed_experts, routed_experts_nvfp4
+from jaxdp.ops.experts import dense, routed_expert_blocks, routed_experts, routed_experts_nvfp4
 from jaxdp.ops.gemm import router_logits
 from jaxdp.ops.nvfp4 import BLOCK_K, quantize_nvfp4_experts, quantize_nvfp4_experts_gate_up
 
@@ -155,6 +155,13 @@ class MoE(nnx.Module):
         gate_up, down = weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID")
         return routed_experts(x_TD, idx_TK, w_TK, gate_up, down, expert_offset, self.runner_backend)
 
+    @jax.named_scope("routed_experts")
+    def expert_blocks(self, x_TD, idx_TK, blocks: int):
+        """Each (row, choice) pair's unweighted expert output as `blocks` partial products over the intermediate
+        columns held here ([blocks, T, K, D] float32; the fixed reduction tree's, `routed_expert_blocks`), and the
+        rows received per held expert. Plain (not NVFP4) experts."""
+        return routed_expert_blocks(x_TD, idx_TK, weight(self, "w_gate_up_ED2I"), weight(self, "w_down_EID"), blocks)
+
     def experts_dense(self, x_TD, idx_TK, w_TK):
         """`experts` computed as every expert on every row, weighted (0 for experts not chosen): the
         same sum, no sorting, and it batches under vmap (training on a CPU, where ragged_dot is a masked
@@ -167,8 +174,11 @@ class MoE(nnx.Module):
                              dense(weight(self, "w_down_EID"))), rows_E
 
     @jax.named_scope("shared_expert")
-    def shared_expert(self, x_TD: jax.Array) -> jax.Array:
-        return self.shared(x_TD) if self.shared is not None else jnp.zeros_like(x_TD)
+    def shared_expert(self, x_TD: jax.Array, blocks: int | None = None) -> jax.Array:
+        """[T, D]; with `blocks`, its down projection's partial products [blocks, T, D] float32 (`MLP`)."""
+        if self.shared is None:
+            return jnp.zeros_like(x_TD) if blocks is None else jnp.zeros((blocks, *x_TD.shape), jnp.float32)
+        return self.shared(x_TD, blocks)
 
 
 def route(x_TD, valid_T, router_DE, bias_E, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:

@@ -117,19 +117,26 @@ def _call(target: str, out: jax.ShapeDtypeStruct):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")
 
 
-def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array) -> jax.Array:
+def grouped_matmul(x_MK: jax.Array, w_LEKN: jax.Array, layer, sizes_E: jax.Array, kblocks: int = 1) -> jax.Array:
     """Rows of x (sorted by group) times their group's matrix of layer `layer` of the stack `w_LEKN`, read in
     place: the first sizes_E[0] rows by w[layer, 0], the next sizes_E[1] by w[layer, 1], ...; rows past the
     groups give zeros (w [L, K, N]: one group). x and w float32 or bfloat16, any N; float32 [M, N]
-    out. Only where `available()`, and on a CPU (XLA:CPU's custom call; no derivative)."""
-    M, N = x_MK.shape[0], w_LEKN.shape[-1]
-    call = _call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32))
-    return call(x_MK, w_LEKN, jnp.asarray(layer, jnp.int32), sizes_E.astype(jnp.int32))
+    out. Only where `available()`, and on a CPU (XLA:CPU's custom call; no derivative).
+    kblocks > 1 (dividing K): [kblocks, M, N], the partial products over each block of K on its own, each the bits
+    the product of that block's columns of x by its rows of w gives (the fixed reduction tree's partials,
+    docs/determinism.md)."""
+    M, K, N = x_MK.shape[0], x_MK.shape[1], w_LEKN.shape[-1]
+    if kblocks < 1 or K % kblocks:
+        raise ValueError(f"{kblocks} blocks do not divide the contraction's {K} columns")
+    call = _call(TARGET, jax.ShapeDtypeStruct((kblocks, M, N), jnp.float32))
+    y = call(x_MK, w_LEKN, jnp.asarray(layer, jnp.int32), sizes_E.astype(jnp.int32), kblocks=np.int64(kblocks))
+    return y[0] if kblocks == 1 else y
 
 
-def matmul(x_MK: jax.Array, w_LKN: jax.Array, layer) -> jax.Array:
-    """x @ w[layer], the layer read where it lies in the stack [L, K, N]: float32 [M, N]."""
-    return grouped_matmul(x_MK, w_LKN, layer, jnp.full((1,), x_MK.shape[0], jnp.int32))
+def matmul(x_MK: jax.Array, w_LKN: jax.Array, layer, kblocks: int = 1) -> jax.Array:
+    """x @ w[layer], the layer read where it lies in the stack [L, K, N]: float32 [M, N] (with kblocks > 1, the
+    partial products over each block of K: [kblocks, M, N])."""
+    return grouped_matmul(x_MK, w_LKN, layer, jnp.full((1,), x_MK.shape[0], jnp.int32), kblocks)
 
 
 def head_matmul(x_BHK: jax.Array, w_LAHX: jax.Array, layer, offset: int, width: int, contract: str) -> jax.Array:

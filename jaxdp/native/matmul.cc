@@ -4,8 +4,11 @@
 // model uses each.
 //
 // GroupedMatmul: x [M, K] f32 | bf16, w [L, E, K, N] (or [L, K, N]: E = 1; [K, N]: L = E = 1) f32 | bf16, layer int32 [],
-//   sizes int32 [E] -> y [M, N] f32 (any N): the first sizes[0] rows times w[layer, 0], the next sizes[1] times
-//   w[layer, 1], ...; rows past them 0. Tasks of (group, 64 columns).
+//   sizes int32 [E], attribute kblocks -> y [kblocks, M, N] f32 (any N): the first sizes[0] rows times w[layer, 0], the
+//   next sizes[1] times w[layer, 1], ...; rows past them 0. With kblocks > 1 (K a multiple of it), y[j] is the partial
+//   product over K's block j alone, [j K / kblocks, (j + 1) K / kblocks): computed as the product of those columns of
+//   x by those rows of w would be, so a device that holds only that block gets the same bits (the fixed reduction
+//   tree of --enable-deterministic-inference, jaxdp.ops.rows.block_sum). Tasks of (block, group, 64 columns).
 // HeadMatmul: x [B, H, K], w [L, A, H, X], layer, attributes offset, width, contract_a -> y [B, H, N] f32: per
 //   head, x times columns [offset, offset + width) of w[layer, :, h, :] (contract A) or their transpose
 //   (contract B). Tasks of (head, 64 columns) or (head, 16 rows of w). Every kernel here sums each row's products
@@ -109,7 +112,7 @@ void tail(const float* x, const W* w, float* y, int64_t rows, int64_t width, int
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < width; ++j) {
       float acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += x[r * ldx + k] * to_f32(w[k * ldw + j]);
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[r * ldx + k], to_f32(w[k * ldw + j]), acc);
       y[r * ldy + j] = acc;
     }
 }
@@ -215,7 +218,7 @@ const W* layer_of(const ffi::AnyBuffer& w, int64_t L, int64_t layer, int64_t per
 
 template <typename W>
 void grouped(ffi::ThreadPool& pool, const float* x, const W* w, const int32_t* sizes, float* y, int64_t M,
-             int64_t E, int64_t K, int64_t N) {
+             int64_t E, int64_t K, int64_t N, int64_t kblocks) {
   std::vector<int64_t> first, rows, expert;  // the groups with rows
   int64_t row = 0;
   for (int64_t e = 0; e < E && row < M; ++e) {
@@ -227,17 +230,17 @@ void grouped(ffi::ThreadPool& pool, const float* x, const W* w, const int32_t* s
     }
     row += n;
   }
-  std::memset(y + row * N, 0, (M - row) * N * sizeof(float));
-  int64_t blocks = (N + kCols - 1) / kCols;
-  parallel_for(pool, static_cast<int64_t>(first.size()) * blocks, [&](int64_t t) {
-    int64_t g = t / blocks, n0 = (t % blocks) * kCols;
-    panel(x + first[g] * K, w + expert[g] * K * N + n0, y + first[g] * N + n0, rows[g], std::min(kCols, N - n0),
-          K, K, N, N);
+  for (int64_t j = 0; j < kblocks; ++j) std::memset(y + (j * M + row) * N, 0, (M - row) * N * sizeof(float));
+  int64_t blocks = (N + kCols - 1) / kCols, groups = static_cast<int64_t>(first.size()), Kb = K / kblocks;
+  parallel_for(pool, kblocks * groups * blocks, [&](int64_t t) {
+    int64_t j = t / (groups * blocks), g = t / blocks % groups, n0 = (t % blocks) * kCols;
+    panel(x + first[g] * K + j * Kb, w + (expert[g] * K + j * Kb) * N + n0, y + (j * M + first[g]) * N + n0, rows[g],
+          std::min(kCols, N - n0), Kb, K, N, N);
   });
 }
 
 ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y, int64_t kblocks) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() < 2 || wd.size() > 4)
     return ffi::Error::InvalidArgument("x [M, K] and w [L, E, K, N], [L, K, N] or [K, N] expected");
@@ -247,14 +250,19 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
                                        "], w's last dims [" + std::to_string(wd[wd.size() - 2]) + ", " +
                                        std::to_string(N) + "], " + std::to_string(sizes.element_count()) +
                                        " sizes for " + std::to_string(E) + " groups: shapes do not match");
+  if (kblocks < 1 || K % kblocks || static_cast<int64_t>(y->element_count()) != kblocks * M * N)
+    return ffi::Error::InvalidArgument("jaxdp_grouped_matmul: K (" + std::to_string(K) + ") is not a multiple of " +
+                                       std::to_string(kblocks) + " blocks, or y is not [blocks, M, N]");
   if (!is_float(x) || !is_float(w)) return ffi::Error::InvalidArgument("x and w must be float32 or bfloat16");
   std::vector<float> buffer;
   const float* x32 = as_f32(x, buffer);
   int64_t l = layer.typed_data()[0], per_layer = E * K * N;
   if (w.element_type() == ffi::BF16)
-    grouped(pool, x32, layer_of<uint16_t>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+    grouped(pool, x32, layer_of<uint16_t>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N,
+            kblocks);
   else
-    grouped(pool, x32, layer_of<float>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N);
+    grouped(pool, x32, layer_of<float>(w, L, l, per_layer), sizes.typed_data(), y->typed_data(), M, E, K, N,
+            kblocks);
   return ffi::Error::Success();
 }
 
@@ -416,7 +424,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpGroupedMatmul, GroupedMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kblocks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdpHeadMatmul, HeadMatmul,
                               ffi::Ffi::Bind()

@@ -156,6 +156,48 @@ def _native_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I: StackedWeight, w_down_EI
     return _grouped(x_TD, idx_TK, w_TK, E_local, expert_offset, ffn)
 
 
+def routed_expert_blocks(x_TD, idx_TK, w_gate_up_ED2I, w_down_EID, blocks: int, expert_offset=0):
+    """Each (row, choice) pair's expert output, unweighted, as the partial products of its down projection over
+    `blocks` blocks of the intermediate columns held here: float32 [blocks, T, K, D], zeros for pairs whose expert
+    is not held here (the fixed reduction tree of --enable-deterministic-inference: `jaxdp.ops.rows.block_sum`
+    adds the blocks of every device in one order, `jaxdp.parallel.places`). Native on a CPU (each block's partial
+    has the bits of the product of that block alone, whichever device holds it), the gathered form elsewhere.
+    Returns (the partials, rows received per local expert [E_local])."""
+    T, K = idx_TK.shape
+    E_local, D, _, I = w_gate_up_ED2I.shape
+    local_e = idx_TK.reshape(-1) - expert_offset
+    held = (local_e >= 0) & (local_e < E_local)
+    local_e = jnp.where(held, local_e, E_local)
+    order = jnp.argsort(local_e, stable=True)
+    sizes_E = jnp.bincount(local_e, length=E_local + 1)[:E_local].astype(jnp.int32)
+    stacked = (w_gate_up_ED2I, w_down_EID)
+
+    def unsorted(y_bPD):  # back to (row, choice) order
+        return jnp.zeros_like(y_bPD).at[:, order].set(y_bPD, unique_indices=True).reshape(blocks, T, K, D)
+
+    def gathered(x_TD):
+        e_P = jnp.where(held, local_e, 0)
+        h_P2I = jnp.einsum("pd,pdxi->pxi", jnp.repeat(x_TD, K, axis=0), dense(w_gate_up_ED2I)[e_P],
+                           preferred_element_type=jnp.float32)
+        h_PI = (jax.nn.silu(h_P2I[:, 0]) * h_P2I[:, 1]).astype(x_TD.dtype)
+        y_bPD = jnp.einsum("pbi,pbid->bpd", h_PI.reshape(T * K, blocks, I // blocks),
+                           dense(w_down_EID)[e_P].reshape(T * K, blocks, I // blocks, D),
+                           preferred_element_type=jnp.float32)
+        return jnp.where(held[None, :, None], y_bPD, 0.0).reshape(blocks, T, K, D)
+
+    if not native_takes(x_TD, stacked):
+        return gathered(x_TD), sizes_E
+
+    def cpu(x_TD):
+        w1 = w_gate_up_ED2I.values.reshape(-1, E_local, D, 2 * I)
+        h = native.grouped_matmul(x_TD[order // K], w1, w_gate_up_ED2I.layer, sizes_E).reshape(-1, 2, I)
+        h = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x_TD.dtype)
+        y = native.grouped_matmul(h, w_down_EID.values, w_down_EID.layer, sizes_E, kblocks=blocks)
+        return unsorted(y.reshape(blocks, T * K, D))
+
+    return jax.lax.platform_dependent(x_TD, cpu=cpu, default=gathered), sizes_E
+
+
 def gathered_experts(x_TD, idx_TK, w_TK, w_gate_up_ED2I, w_down_EID, expert_offset=0):
     """`routed_experts` for few rows: each (row, choice) pair reads its own expert's weights (gathered) and
     multiplies its row by them; pairs whose expert is not held here (another device's, the padding sentinel)

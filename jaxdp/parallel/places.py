@@ -22,9 +22,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxdp.model.fp8 import weight
 from jaxdp.model.layers import rms_norm
 from jaxdp.model.moe import count_choices
 from jaxdp.ops.gemm import lm_head_product
+from jaxdp.ops.rows import block_sum, fixed_blocks
 from jaxdp.parallel.agreement import Agreement, LocalExchange, Proposal, agree_on_step
 
 __all__ = ["Agreement", "LocalExchange", "Proposal", "agree_on_step"]  # (place 3 is in its own JAX-free module)
@@ -79,6 +81,58 @@ def _chunk_offset(rows_R, n: int):
     return jnp.cumsum(rows_R)[r] - rows_R[r] + jax.lax.axis_index("tp") * n
 
 
+def _chunk_start(rows_R, n: int, g: GatherSpec):
+    """Where this device's chunk of rows starts in the gathered rows (either mode)."""
+    return jax.lax.axis_index(ALL) * n if g.mode == "max_len" else _chunk_offset(rows_R, n)
+
+
+# ---- 2'. the return by a fixed tree (--enable-deterministic-inference) --------------------------
+#
+# Instead of the all-reduce of the devices' partial results (summed in an order that depends on how many devices
+# hold the pieces), each device's partial products over its contraction blocks go to the device whose rows they
+# are (an all-to-all of the same bytes as the reduce-scatter, times the blocks a device holds), and there the
+# blocks of all devices are added by one fixed tree in block order (`jaxdp.ops.rows.block_sum`). A layout with
+# the blocks on one device adds the same partials by the same tree: the layouts agree bit for bit.
+
+
+def return_blocks(y_bRF, rows_R, n: int, g: GatherSpec):
+    """This device's partials over its b contraction blocks, for every gathered row [b, R, F] -> every device's
+    blocks for this device's chunk of its rank's rows, in block order (device-major): [world * b, n, F]."""
+    b, F, world = y_bRF.shape[0], y_bRF.shape[2], g.dp * g.tp
+    if g.mode == "max_len":
+        send = y_bRF.reshape(b, world, n, F)
+    else:  # the chunk of device j of rank r starts at rank r's offset in the exact buffer plus j's tp index * n
+        y = jnp.concatenate([y_bRF, jnp.zeros((b, n, F), y_bRF.dtype)], axis=1)
+        j = jnp.arange(world)
+        start_W = (jnp.cumsum(rows_R) - rows_R)[j // g.tp] + (j % g.tp) * n
+        send = jax.vmap(lambda o: jax.lax.dynamic_slice_in_dim(y, o, n, axis=1), out_axes=1)(start_W)
+    got = jax.lax.all_to_all(send, ALL, 1, 1, tiled=True)  # [b, world (the sources), n, F]
+    return got.transpose(1, 0, 2, 3).reshape(world * b, n, F)
+
+
+def sum_head_blocks(a_bTD, n: int, tp: int):
+    """Attention's o_proj partial products over this device's b blocks of heads [b, T, D] -> the group's sum for
+    this device's chunk of n rows [n, D] (tp > 1), by the fixed tree over the group's blocks in head order, as
+    the whole group's heads on one device would add them."""
+    b, T, D = a_bTD.shape
+    a = jnp.pad(a_bTD, ((0, 0), (0, n * tp - T), (0, 0))).reshape(b, tp, n, D)
+    got = jax.lax.all_to_all(a, "tp", 1, 1, tiled=True)  # [b, tp (the sources), n, D]
+    return block_sum(got.transpose(1, 0, 2, 3).reshape(tp * b, n, D))
+
+
+def combine_choices(t_TKD, w_TK):
+    """A row's expert outputs weighted and added in choice order (the same arithmetic in every layout)."""
+    y = w_TK[:, 0, None] * t_TKD[:, 0]
+    for k in range(1, t_TKD.shape[1]):
+        y = y + w_TK[:, k, None] * t_TKD[:, k]
+    return y
+
+
+def split_blocks(held: int, devices: int) -> int:
+    """The contraction blocks of a product whose `held` columns are this device's share of `devices` devices'."""
+    return fixed_blocks(held * devices, devices) // devices
+
+
 # ---- 3. the agreement --------------------------------------------------------------------------
 # On the host, before each step, and free of JAX so that the schedulers can import it: jaxdp.parallel.agreement.
 
@@ -104,7 +158,7 @@ def lm_head_logits(h_BD, w_DV, mode: str, dp: int, tp: int):
 # ---- EP: dispatch and combine ------------------------------------------------------------------
 
 
-def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
+def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int, fixed_tree: bool = False):
     """Expert-parallel routed experts: each device holds E/world whole experts; the XLA:CPU path, and the
     reference of `ragged_dispatch_combine_moe` in the tests.
 
@@ -114,6 +168,9 @@ def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
     with a fixed capacity of T*K slots per destination (exact, nothing dropped), so each device sends
     `world` times the rows that travel. Padding rows carry the sentinel expert and are never sent.
     Returns (y_TD float32, rows received per local expert).
+    fixed_tree (--enable-deterministic-inference): each expert output is its down projection's partial products
+    over the fixed contraction blocks added by the fixed tree on the expert's device, and a row's outputs come back
+    to be weighted and added in choice order (`combine_choices`): the bits of the tensor-parallel MoE's.
     """
     T, K = idx_TK.shape
     E_local = moe.num_local_experts
@@ -130,9 +187,15 @@ def dispatch_combine_moe(h_TD, idx_TK, w_TK, moe, world: int):
     send_e = jnp.full((world * C,), E_local, jnp.int32).at[flat_P].set(local_e_P, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, ALL, 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, ALL, 0, 0, tiled=True)
-    y, rows_E = moe.experts(recv_x, recv_e[:, None], jnp.ones((world * C, 1), jnp.float32))
+    if fixed_tree:
+        parts, rows_E = moe.expert_blocks(recv_x, recv_e[:, None], split_blocks(moe_width(moe), 1))
+        y = block_sum(parts)[:, 0]
+    else:
+        y, rows_E = moe.experts(recv_x, recv_e[:, None], jnp.ones((world * C, 1), jnp.float32))
     back = jax.lax.all_to_all(y, ALL, 0, 0, tiled=True)
     back = jnp.concatenate([back, jnp.zeros((1, back.shape[1]), back.dtype)])
+    if fixed_tree:
+        return combine_choices(back[jnp.minimum(flat_P, world * C)].reshape(T, K, -1), w_TK), rows_E
     y_P = back[jnp.minimum(flat_P, world * C)] * jnp.where(sent_P, w_TK.reshape(-1), 0.0)[:, None]
     return jax.ops.segment_sum(y_P, tok_P, num_segments=T), rows_E
 
@@ -192,6 +255,7 @@ class MeshComm:
     tied_head: bool = False
     ep_ragged: bool = False  # EP dispatch through ragged_all_to_all (GPU) instead of fixed capacity
     count_experts: bool = False  # `moe` also returns this device's rows' routed tokens per logical expert
+    fixed_tree: bool = False  # --enable-deterministic-inference: split products summed by the fixed tree
 
     @property
     def world(self) -> int:
@@ -208,7 +272,14 @@ class MeshComm:
         return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("tp") * n, n)
 
     def attn_to_ffn(self, a_TD, x_TD, norm_w, eps):
-        """Residual add and FFN norm; with tp > 1 the group's all-reduce becomes a reduce-scatter."""
+        """Residual add and FFN norm; with tp > 1 the group's all-reduce becomes a reduce-scatter. a_TD may be
+        o_proj's partial products over this device's blocks of heads [b, T, D] (batch-invariant kernels,
+        `MLA.output`): then added by the fixed tree (`sum_head_blocks`), whatever tp."""
+        if a_TD.ndim == 3:
+            a_TD = block_sum(a_TD) if self.gather.tp == 1 else sum_head_blocks(a_TD, self.chunk, self.gather.tp)
+            x_TD = x_TD if self.gather.tp == 1 else self._my_chunk(x_TD)
+            x_TD = x_TD + a_TD.astype(x_TD.dtype)
+            return x_TD, rms_norm(x_TD, norm_w, eps)
         if self.gather.tp == 1:
             x_TD = x_TD + a_TD.astype(x_TD.dtype)
             return x_TD, rms_norm(x_TD, norm_w, eps)
@@ -228,6 +299,7 @@ class MeshComm:
         is (those rows, this device's own rows' routed tokens per logical expert [E]: the expert-distribution
         recorder's, `jaxdp.eplb.recorder`; a sum over the devices counts every rank's rows once)."""
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
+        fixed = self.fixed_tree and moe.quantization is None
         if self.moe_mode == "ep":  # no gather, no return: rows travel inside dispatch and combine
             idx_nK, w_nK = moe.route(h_nD, valid_n)
             counts_E = count_choices(idx_nK, moe.cfg.n_routed_experts) if self.count_experts else None
@@ -238,19 +310,31 @@ class MeshComm:
                 counts_WE = jax.lax.all_gather(count_choices(idx_nK, moe.cfg.n_routed_experts), ALL)
             idx_nK = moe.physical_choices(idx_nK, moe.num_local_experts * self.world, first_row, counts_WE,
                                           jax.lax.axis_index(ALL))
+            if fixed:  # (the shared expert is whole here: its blocks all on this device)
+                y_nD, rows_E = dispatch_combine_moe(h_nD, idx_nK, w_nK, moe, self.world, fixed_tree=True)
+                shared = moe.shared_expert(h_nD, split_blocks(moe_width(moe, shared=True), 1))
+                return y_nD + block_sum(shared), self._rows(rows_E, counts_E)
             dispatch = ragged_dispatch_combine_moe if self.ep_ragged else dispatch_combine_moe
             y_nD, rows_E = dispatch(h_nD, idx_nK, w_nK, moe, self.world)
             return y_nD + moe.shared_expert(h_nD).astype(jnp.float32), self._rows(rows_E, counts_E)
         h_RD, valid_R = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
         idx_RK, w_RK = moe.route(h_RD, valid_R)
         counts_E = None
+        n = h_nD.shape[0]
         if self.count_experts:  # (every device routed every rank's rows: count only this device's chunk)
-            n, E = h_nD.shape[0], moe.cfg.n_routed_experts
-            start = (jax.lax.axis_index(ALL) * n if self.gather.mode == "max_len"
-                     else _chunk_offset(self.rows_R, n))
+            E = moe.cfg.n_routed_experts
             padded = jnp.concatenate([idx_RK, jnp.full((n, idx_RK.shape[1]), E, idx_RK.dtype)])
-            own_nK = jax.lax.dynamic_slice_in_dim(padded, start, n)
+            own_nK = jax.lax.dynamic_slice_in_dim(padded, _chunk_start(self.rows_R, n, self.gather), n)
             counts_E = count_choices(jnp.where(valid_n[:, None], own_nK, E), E)
+        if fixed:  # each expert's and the shared expert's partials over the fixed blocks, to the rows' devices
+            parts, rows_E = moe.expert_blocks(h_RD, idx_RK, split_blocks(moe_width(moe), self.world))
+            b, R, K, D = parts.shape
+            t_nKD = block_sum(return_blocks(parts.reshape(b, R, K * D), self.rows_R, n, self.gather)).reshape(n, K, D)
+            shared = moe.shared_expert(h_RD, split_blocks(moe_width(moe, shared=True), self.world))
+            w_nK = jax.lax.dynamic_slice_in_dim(jnp.concatenate([w_RK, jnp.zeros((n, K), w_RK.dtype)]),
+                                                _chunk_start(self.rows_R, n, self.gather), n)
+            y_nD = combine_choices(t_nKD, w_nK) + block_sum(return_blocks(shared, self.rows_R, n, self.gather))
+            return y_nD, self._rows(rows_E, counts_E)
         y_RD, rows_E = moe.experts(h_RD, idx_RK, w_RK)
         y_RD = y_RD + moe.shared_expert(h_RD).astype(jnp.float32)
         return return_from_moe(y_RD, self.rows_R, self.chunk, self.gather), self._rows(rows_E, counts_E)
@@ -259,10 +343,14 @@ class MeshComm:
         return (rows_E, counts_E) if self.count_experts else rows_E
 
     def dense_ffn(self, h_nD, valid_T, mlp):
+        held = weight(mlp, "w_down_FD").shape[0]  # (the intermediate columns held here)
         if self.dense_replicated:
-            return mlp(h_nD)
+            return block_sum(mlp(h_nD, split_blocks(held, 1))) if self.fixed_tree else mlp(h_nD)
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
         h_RD, _ = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
+        if self.fixed_tree:
+            parts = mlp(h_RD, split_blocks(held, self.world))
+            return block_sum(return_blocks(parts, self.rows_R, self.chunk, self.gather))
         return return_from_moe(mlp(h_RD).astype(jnp.float32), self.rows_R, self.chunk, self.gather)
 
     def lm_head(self, h_BD, w_DV):
@@ -272,3 +360,10 @@ class MeshComm:
             me = jax.lax.axis_index("dp") * self.gather.tp + jax.lax.axis_index("tp")
             w_DV = jax.lax.dynamic_slice_in_dim(w_DV, me * n, n, axis=1)
         return lm_head_logits(h_BD, w_DV, self.lm_mode, self.gather.dp, self.gather.tp)
+
+
+def moe_width(moe, shared: bool = False) -> int:
+    """The intermediate columns of one routed expert (or of the shared expert) held on this device."""
+    if shared:
+        return 0 if moe.shared is None else weight(moe.shared, "w_down_FD").shape[0]
+    return weight(moe, "w_down_EID").shape[1]

@@ -275,6 +275,7 @@ class StepRunner:
         ep_ragged = ragged_a2a_on(self.mesh.devices.flat[0].platform)
         count = cfg.num_moe_layers > 0  # routed tokens per layer and logical expert (the recorder's)
         split = self.dcp_size > 1
+        fixed_tree = getattr(decode_kernel, "batch_invariant", False)  # (--enable-deterministic-inference)
 
         def per_device(state, cache, batch, rows_R, prev_tokens):
             b = {k: v[0] for k, v in batch.items()}
@@ -286,7 +287,7 @@ class StepRunner:
             if shape.micro_rows:  # (the ranks' split rows ride after their row counts)
                 rows_R, tbo_split = rows_R[: lay.dp], rows_R[lay.dp + jax.lax.axis_index("dp")]
             comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, shape.num_rows, rows_R, tied, ep_ragged,
-                            count_experts=count)
+                            count_experts=count, fixed_tree=fixed_tree)
             model = nnx.merge(graphdef, state)
             attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
             micro = None if tbo_split is None else micro_batches(attn, b["valid_T"], tbo_split, shape.micro_rows,
