@@ -48,6 +48,7 @@ def test_own_compute_sync_or_no_split_fails():
     assert not whole["ok"] and whole["total"] == 0
     assert "goal NOT met" in format_report("decode whole", whole)[0]
     assert micro_batch_of('op_name="a/tbo_mb1/b"') == 1 and micro_batch_of('op_name="a/b"') is None
+    assert micro_batch_of('op_name="a/lm_head_mb0/all_gather"') == 0  # the LM head, run per micro-batch
 
 
 def test_combined_collective_of_both_micro_batches_fails():

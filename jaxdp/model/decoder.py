@@ -100,7 +100,8 @@ class DeepseekV3(nnx.Module):
         for each MoE layer, stacked [L, ...], unsummed); with `return_hidden`, also the final
         normed hidden state of every row [T, D] (what the MTP layer reads, `jaxdp.model.mtp`).
         micro: two micro-batches that split the rows (two-batch overlap): each layer runs them as independent
-        chains (`_run_stack_tbo`), and `batch` and `comm` serve only the LM head.
+        chains (`_run_stack_tbo`), and so do the final norm and the LM head (`_lm_head_tbo`); `batch` and `comm`
+        serve no layer.
         """
         cfg = self.cfg
         with jax.named_scope("embedding"):  # (the scopes name the parts of `python -m jaxdp.bench.profile`)
@@ -140,19 +141,50 @@ class DeepseekV3(nnx.Module):
                 sel_TK = index[1]
             if name == "moe":
                 expert_rows = rows_LE if rows_by_layer else rows_LE.sum(0)
-        if micro is not None:  # the rows back in the step's order (the rows a micro-batch does not carry: dropped)
-            x_TD = jnp.zeros_like(x_TD)
-            for mb, x in zip(micro, x_MD, strict=True):
-                x_TD = x_TD.at[mb.rows_M].set(x, mode="drop")
-        with jax.named_scope("lm_head"):
-            h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], self.cfg.rms_norm_eps)
-            one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
-            h_BD = jnp.concatenate([h_BD, jnp.zeros_like(h_BD)]) if one else h_BD  # (jaxdp.model.layers.dot)
-            logits_BV = comm.lm_head(h_BD, self.lm_head_weight())
-            logits_BV, h_BD = (logits_BV[:1], h_BD[:1]) if one else (logits_BV, h_BD)
+        if micro is not None:  # the final norm and LM head per micro-batch, as SGLang's TBO runs them
+            logits_BV = _lm_head_tbo(x_MD, micro, logits_idx_B, self.final_norm[...], cfg.rms_norm_eps,
+                                     self.lm_head_weight())
+            if return_hidden:  # the rows back in the step's order (the rows a micro-batch does not carry: dropped)
+                x_TD = jnp.zeros_like(x_TD)
+                for mb, x in zip(micro, x_MD, strict=True):
+                    x_TD = x_TD.at[mb.rows_M].set(x, mode="drop")
+        else:
+            with jax.named_scope("lm_head"):
+                h_BD = rms_norm(x_TD[logits_idx_B], self.final_norm[...], cfg.rms_norm_eps)
+                logits_BV = _lm_head(comm, h_BD, self.lm_head_weight())
         if return_hidden:
             return logits_BV, new_cache, expert_rows, rms_norm(x_TD, self.final_norm[...], cfg.rms_norm_eps)
         return logits_BV, new_cache, expert_rows
+
+
+def _lm_head(comm: Comm, h_BD, w_DV) -> jax.Array:
+    """Full-vocab float32 logits [B, V] of the rows h_BD (normed), through the comm's LM head."""
+    one = h_BD.shape[0] == 1 and h_BD.dtype == jnp.bfloat16  # XLA:CPU: no fast one-row bf16 product
+    h_BD = jnp.concatenate([h_BD, jnp.zeros_like(h_BD)]) if one else h_BD  # (jaxdp.model.layers.dot)
+    logits_BV = comm.lm_head(h_BD, w_DV)
+    return logits_BV[:1] if one else logits_BV
+
+
+def _lm_head_tbo(x_MD: list, micro: tuple[MicroBatch, MicroBatch], logits_idx_B, norm_w, eps, w_DV) -> jax.Array:
+    """The final norm and the LM head of each micro-batch on its own (two-batch overlap), so that one micro-batch's
+    head runs while the other's last combine is in flight: each takes the logits rows that fall among its rows (at
+    most min(B, M), in order; a step's padding entries, which all name row 0, may overflow and read another row's
+    logits), and the logits come back in the step's order [B, V]."""
+    B = logits_idx_B.shape[0]
+    picked = []
+    for mb, x_MD_k in zip(micro, x_MD, strict=True):
+        M = x_MD_k.shape[0]
+        K = min(B, M)
+        pos_B = logits_idx_B - mb.rows_M[0]  # (a micro-batch's rows are consecutive; T where it has none)
+        mine_B = (pos_B >= 0) & (pos_B < M) & (jnp.take(mb.rows_M, jnp.clip(pos_B, 0, M - 1)) == logits_idx_B)
+        order_K = jnp.argsort(~mine_B, stable=True)[:K]  # its logits rows first, in the step's order
+        with jax.named_scope(f"lm_head_mb{0 if mb is micro[0] else 1}"):
+            h_KD = rms_norm(x_MD_k[jnp.clip(pos_B[order_K], 0, M - 1)], norm_w, eps)
+            logits_KV = _lm_head(mb.comm, h_KD, w_DV)
+        slot_B = jnp.clip(jnp.cumsum(mine_B) - 1, 0, K - 1)
+        picked.append((mine_B, logits_KV[slot_B]))
+    (mine0_B, logits0_BV), (_, logits1_BV) = picked
+    return jnp.where(mine0_B[:, None], logits0_BV, logits1_BV)
 
 
 def _no_selection(cfg: ModelConfig, T: int, batch: AttnBatch, kv_cache) -> jax.Array | None:

@@ -1,13 +1,16 @@
-"""Two-batch overlap on paper: which compute XLA:GPU's schedule puts inside each MoE collective of a micro-batch.
+"""Two-batch overlap on paper: which compute XLA:GPU's schedule puts inside each collective of a micro-batch.
 
 `python -m jaxdp.planner.tbo_report` compiles DeepSeek-V3 (block FP8, full width, few layers: `--layers`, the
 first of them dense) under `dp=8,moe=ep` for 8 simulated H200s (the planner's deviceless XLA:GPU path,
-`jaxdp.planner.xla_target`), a decode step of 256 rows a rank and a prompt step of 4,096 tokens a rank, each split
-into two micro-batches (`jaxdp.parallel.tbo`) and, as the control, whole. In the scheduled HLO each collective of
-the layers belongs to the micro-batch whose named scope (`tbo_mb0`, `tbo_mb1`, `jaxdp.model.decoder`) it carries;
-for an asynchronous one (start .. done) the report lists the other micro-batch's compute scheduled between its
-start and its done. The goal, per collective: the other micro-batch computes inside it (none synchronous, none
-with nothing of the other inside). A step without the split has no micro-batch collectives and fails the goal.
+`jaxdp.planner.xla_target`, with the XLA flags the server sets for two-batch overlap on a GPU,
+`jaxdp.parallel.tbo.xla_flags`), a decode step of 256 rows a rank and a prompt step of 4,096 tokens a rank, each
+split into two micro-batches (`jaxdp.parallel.tbo`) and, as the control, whole. In the scheduled HLO (the walk of
+`hlo_checks.collective_spans`) each collective of the layers and of the LM head belongs to the micro-batch whose
+named scope (`tbo_mb0` / `tbo_mb1` in the layers, `lm_head_mb0` / `lm_head_mb1` in the head,
+`jaxdp.model.decoder`) it carries; for an asynchronous one (start .. done) the report lists the other
+micro-batch's compute scheduled between its start and its done. The goal, per collective: the other micro-batch
+computes inside it (none synchronous, none combined from both micro-batches', none with nothing of the other
+inside). A step without the split has no micro-batch collectives and fails the goal.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jaxdp.planner.compile import abstract_sharded
 from jaxdp.planner.hlo_checks import CollectiveSpan, Instr, Module, collective_spans, op_name, parse
 
 SOL_FLAG = "xla_gpu_enable_analytical_sol_latency_estimator"
-_SCOPES = re.compile(r"tbo_mb([01])")
+_SCOPES = re.compile(r"(?:tbo|lm_head)_mb([01])")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -49,15 +52,18 @@ def micro_batch_of(line: str) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _traced_as(mod: Module, ins: Instr) -> str:
+    """An instruction's op_name, or that of the collective an async-start wraps (the metadata is there); ''."""
+    m = _OP_NAME.search(ins.line)
+    if m is None and ins.opcode == "async-start":
+        m = next((n for c in ins.calls() for i in mod.computations.get(c, []) if (n := _OP_NAME.search(i.line))),
+                 None)
+    return m.group(1) if m else ""
+
+
 def _scopes(mod: Module, ins: Instr) -> set[int]:
-    """The micro-batches of an instruction, or of the collective an async-start wraps (the metadata is there)."""
-    found = micro_batches_of(ins.line)
-    if not found and ins.opcode == "async-start":
-        for comp in ins.calls():
-            found = set().union(*(micro_batches_of(i.line) for i in mod.computations.get(comp, [])))
-            if found:
-                break
-    return found
+    """The micro-batches of an instruction, or of the collective an async-start wraps."""
+    return {int(k) for k in _SCOPES.findall(_traced_as(mod, ins))}
 
 
 def _nearest_scopes(mod: Module, instrs: list[Instr], span: CollectiveSpan, upstream: bool) -> set[int]:
@@ -85,12 +91,12 @@ def _nearest_scopes(mod: Module, instrs: list[Instr], span: CollectiveSpan, upst
 
 def _collective_scopes(mod: Module, span: CollectiveSpan) -> set[int]:
     """The micro-batch(es) of a collective: its own scopes (both: XLA combined the two micro-batches' collectives
-    into one); else (XLA:GPU leaves a ragged all-to-all's start without metadata) those of what feeds it (its
+    into one; none: traced outside them); without metadata (XLA:GPU leaves a ragged all-to-all's start so) those
+    of what feeds it (its
     buffers and offsets, which are its micro-batch's alone), else of what reads its result; where one side names
     both micro-batches (XLA fused the two micro-batches' operations into one), the other side decides."""
-    own = _scopes(mod, span.start)
-    if own:
-        return own
+    if _traced_as(mod, span.start):  # (traced outside both micro-batches, e.g. the LM head's: none)
+        return _scopes(mod, span.start)
     instrs = mod.computations[span.computation]
     up = _nearest_scopes(mod, instrs, span, upstream=True)
     if len(up) == 1:
@@ -114,15 +120,19 @@ def overlap_report(hlo_text: str) -> dict[str, Any]:
         mb = mbs.pop() if len(mbs) == 1 else "both"
         row = {"op": span.kind, "micro_batch": mb, "computation": span.computation,
                "instruction": span.start.name, "async": span.is_async, "other_compute": 0, "with": [],
-               "in_scan": span.computation != mod.entry}  # (the scan's body; outside: the peeled layers)
+               "in_scan": span.computation != mod.entry,  # (the scan's body; outside: the peeled layers, the head)
+               "lm_head": "lm_head_mb" in _traced_as(mod, span.start)}
         if span.is_async and mb != "both":
             other = [i for i in span.compute if 1 - mb in _scopes(mod, i)]
             row["other_compute"] = len(other)
             row["with"] = sorted({op_name(i.line) or i.opcode for i in other})[:4]
         rows.append(row)
     ok = bool(rows) and all(r["other_compute"] > 0 for r in rows)
+    whole_head = [s for s in collective_spans(mod)
+                  if "lm_head" in _traced_as(mod, s.start) and not _scopes(mod, s.start)]
     return {"ok": ok, "collectives": rows,
-            "overlapped": sum(r["other_compute"] > 0 for r in rows), "total": len(rows)}
+            "overlapped": sum(r["other_compute"] > 0 for r in rows), "total": len(rows),
+            "whole_lm_head": {"total": len(whole_head), "with_compute": sum(bool(s.compute) for s in whole_head)}}
 
 
 def format_report(name: str, report: dict[str, Any]) -> list[str]:
@@ -135,8 +145,13 @@ def format_report(name: str, report: dict[str, Any]) -> list[str]:
         inside = f"{r['other_compute']}: {', '.join(r['with'])}" if r["other_compute"] else "none"
         if r["micro_batch"] == "both":
             inside = "none: both micro-batches' in one (XLA combined them)"
-        where = " [layer scan]" if r.get("in_scan") else " [outside the scan: dense / first / last layer]"
+        where = (" [layer scan]" if r["in_scan"] else " [LM head]" if r["lm_head"]
+                 else " [outside the scan: dense / first / last layer]")
         lines.append(f"  {r['micro_batch']:<4}{r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
+    head = report["whole_lm_head"]
+    if head["total"]:
+        lines.append(f"  the LM head, whole (no micro-batch's): {head['with_compute']} of {head['total']} "
+                     "collectives with compute inside")
     return lines
 
 
