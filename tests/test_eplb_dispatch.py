@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
+from jaxdp.eplb import dispatch
 from jaxdp.eplb.algorithm import PlacementError
 from jaxdp.eplb.distribution import RecorderError, check_dispatch_flags
 from jaxdp.eplb.placement import ExpertPlacement
@@ -167,3 +168,10 @@ def test_dispatch_flags_refused_in_one_sentence():
     with pytest.raises(PlacementError, match=r"^--ep-dispatch-algorithm 'random' is not built; use static or "
                                              r"dynamic\.$"):
         with_expert_slots(None, placement, parse_mesh_spec("dp=8,moe=ep"), None, "random")
+
+
+def test_the_dispatch_table_runs_and_dynamic_is_at_least_as_even():
+    """`python -m jaxdp.eplb.dispatch` (docs/eplb.md's table) on one small case: dynamic never less balanced."""
+    row = dispatch.run_case(dispatch.DispatchCase(8, 2, 8, 8, 16, False), steps=2, seed=3)
+    assert row["dynamic_worst"] >= row["static_worst"] and row["dynamic_mean"] >= row["static_mean"]
+    assert dispatch.main(["--steps", "0"]) == 2
