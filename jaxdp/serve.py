@@ -114,7 +114,7 @@ def load_tokenizer(config: ServeConfig) -> Tokenizer | None:
 
 def start_xla_flags(config: ServeConfig, environ=os.environ, platform: str | None = None) -> None:
     """The XLA_FLAGS the engines need, set before JAX's backends start (when XLA reads them): with two-batch
-    overlap on a GPU, XLA:GPU's analytical latency estimator and no combining of the micro-batches' collectives
+    overlap on a GPU, XLA:GPU's latency-hiding scheduler (analytical estimator) and no combining of collectives
     (`jaxdp.parallel.tbo.xla_flags`; a flag the user set keeps the user's value). platform: JAX's, predicted
     (`jaxdp.parallel.tbo.platform_at_start`) unless given."""
     if config.engine.tbo_threshold is not None:

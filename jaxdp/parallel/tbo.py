@@ -8,10 +8,11 @@ rows past its own marked as padding: they write no cache entry, reach no expert 
 back together.
 
 On a GPU the overlap is XLA's latency-hiding scheduler's to make, and two of XLA:GPU's defaults undo it
-(`jaxdp.planner.tbo_report` shows both on paper): its default latency estimator schedules the two micro-batches'
-collectives with almost no compute inside, and its collective combiners merge one micro-batch's all-gather or
-reduce-scatter with the other's independent one into a single collective that waits for both. `xla_flags` gives
-the XLA_FLAGS a process that splits steps needs there (the server sets them at start-up, `jaxdp.serve`).
+(`jaxdp.planner.tbo_report` shows both on paper): without `--xla_gpu_enable_latency_hiding_scheduler=true` the two
+micro-batches' collectives are scheduled with almost no compute inside, and its collective combiners merge one
+micro-batch's all-gather or reduce-scatter with the other's independent one into a single collective that waits
+for both. `xla_flags` gives the XLA_FLAGS a process that splits steps needs there (the server sets them at
+start-up, `jaxdp.serve`), the analytical latency estimator with them.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from jaxdp.parallel.places import GatherSpec, MeshComm
 
 NO_SLOT = jnp.iinfo(jnp.int32).max  # a cache slot past any pool: the write is dropped
 
-# XLA:GPU's settings for two-batch overlap: its analytical speed-of-light latency estimator, and no combining of
-# collectives (a threshold of 0 bytes), so each micro-batch's collectives stay its own
+# XLA:GPU's settings for two-batch overlap: its latency-hiding scheduler with the analytical speed-of-light latency
+# estimator, and no combining of collectives (a threshold of 0 bytes), so each micro-batch's collectives stay its own
 GPU_FLAGS = (("xla_gpu_enable_latency_hiding_scheduler", "true"),
              ("xla_gpu_enable_analytical_sol_latency_estimator", "true"),
              ("xla_gpu_all_gather_combine_threshold_bytes", "0"),

@@ -140,14 +140,14 @@ def format_report(name: str, report: dict[str, Any]) -> list[str]:
     goal = "met" if report["ok"] else "NOT met"
     lines = [f"{name}: {report['overlapped']} of {report['total']} micro-batch collectives overlapped with the "
              f"other micro-batch's compute: goal {goal}",
-             "  mb  collective            async  other mb's compute inside (count: some names)"]
+             "  mb   collective            async  other mb's compute inside (count: some names)"]
     for r in report["collectives"]:
         inside = f"{r['other_compute']}: {', '.join(r['with'])}" if r["other_compute"] else "none"
         if r["micro_batch"] == "both":
             inside = "none: both micro-batches' in one (XLA combined them)"
         where = (" [layer scan]" if r["in_scan"] else " [LM head]" if r["lm_head"]
                  else " [outside the scan: dense / first / last layer]")
-        lines.append(f"  {r['micro_batch']:<4}{r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
+        lines.append(f"  {r['micro_batch']:<5}{r['op']:<21} {'yes' if r['async'] else 'NO ':<5}  {inside}{where}")
     head = report["whole_lm_head"]
     if head["total"]:
         lines.append(f"  the LM head, whole (no micro-batch's): {head['with_compute']} of {head['total']} "
