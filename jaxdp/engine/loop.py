@@ -132,7 +132,7 @@ class Engine(ClientBase):
         controls = None if hasattr(runner, "sample_tokens") else SamplingControls(  # (a stand-in samples itself)
             runner, dp, sched_cfg.penalty_slots, model_cfg.vocab_size)
         plain = PlainStep(runner, buckets, rows, c.overlap, PromptLogprobs(buckets), controls)
-        verify = VerifyStep(runner, buckets, rows) if spec else None
+        verify = VerifyStep(runner, buckets, rows, controls) if spec else None
         self.pipeline = StepPipeline(runner, c, self.schedulers, rows, buckets, self.nodes, plain, verify, switch)
         self.facts = EngineFacts(layout, c, buckets, model_cfg, context_len, self.nodes.local_ranks, sched_cfg,
                                  num_pages, page_size, 0, {r: self.schedulers[r].state() for r in range(dp)})

@@ -34,7 +34,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.batch import SAMPLING_SPEC, SPEC_SPEC, STEP_FIELDS, STEP_SPEC, spec_sizes, step_sizes
+from jaxdp.batch import (
+    CONTROL_KEYS,
+    CONTROL_SPEC,
+    SAMPLING_SPEC,
+    SPEC_SPEC,
+    STEP_FIELDS,
+    STEP_SPEC,
+    empty_step,
+    spec_sizes,
+    step_sizes,
+)
+from jaxdp.engine.step.controls import counted_verify, prepare_verify
 from jaxdp.engine.step.sampling import filtered_probs
 from jaxdp.engine.step.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
@@ -45,15 +56,16 @@ from jaxdp.parallel.places import ALL, GatherSpec, MeshComm, ragged_a2a_on
 from jaxdp.parallel.sharding import lm_head_mode
 
 
-def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):
+def _accept(logits_BJV, choose_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, keys_B2):
     """Per request (B of them here): tokens [B, D + 1] (the accepted drafts, the next token, -1 after), accepted
-    drafts [B] and the log-probability of each token under the unmodified distribution [B, D + 1]."""
-    greedy_BJ = jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32)
+    drafts [B] and the log-probability of each token under the unmodified distribution [B, D + 1]. The target's
+    distribution is the request's over `choose_BJV` (the logits with its sampling controls, `prepare_verify`)."""
+    greedy_BJ = jnp.argmax(choose_BJV, axis=-1).astype(jnp.int32)
     is_greedy = temperature == 0
 
     def probs():
         f = jax.vmap(jax.vmap(filtered_probs, in_axes=(0, None, None, None, None)))
-        return f(logits_BJV, temperature, top_p, top_k, min_p)
+        return f(choose_BJV, temperature, top_p, top_k, min_p)
 
     # every row greedy (the common case): no distribution to build; the point masses make it exact anyway
     p_BJV = jax.lax.cond(jnp.all(is_greedy), lambda: jax.nn.one_hot(greedy_BJ, logits_BJV.shape[-1]), probs)
@@ -65,12 +77,12 @@ def _accept(logits_BJV, drafts_BD, n_draft_B, temperature, top_p, top_k, min_p, 
     return tokens_BJ, accepted_B, logprobs_BJ
 
 
-def _outputs(tokens_RJ, accepted_R, logprobs_RJ, drafts_RD, main, draft_kv, rows_E):
+def _outputs(tokens_RJ, accepted_R, logprobs_RJ, drafts_RD, main, draft_kv, rows_E, counts_PV):
     """A rank's step outputs (with the leading rank axis): tokens, tokens per request, their log-probabilities, the
-    next drafts (-1: none), the pool (the main latents and the draft KV) and rows per expert."""
+    next drafts (-1: none), the pool (the main latents and the draft KV), rows per expert and the penalty counts."""
     cache = join_draft(main, draft_kv)
     out = (tokens_RJ, accepted_R + 1, logprobs_RJ, drafts_RD)
-    return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None])
+    return (*(a[None] for a in out), {k: v[None] for k, v in cache.items()}, rows_E[None], counts_PV[None])
 
 
 def build_spec_step(runner, shape):
@@ -87,10 +99,12 @@ def build_spec_step(runner, shape):
     graphdef, draft_graphdef, decode_kernel = runner.graphdef, runner.draft_graphdef, runner.decode_kernel
     ep_ragged = ragged_a2a_on(runner.mesh.devices.flat[0].platform)
 
-    def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R):
+    def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R, controls, counts_PV, seen_PV):
         b = {k: v[0] for k, v in batch.items()}
         s = {k: v[0] for k, v in spec.items()}
         smp = {k: v[0] for k, v in sampling.items()}
+        ctl = {k: v[0] for k, v in controls.items()}
+        counts_PV, seen_PV = counts_PV[0], seen_PV[0]
         cache = {k: v[0] for k, v in cache.items()}
         main, draft_kv = split_draft(cache)
         comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged)
@@ -105,9 +119,13 @@ def build_spec_step(runner, shape):
                                                    comm, absorbed=absorbed, decode_kernel=decode_kernel,
                                                    return_hidden=True)
         logits_RJV = logits_LV.reshape(R, J, -1)
-        tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, s["drafts_RD"][:, : J - 1], n_draft,
-                                                     smp["temperature"], smp["top_p"], smp["top_k"], smp["min_p"],
-                                                     smp["keys"])
+        drafts_RD = s["drafts_RD"][:, : J - 1]
+        # each position's logits as plain decoding would see them (the drafts before it accepted): the controls
+        choose_RJV = prepare_verify(logits_RJV, drafts_RD, n_draft, smp["keys"][:, 1].astype(jnp.int32),
+                                    smp["min_tokens"], smp["ban"], *(ctl[k] for k in CONTROL_KEYS), counts_PV, seen_PV)
+        tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, choose_RJV, drafts_RD, n_draft, smp["temperature"],
+                                                     smp["top_p"], smp["top_k"], smp["min_p"], smp["keys"])
+        counts_PV = counted_verify(counts_PV, ctl["pen_slot"], s["live_R"], tokens_RJ)  # (only what it gets)
         following_R = jnp.take_along_axis(tokens_RJ, accepted_R[:, None], axis=1)[:, 0]
         next_R = jnp.where(s["next_token_R"] >= 0, s["next_token_R"], following_R)
         accrow_R = lead_R + accepted_R  # the last accepted row of each request, from its first
@@ -139,24 +157,27 @@ def build_spec_step(runner, shape):
                                                      head, absorbed=True, decode_kernel=decode_kernel)
             drafts.append(jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32))
             h_RD = drafter.shared_norm(h_RD)
-        return _outputs(tokens_RJ, accepted_R, logprobs_RJ, jnp.stack(drafts, axis=1), main, draft_kv, rows_E)
+        return _outputs(tokens_RJ, accepted_R, logprobs_RJ, jnp.stack(drafts, axis=1), main, draft_kv, rows_E,
+                        counts_PV)
 
     dp_spec = P("dp")
     fn = jax.shard_map(
         per_device, mesh=runner.mesh,
         in_specs=(runner.state_specs, runner.draft_specs, {k: dp_spec for k in runner.cache},
                   {k: dp_spec for k in STEP_FIELDS}, {a.name: dp_spec for a in SPEC_SPEC},
-                  {a.name: dp_spec for a in SAMPLING_SPEC}, P(), P()),
-        out_specs=(dp_spec, dp_spec, dp_spec, dp_spec, {k: dp_spec for k in runner.cache}, P(ALL)), check_vma=False)
+                  {a.name: dp_spec for a in SAMPLING_SPEC}, P(), P(), {k: dp_spec for k in CONTROL_KEYS}, dp_spec,
+                  dp_spec),
+        out_specs=(dp_spec, dp_spec, dp_spec, dp_spec, {k: dp_spec for k in runner.cache}, P(ALL), dp_spec),
+        check_vma=False)
     layout = packed_layout(shape)
 
-    def step(state, draft_state, cache, packed_RW, counts_2R):
+    def step(state, draft_state, cache, packed_RW, counts_2R, controls, pen_counts_RPV, seen_RPV):
         arrays = unpack(packed_RW, layout)
         groups = ({k: arrays[k] for k in STEP_FIELDS}, {a.name: arrays[a.name] for a in SPEC_SPEC},
                   {a.name: arrays[a.name] for a in SAMPLING_SPEC})
-        return fn(state, draft_state, cache, *groups, counts_2R[0], counts_2R[1])
+        return fn(state, draft_state, cache, *groups, counts_2R[0], counts_2R[1], controls, pen_counts_RPV, seen_RPV)
 
-    return jax.jit(step, donate_argnums=(2,))
+    return jax.jit(step, donate_argnums=(2, 6))
 
 
 PACKED = (*STEP_SPEC, *SPEC_SPEC, *SAMPLING_SPEC)  # a speculative step's per-rank inputs, in their packed order
@@ -172,22 +193,42 @@ def packed_layout(shape) -> Layout:
 
 
 def spec_abstract_args(runner, shape):
-    """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time)."""
+    """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time): the weights, the pool,
+    the packed inputs, rows and live requests per rank, the sampling controls of its requests and the penalty
+    state (`runner.penalty_slots` slots a rank, `jaxdp.engine.step.controls`)."""
     dp, sh = runner.layout.dp, NamedSharding(runner.mesh, P("dp"))
     packed = jax.ShapeDtypeStruct((dp, packing.width(packed_layout(shape))), jnp.int32, sharding=sh)
     counts = jax.ShapeDtypeStruct((2, dp), jnp.int32, sharding=NamedSharding(runner.mesh, P()))
-    return runner.state, runner.draft_state, runner.cache, packed, counts
+    sizes = step_sizes(shape.num_rows, shape.num_requests, 1)  # (the controls: one row a request)
+    controls = {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in CONTROL_SPEC}
+    state = (dp, runner.penalty_slots, runner.cfg.vocab_size)
+    return (runner.state, runner.draft_state, runner.cache, packed, counts, controls,
+            jax.ShapeDtypeStruct(state, jnp.int32, sharding=sh), jax.ShapeDtypeStruct(state, jnp.bool_, sharding=sh))
 
 
-def run_spec_step(runner, shape, arrays: dict[str, np.ndarray]):
+def run_spec_step(runner, shape, arrays: dict[str, np.ndarray], controls=None, bits: int = 0):
     """Queue one speculative step: returns device arrays (tokens [dp, R, D + 1], tokens per request [dp, R],
     their log-probabilities [dp, R, D + 1], the next drafts [dp, R, D], rows per expert). Two host-to-device
-    transfers: the packed per-rank inputs, and rows and live requests per rank."""
+    transfers: the packed per-rank inputs, and rows and live requests per rank; a third of the requests' logit
+    biases and penalties when `bits` (the agreement's `controls`) says a row has them. `controls`: the engine's
+    `SamplingControls`, whose penalty counts the step reads and replaces; None (start-up's idle runs) passes a
+    state of zeros."""
     runner.compile(shape)
     packed = runner.put(pack(arrays, packed_layout(shape)))
     counts = runner.put(np.stack([np.asarray(arrays["rows_R"], np.int32), np.asarray(arrays["seqs_R"], np.int32)]),
                         P())
-    *out, runner.cache, rows_E = runner.executable(shape)(runner.state, runner.draft_state, runner.cache, packed,
-                                                          counts)
+    R = shape.num_requests
+    if controls is None:
+        dp, state = runner.layout.dp, (runner.layout.dp, runner.penalty_slots, runner.cfg.vocab_size)
+        idle = empty_step(dp, 1, R, 1, 0)
+        rows = dict(zip(CONTROL_KEYS, (runner.put(idle[k]) for k in CONTROL_KEYS), strict=True))
+        pen = runner.put(np.zeros(state, np.int32)), runner.put(np.zeros(state, np.bool_))
+    else:
+        rows = dict(zip(CONTROL_KEYS, controls.spec_inputs(arrays, bits, R), strict=True))
+        pen = controls.counts, controls.seen
+    *out, runner.cache, rows_E, pen_counts = runner.executable(shape)(runner.state, runner.draft_state, runner.cache,
+                                                                      packed, counts, rows, *pen)
+    if controls is not None:
+        controls.counts = pen_counts
     runner.last_account = runner.account(shape, arrays["rows_R"])
     return (*out, rows_E)

@@ -116,6 +116,7 @@ class StepRunner:
         placed, model = isinstance(model, ShardedModel), model.merge() if isinstance(model, ShardedModel) else model
         self.cfg = model.cfg
         self.token_carry = o.token_carry
+        self.penalty_slots = 1  # a rank's slots of the penalty state its speculative steps read (ensure_penalty_slots)
         self.layout = layout
         self.mesh = mesh
         # the mesh spans processes (several nodes): each process feeds and reads only its own devices
@@ -248,6 +249,14 @@ class StepRunner:
             self.token_carry = width
             self._no_prev = None
             self._compiled.clear()
+
+    def ensure_penalty_slots(self, slots: int) -> None:
+        """Let speculative steps read a penalty state of at least `slots` slots a rank (`jaxdp.engine.step.controls`;
+        recompiles them on change)."""
+        if self.penalty_slots < slots:
+            self.penalty_slots = slots
+            for shape in [s for s in self._compiled if s.draft_tokens]:
+                del self._compiled[shape]
 
     def resize_pool(self, num_pages: int) -> None:
         """A pool of `num_pages` per rank (after the weights are placed, to size it from free memory)."""

@@ -127,17 +127,14 @@ class ClientBase:
 
 def check_controls(params: SamplingParams, speculative: bool, grammars: bool) -> None:
     """The sampling controls a request asks for against what the server serves them with; BadRequest in one
-    sentence. A speculating server's verify applies none of min_tokens, penalties, logit_bias or a grammar yet.
+    sentence. A speculating server's verify applies min_tokens, the penalties and logit_bias as plain decoding does
+    (`jaxdp.engine.step.controls.prepare_verify`), but checks no draft against a grammar.
     Disaggregation takes them all: the prefill server samples the first token with them, the decode server starts
     each request's penalty slot and matcher from its prompt and that token."""
-    asked = [name for name, on in (("min_tokens (min_new_tokens)", params.min_new_tokens),
-                                   ("frequency_penalty, presence_penalty and repetition_penalty", params.has_penalties),
-                                   ("logit_bias", params.logit_bias), ("a grammar (response_format, json_schema, "
-                                                                       "regex, ebnf)", params.grammar is not None))
-             if on]
-    if speculative and asked:
-        raise BadRequest(f"this server decodes speculatively (--speculative-algorithm), whose verify does not "
-                         f"apply {asked[0]} yet; leave it out, or use a server without speculative decoding")
+    if speculative and params.grammar is not None:
+        raise BadRequest("this server decodes speculatively (--speculative-algorithm), whose verify does not apply "
+                         "a grammar (response_format, json_schema, regex, ebnf) yet; leave it out, or use a server "
+                         "without speculative decoding")
     if params.grammar is not None and not grammars:
         raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
                          "json_schema, regex and ebnf out, or start it with --grammar-backend llguidance (the default) "

@@ -71,16 +71,22 @@ def prepare(logits_RBV, bias_ids_RBX, bias_values_RBX, pen_slot_RB, frequency_RB
         at = jnp.where(has, pen_slot_RB, 0)
         counts = jax.vmap(lambda c, s: c[s])(counts_RPV, at)  # [dp, B, V]
         seen = jax.vmap(lambda p, s: p[s])(seen_RPV, at)
-        rep = jnp.where(has, repetition_RB, 1.0)[..., None]
-        hit = seen | (counts > 0)
-        x = jnp.where(hit, jnp.where(out > 0, out / rep, out * rep), out)
-        sub = frequency_RB[..., None] * counts + presence_RB[..., None] * (counts > 0)
-        return x - jnp.where(has[..., None], sub, 0.0)
+        return penalised(out, counts, seen, has, frequency_RB, presence_RB, repetition_RB)
 
     out = jax.lax.cond(jnp.any(has), penalise, lambda: out)
     masked = lambda: jnp.where(allowed_tokens(bitmask_RBW, V), out, -jnp.inf)  # noqa: E731
     out = jax.lax.cond(jnp.any(bitmask_RBW != -1), masked, lambda: out)
     return out.astype(logits_RBV.dtype)
+
+
+def penalised(logits_XV, counts_XV, seen_XV, has_X, frequency_X, presence_X, repetition_X):
+    """The penalties applied to logits [..., V] (X: any leading axes) from the counts of the output tokens and the
+    prompt's presence of each token; rows without penalties (`has_X` false) unchanged."""
+    rep = jnp.where(has_X, repetition_X, 1.0)[..., None]
+    hit = seen_XV | (counts_XV > 0)
+    x = jnp.where(hit, jnp.where(logits_XV > 0, logits_XV / rep, logits_XV * rep), logits_XV)
+    sub = frequency_X[..., None] * counts_XV + presence_X[..., None] * (counts_XV > 0)
+    return x - jnp.where(has_X[..., None], sub, 0.0)
 
 
 def counted(counts_RPV, pen_slot_RB, tokens_RB):
@@ -92,6 +98,55 @@ def counted(counts_RPV, pen_slot_RB, tokens_RB):
         return jax.vmap(lambda c, s, t: c.at[s, t].add(1, mode="drop"))(counts_RPV, slot, tokens_RB)
 
     return jax.lax.cond(jnp.any(pen_slot_RB >= 0), add, lambda: counts_RPV)
+
+
+def prepare_verify(logits_BJV, drafts_BD, n_draft_B, n_out_B, min_tokens_B, ban_BS, bias_ids_BX, bias_values_BX,
+                   pen_slot_B, frequency_B, presence_B, repetition_B, counts_PV, seen_PV):
+    """The logits a verify chooses from, on one rank (inside the speculative step): B requests, J = D + 1 positions
+    each (position j: after the request's last token and its drafts 0..j-1, of which `n_draft_B` are offered).
+    Position j gets what plain decoding would choose from had those drafts been accepted: the logit bias; the
+    penalties over the slot's counts plus drafts 0..j-1 (output tokens; the prompt's presence as it is); then
+    min_tokens' ban while n_out + j < min_tokens (`n_out_B`: tokens generated before position 0's)."""
+    B, J, V = logits_BJV.shape
+    out = logits_BJV.astype(jnp.float32)
+
+    def bias():
+        ids = jnp.where(bias_ids_BX >= 0, bias_ids_BX, V)  # (V: dropped)
+        return jax.vmap(lambda lv, i, b: lv.at[:, i].add(b, mode="drop"))(out, ids, bias_values_BX)
+
+    out = jax.lax.cond(jnp.any(bias_ids_BX >= 0), bias, lambda: out)
+    has = pen_slot_B >= 0
+
+    def penalise():
+        at = jnp.where(has, pen_slot_B, 0)
+        offered = jnp.arange(J - 1) < n_draft_B[:, None]
+        drafted = jax.nn.one_hot(jnp.where(offered, drafts_BD, -1), V, dtype=jnp.int32)  # [B, D, V] (-1: none)
+        before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(drafted, axis=1)], axis=1)
+        counts = counts_PV[at][:, None] + before  # [B, J, V]
+        seen = jnp.broadcast_to(seen_PV[at][:, None], counts.shape)
+        per = lambda x: jnp.broadcast_to(x[:, None], (B, J))  # noqa: E731
+        return penalised(out, counts, seen, per(has), per(frequency_B), per(presence_B), per(repetition_B))
+
+    out = jax.lax.cond(jnp.any(has), penalise, lambda: out).astype(logits_BJV.dtype)
+    below_BJ = n_out_B[:, None] + jnp.arange(J) < min_tokens_B[:, None]
+
+    def ban():
+        ids = jnp.where(below_BJ[..., None] & (ban_BS[:, None] >= 0), ban_BS[:, None], V)  # [B, J, S] (V: dropped)
+        return jax.vmap(jax.vmap(lambda lv, i: lv.at[i].set(-jnp.inf, mode="drop")))(out, ids)
+
+    return jax.lax.cond(jnp.any(below_BJ), ban, lambda: out)
+
+
+def counted_verify(counts_PV, pen_slot_B, live_B, tokens_BJ):
+    """One rank's counts with each penalised live request's tokens of a verify added (its accepted drafts and the
+    token after them; -1: none)."""
+    P, V = counts_PV.shape
+
+    def add():
+        slot = jnp.where((pen_slot_B >= 0) & live_B, pen_slot_B, P)  # (P: dropped)
+        return counts_PV.at[slot[:, None], jnp.where(tokens_BJ >= 0, tokens_BJ, V)].add(1, mode="drop")
+
+    return jax.lax.cond(jnp.any(pen_slot_B >= 0), add, lambda: counts_PV)
 
 
 @functools.partial(jax.jit, static_argnames="width", donate_argnames="counts_RPV")
@@ -142,7 +197,8 @@ class SamplingControls:
 
     def __init__(self, runner, dp: int, slots: int, vocab_size: int):
         self.runner, self.dp, self.vocab_size = runner, dp, vocab_size
-        self.slots = max(slots, 1)
+        runner.ensure_penalty_slots(max(slots, 1))  # (a runner shared by engines keeps the most any asked for)
+        self.slots = runner.penalty_slots
         self.counts = runner.put(np.zeros((dp, self.slots, vocab_size), np.int32))
         self.seen = runner.put(np.zeros((dp, self.slots, vocab_size), np.bool_))
         self._padding: dict[int, list[jax.Array]] = {}  # by batch size: a step's controls and bitmask, all padding
@@ -179,6 +235,13 @@ class SamplingControls:
         tokens, logprobs, self.counts = sample_with_controls(logits, *params, *controls, self.counts, self.seen, mask,
                                                              width=width)
         return tokens, logprobs
+
+    def spec_inputs(self, host: dict[str, np.ndarray], bits: int, R: int) -> list:
+        """A speculative step's controls, on the device: its R requests' rows of `host` (put when `bits` says a row
+        has a bias or penalties), padding otherwise."""
+        if bits & BIAS_OR_PENALTY:
+            return [self.runner.put(np.ascontiguousarray(host[k][:, :R])) for k in CONTROL_KEYS]
+        return self.padding(R)[:-1]
 
     def padding(self, B: int) -> list:
         """A step of B sequences' controls and bitmask with nothing in them, on the device (put once)."""

@@ -32,6 +32,7 @@ from jaxdp.engine.sched.request import State
 from jaxdp.engine.sched.rows import RowArrays, fill_sampling, sampling_row
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
+from jaxdp.engine.step.controls import BIAS_OR_PENALTY, SamplingControls
 from jaxdp.engine.step.step_stats import Launched
 from jaxdp.parallel.agreement import Agreement, Proposal
 from jaxdp.parallel.spec_step import run_spec_step
@@ -112,7 +113,8 @@ class SpecScheduler(Scheduler):
             return None
         pieces = [Piece([r.output_ids[-1], *r.drafts], r.num_tokens - 1, r.pages) for r in reqs]
         eos = self.eos_token_ids
-        sampling = [sampling_row(r.params, r.rid, self.cfg.seed, self.cfg.vocab_size, eos) for r in reqs]
+        sampling = [sampling_row(r.params, r.rid, self.cfg.seed, self.cfg.vocab_size, eos, r.penalty_slot)
+                    for r in reqs]
         return RankPlan("verify", reqs, pieces, sampling=sampling)
 
     def commit(self, plan: RankPlan, step: int) -> None:
@@ -211,6 +213,8 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
             slots = pages[np.minimum(pos // page_size, len(pages) - 1)] * page_size + pos % page_size
             out["ahead_slots_RA"][r, b] = np.where(held & samples, slots, pad_slot)
             fill_sampling(out, r, b, *plan.sampling[b], len(req.output_ids))
+            if not samples:  # (a chunk that samples nothing counts nothing)
+                out["pen_slot"][r, b] = -1
             row += m
     return out
 
@@ -218,16 +222,20 @@ def spec_arrays(plans: list[RankPlan | None], shape, page_size: int, pad_slot: i
 class VerifyStep:
     """The speculative step as a step kind of the pipeline (`jaxdp.engine.step.pipeline.StepKind`): prompt chunks
     and verifies laid out by `spec_arrays`, run by `jaxdp.parallel.spec_step`, booked by `SpecScheduler.book_spec`;
-    never overlapped (the next verify needs this one's accepted tokens)."""
+    never overlapped (the next verify needs this one's accepted tokens). Its sampling controls (logit bias,
+    penalties, min_tokens) apply inside the step, each verify position seeing what plain decoding would
+    (`jaxdp.engine.step.controls.prepare_verify`), over the penalty state it shares with the plain steps
+    (`controls`, whose slots are filled here before the step that first samples a request)."""
 
     overlaps = False
 
-    def __init__(self, runner, buckets: Buckets, rows: RowArrays):
-        self.runner, self.buckets, self.rows = runner, buckets, rows
+    def __init__(self, runner, buckets: Buckets, rows: RowArrays, controls: SamplingControls | None = None):
+        self.runner, self.buckets, self.rows, self.controls = runner, buckets, rows, controls
 
     def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
+        controls = [s.controls(p) for s, p in zip(schedulers, plans, strict=True)]
         return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
-                              largest_decode_requests=self.buckets.decode[-1])
+                              largest_decode_requests=self.buckets.decode[-1], controls_R=controls)
 
     def shape_for(self, rows: list[int], agreement: Agreement) -> StepShape:
         return self.buckets.shape_for(rows, agreement)
@@ -241,7 +249,10 @@ class VerifyStep:
 
     def launch(self, shape: StepShape, host: dict[str, np.ndarray], plans: list[RankPlan | None],
                agreement: Agreement, prev_tokens) -> Launched:
-        tokens, counts, logprobs, drafts, _ = run_spec_step(self.runner, shape, host)
+        bits = agreement.controls if self.controls is not None else 0
+        if bits & BIAS_OR_PENALTY:
+            self.controls.fill(plans)
+        tokens, counts, logprobs, drafts, _ = run_spec_step(self.runner, shape, host, self.controls, bits)
         return Launched(tokens, logprobs, {"spec": (counts, drafts)})
 
     def book(self, schedulers: list[Scheduler], plans: list[RankPlan | None], out: Launched, now: float) -> int:
