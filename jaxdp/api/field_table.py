@@ -110,7 +110,7 @@ FORCED_TOOLS_TEST = f"{STRUCTURED}::test_tool_choice_required_and_named_return_v
 _GRAMMAR = (", compiled by --grammar-backend (one grammar a request: two are refused; one that does not compile is "
             "refused in one sentence)")
 CONTROLS_TEST = "tests/test_sampling_controls.py::test_penalties_and_logit_bias_reach_the_sampling_params"
-_NOT_SPEC = ", on a server that does not speculate (applied in the step, on the device)"
+_IN_STEP = ", applied in the step on the device (in the verify too when speculating)"
 STOPS_TEST = "tests/test_text_view.py::test_stop_regex_and_no_stop_trim_cut_where_the_whole_text_rule_does"
 _STOP_REGEX = ("a regular expression (RE2: no look-around or back-references) or up to 16 of 1 to 256 characters; "
                "a match in the text of the last 64 output tokens stops the request, and the text is cut before it")
@@ -130,11 +130,11 @@ OPENAI_COMMON: dict[str, Field] = {
     "stream_options": honoured('{"include_usage": bool}; include_obfuscation is accepted without effect',
                                OPENAI_COMPLETIONS_TEST),
     "user": no_effect("a string", _NO_MEANING),
-    "frequency_penalty": honoured("a number in [-2, 2] (OpenAI's: times each output token's count)" + _NOT_SPEC,
+    "frequency_penalty": honoured("a number in [-2, 2] (OpenAI's: times each output token's count)" + _IN_STEP,
                                   CONTROLS_TEST),
-    "presence_penalty": honoured("a number in [-2, 2] (OpenAI's: once per token in the output)" + _NOT_SPEC,
+    "presence_penalty": honoured("a number in [-2, 2] (OpenAI's: once per token in the output)" + _IN_STEP,
                                  CONTROLS_TEST),
-    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100], added to the logits" + _NOT_SPEC,
+    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100], added to the logits" + _IN_STEP,
                            CONTROLS_TEST),
     # SGLang's extras on its OpenAI endpoints, served here too
     "top_k": honoured("-1 (all tokens) or an integer from 1", OPENAI_SAMPLING_TEST),
@@ -149,10 +149,10 @@ OPENAI_COMMON: dict[str, Field] = {
     "disagg_prefill_dp_rank": honoured("the prefill server's DP rank, under disaggregation", PINS_TEST),
     "prompt_logprobs": honoured("vLLM's: an integer from 0 to 20, alternatives per prompt position", ECHO_TEST),
     # what vLLM and SGLang accept on their OpenAI endpoints and jaxdp does not serve yet
-    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens, as vLLM)" + _NOT_SPEC,
+    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens, as vLLM)" + _IN_STEP,
                                    CONTROLS_TEST),
-    "min_tokens": honoured("an integer from 0 to max_tokens, beside at most 16 stop_token_ids, on a server that does "
-                           "not speculate: no eos, stop id or stop string ends it before", MIN_TOKENS_TEST),
+    "min_tokens": honoured("an integer from 0 to max_tokens, beside at most 16 stop_token_ids: no eos, stop id or "
+                           "stop string ends it before (in the verify too when speculating)", MIN_TOKENS_TEST),
     "skip_special_tokens": refused("true or false", True),
     "spaces_between_special_tokens": refused("true or false", True),
     "include_stop_str_in_output": honoured(_NO_TRIM + " (vLLM's name of no_stop_trim)", OPENAI_SAMPLING_TEST),
@@ -281,11 +281,11 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "sampling_seed": honoured("an integer (SGLang's name of seed)", NATIVE_SAMPLING_TEST),
     "stream_interval": no_effect("an integer", "a stream sends every update; the text is the same"),
     "stop_regex": honoured(_STOP_REGEX, STOPS_TEST),
-    "frequency_penalty": honoured("a number in [-2, 2] (times each output token's count)" + _NOT_SPEC, CONTROLS_TEST),
-    "presence_penalty": honoured("a number in [-2, 2] (once per token in the output)" + _NOT_SPEC, CONTROLS_TEST),
-    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens)" + _NOT_SPEC, CONTROLS_TEST),
-    "min_new_tokens": honoured("an integer from 0 to max_new_tokens, beside at most 16 stop_token_ids, on a server "
-                               "that does not speculate: no eos, stop id or stop string ends it before",
+    "frequency_penalty": honoured("a number in [-2, 2] (times each output token's count)" + _IN_STEP, CONTROLS_TEST),
+    "presence_penalty": honoured("a number in [-2, 2] (once per token in the output)" + _IN_STEP, CONTROLS_TEST),
+    "repetition_penalty": honoured("a number in (0, 2] (over prompt and output tokens)" + _IN_STEP, CONTROLS_TEST),
+    "min_new_tokens": honoured("an integer from 0 to max_new_tokens, beside at most 16 stop_token_ids: no eos, stop "
+                               "id or stop string ends it before (in the verify too when speculating)",
                                MIN_TOKENS_TEST),
     "json_schema": honoured("a JSON schema (text or object)" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
     "regex": honoured("a regular expression" + _GRAMMAR, GRAMMAR_FIELDS_TEST),
@@ -294,7 +294,7 @@ SAMPLING_PARAMS: dict[str, Field] = {
     "spaces_between_special_tokens": refused("true or false", True),
     "no_stop_trim": honoured(_NO_TRIM, STOPS_TEST),
     "custom_params": refused("an object for a custom logit processor", {}),
-    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100]" + _NOT_SPEC, CONTROLS_TEST),
+    "logit_bias": honoured("an object of up to 300 token id: bias in [-100, 100]" + _IN_STEP, CONTROLS_TEST),
 }
 
 # Per endpoint (and the objects inside one): its fields, and whether a key it does not list is refused (True) or
