@@ -5,11 +5,12 @@ XLA:GPU's fusions), and checks the optimized program (jaxdp.planner.hlo_checks).
 Needs the CUDA plugin's two wheels at JAX's version (`pip install -e ".[xla-gpu]"`; docs/gpu-on-paper.md);
 skipped without them. A small model (hidden 1024, 48 experts, 3 layers) keeps each compile to seconds; its
 row counts (24 decode, 200 prompt rows per rank) and experts per device (6 under EP) are chosen not to
-coincide with its widths, so the checks' shapes are unambiguous. Six steps are compiled in all (tests/test_xla_gpu.py
-runs them in the suite): the three of one DP-attention + EP layout in block FP8 (a module fixture: ragged
+coincide with its widths, so the checks' shapes are unambiguous. The steps compiled (tests/test_xla_gpu.py runs
+them in the suite): the three of one DP-attention + EP layout in block FP8 (a module fixture: ragged
 all-to-all, the MLA decode kernel and every FP8 GEMM in one program), and a 512-row decode step with NVFP4
-experts that does not fit (the NVFP4 grouped GEMM in a step, and the refusal); and the two speculative steps
-with the MTP layer (--speculative-algorithm EAGLE).
+experts that does not fit (the NVFP4 grouped GEMM in a step, and the refusal); the two speculative steps
+with the MTP layer (--speculative-algorithm EAGLE); a decode step on 16 GPUs (two simulated nodes) with redundant
+experts; and the split-pool decode step of --dcp-size 8.
 """
 
 import json
