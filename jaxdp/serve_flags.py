@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculating)")
     g.add_argument("--enable-two-batch-overlap", action="store_true",
                    help="split a step into two micro-batches when every rank can, so that one's expert dispatch and "
-                        "combine run during the other's compute (docs/tbo.md)")
+                        "combine run during the other's compute; on a GPU it adds XLA's latency-hiding scheduler "
+                        "and no combining of collectives to `XLA_FLAGS`, unless set (docs/tbo.md)")
     g.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
                    help="with --enable-two-batch-overlap: the smallest share of a prompt step's tokens either "
                         "micro-batch may hold (a rank whose split is more uneven runs the step whole)")
