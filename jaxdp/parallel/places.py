@@ -343,13 +343,12 @@ class MeshComm:
         return (rows_E, counts_E) if self.count_experts else rows_E
 
     def dense_ffn(self, h_nD, valid_T, mlp):
-        held = weight(mlp, "w_down_FD").shape[0]  # (the intermediate columns held here)
         if self.dense_replicated:
-            return block_sum(mlp(h_nD, split_blocks(held, 1))) if self.fixed_tree else mlp(h_nD)
+            return block_sum(mlp(h_nD, split_blocks(mlp_width(mlp), 1))) if self.fixed_tree else mlp(h_nD)
         valid_n = self._my_chunk(valid_T) if self.gather.tp > 1 else valid_T
         h_RD, _ = gather_for_moe(h_nD, valid_n, self.rows_R, self.gather)
         if self.fixed_tree:
-            parts = mlp(h_RD, split_blocks(held, self.world))
+            parts = mlp(h_RD, split_blocks(mlp_width(mlp), self.world))
             return block_sum(return_blocks(parts, self.rows_R, self.chunk, self.gather))
         return return_from_moe(mlp(h_RD).astype(jnp.float32), self.rows_R, self.chunk, self.gather)
 
@@ -365,5 +364,10 @@ class MeshComm:
 def moe_width(moe, shared: bool = False) -> int:
     """The intermediate columns of one routed expert (or of the shared expert) held on this device."""
     if shared:
-        return 0 if moe.shared is None else weight(moe.shared, "w_down_FD").shape[0]
+        return 0 if moe.shared is None else mlp_width(moe.shared)
     return weight(moe, "w_down_EID").shape[1]
+
+
+def mlp_width(mlp) -> int:
+    """The intermediate columns of an MLP held on this device."""
+    return weight(mlp, "w_down_FD").shape[0]
