@@ -21,7 +21,7 @@ import jax
 
 from jaxdp.api.context import Limits
 from jaxdp.api.parsers import UnknownParserError, reasoning_parser, tool_call_parser
-from jaxdp.config import PRESETS
+from jaxdp.config import PRESETS, UnsupportedConfigError
 from jaxdp.disagg.transfer import TRANSPORTS
 from jaxdp.engine.nodes.hosts import DistConfig, check_dist_args
 from jaxdp.engine.options import DisaggConfig, EngineConfig, ModelOptions, SpeculativeConfig
@@ -30,8 +30,9 @@ from jaxdp.engine.step.spec import check_speculative
 from jaxdp.eplb.distribution import RecorderError, check_dispatch_flags, check_recorder_mode, eplb_config
 from jaxdp.grammar import DEFAULT_BACKEND, backend_problem
 from jaxdp.layout import GiB, Layout, check_expert_location_flags, layout_from_args
-from jaxdp.model.loader import check_mtp_checkpoint, default_model_path
-from jaxdp.ops.registry import deterministic_conflict
+from jaxdp.model.loader import check_mtp_checkpoint, default_model_path, model_config
+from jaxdp.model.modelopt import read_quant_config
+from jaxdp.ops.registry import deterministic_conflict, deterministic_model_refusal
 from jaxdp.parallel.accounting import decode_buckets
 from jaxdp.parallel.dcp import DCPError, check_dcp_pool
 from jaxdp.parallel.tbo_split import check_threshold
@@ -272,6 +273,8 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     if args.enable_deterministic_inference and (why := deterministic_conflict(
             args.attention_backend, args.moe_runner_backend, args.fp8_gemm_backend)):
         raise UserError(why)
+    if args.enable_deterministic_inference:
+        check_deterministic_model(path, args.quantization)
     check_expert_location_flags(layout, args.ep_num_redundant_experts, args.init_expert_location)
     try:
         check_recorder_mode(args.expert_distribution_recorder_mode)
@@ -291,6 +294,17 @@ def serve_config(args: argparse.Namespace, layout: Layout | None = None) -> Serv
     flags = {k: v for k, v in vars(args).items() if k not in ("api_key", "engine_child")} | {"model_path": path}
     return ServeConfig(model, engine, pool_sizing(args, engine.page_size, layout.replicas), limits, layout, dist, http,
                        tokenizer, args.compilation_cache_dir, engine_process, flags, tool_parser, thinking_parser)
+
+
+def check_deterministic_model(path: str, quantization: str | None) -> None:
+    """--enable-deterministic-inference refused in one sentence for a model whose products fall back to XLA's
+    shape-dependent forms (`deterministic_model_refusal`), read from its config.json before any weight loads."""
+    try:
+        cfg, nvfp4 = model_config(path), bool(Path(path).is_dir() and read_quant_config(path))
+    except UnsupportedConfigError:
+        return  # the loader refuses the checkpoint itself, in its own sentence
+    if why := deterministic_model_refusal(cfg, quantization, nvfp4):
+        raise UserError(why)
 
 
 def check_dcp_flags(dcp: int, layout: Layout, engine) -> None:

@@ -16,7 +16,7 @@ from servers import Server
 from jaxdp.bench.deterministic import main
 from jaxdp.engine import Engine, EngineConfig, SamplingParams
 from jaxdp.model.loader import default_model_path
-from jaxdp.ops.registry import deterministic_backend
+from jaxdp.ops.registry import deterministic_backend, deterministic_model_refusal
 from jaxdp.serve import UserError, build_parser, serve_config
 
 HAVE_DEFAULT = (default_model_path() / "tokenizer.json").exists()
@@ -87,6 +87,39 @@ def test_flag_refusals_are_one_sentence():
     with pytest.raises(UserError, match="^--enable-deterministic-inference runs --attention-backend native"):
         serve_config(args)
     assert serve_config(build_parser().parse_args(["--enable-deterministic-inference"])).model.deterministic
+
+
+@pytest.mark.parametrize("model, extra, says", [
+    ("tiny", [], "qk_rope_head_dim 8 (not a multiple of 16), kv_lora_rank 32 (not a multiple of 64)"),
+    ("glm-5-tiny", [], "DSA's sparse attention"),
+    ("default", ["--quantization", "fp8"], "--quantization fp8"),
+    ("default", ["--quantization", "nvfp4"], "--quantization nvfp4")])
+def test_flag_refuses_models_the_native_kernels_do_not_take(model, extra, says):
+    """A model whose products would fall back to XLA's shape-dependent forms (widths the native kernels do not
+    tile, quantized weights, DSA layers) is refused in one sentence before any weight loads; without the flag
+    the same flags pass this check."""
+    if model == "default" and not HAVE_DEFAULT:
+        pytest.skip("the embedded default model is absent")
+    argv = ([] if model == "default" else ["--model-path", model]) + extra
+    with pytest.raises(UserError) as e:
+        serve_config(build_parser().parse_args(["--enable-deterministic-inference", *argv]))
+    msg = str(e.value)
+    assert msg.startswith("--enable-deterministic-inference ") and says in msg and "\n" not in msg, msg
+    assert msg.endswith("or leave the flag out")
+    assert not serve_config(build_parser().parse_args(argv)).model.deterministic
+
+
+def test_model_refusal_reads_the_widths_and_the_block_fp8_config():
+    """The check itself on configs: the default model's and DeepSeek-V3's widths pass; a block-FP8 config, a
+    per-head width off 16 and a hidden size off 16 are each named."""
+    from jaxdp.config import PRESETS
+    v3 = PRESETS["deepseek-v3"]
+    assert deterministic_model_refusal(v3) is None
+    assert "block-FP8 weights" in deterministic_model_refusal(v3.with_(fp8_block=(128, 128)))
+    assert "NVFP4 experts" in deterministic_model_refusal(v3, nvfp4_checkpoint=True)
+    assert "v_head_dim 120 (not a multiple of 16)" in deterministic_model_refusal(v3.with_(v_head_dim=120))
+    assert "hidden_size 7000" in deterministic_model_refusal(v3.with_(hidden_size=7000))
+    assert "qk_nope" not in deterministic_model_refusal(v3.with_(hidden_size=7000))
 
 
 SMALL = ["--chunked-prefill-size", "128", "--max-running-requests", "64", "--cuda-graph-bs", "4",

@@ -112,6 +112,30 @@ def deterministic_conflict(attention: str | None, moe_runner: str | None, fp8_ge
     return None
 
 
+def deterministic_model_refusal(cfg, quantization: str | None = None, nvfp4_checkpoint: bool = False) -> str | None:
+    """The one sentence that refuses a model under --enable-deterministic-inference, or None: one whose products
+    the native kernels do not take, so that they fall back to XLA's forms, which pick their blocking by the
+    step's shape (docs/determinism.md, "Models the native kernels do not take"). `cfg` a ModelConfig (read
+    without the weights), `quantization` the --quantization flag, `nvfp4_checkpoint` a ModelOpt NVFP4 one."""
+    if quantization or cfg.fp8_block or nvfp4_checkpoint:
+        what = (f"--quantization {quantization}" if quantization else
+                "this checkpoint's NVFP4 experts" if nvfp4_checkpoint else "this checkpoint's block-FP8 weights")
+        return (f"{DETERMINISTIC_FLAG} has no batch-invariant products for {what} (they run in XLA's forms): serve "
+                "a bfloat16 or float32 checkpoint without --quantization, or leave the flag out")
+    if cfg.index_topk:
+        return (f"{DETERMINISTIC_FLAG} has no batch-invariant form of DSA's sparse attention (this model's "
+                "indexer layers attend in XLA's form): serve a dense-MLA model or leave the flag out")
+    widths = {"qk_nope_head_dim": (cfg.qk_nope_head_dim, 16), "qk_rope_head_dim": (cfg.qk_rope_head_dim, 16),
+              "v_head_dim": (cfg.v_head_dim, 16), "kv_lora_rank": (cfg.kv_lora_rank, 64),
+              "hidden_size": (cfg.hidden_size, 16), "q_lora_rank": (cfg.q_lora_rank or 16, 16)}
+    off = [f"{name} {w} (not a multiple of {m})" for name, (w, m) in widths.items() if w % m]
+    if off:
+        return (f"{DETERMINISTIC_FLAG} needs widths the native kernels take, and this model has "
+                f"{', '.join(off)}, which fall back to XLA's shape-dependent forms: serve a model of such widths "
+                "or leave the flag out")
+    return None
+
+
 def _refuse(why: str) -> str:
     raise ValueError(f"{DETERMINISTIC_FLAG} {why}")
 
