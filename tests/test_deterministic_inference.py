@@ -127,21 +127,63 @@ SMALL = ["--chunked-prefill-size", "128", "--max-running-requests", "64", "--cud
          "--enable-deterministic-inference"]
 
 
-@needs_model
-@pytest.mark.slow
-@pytest.mark.parametrize("mode, extra", [("single", ["--trials", "6"]), ("mixed", ["--trials", "4"]),
-                                         ("prefix", ["--trials", "3", "--prefix-lengths", "1,40,120"])])
-def test_bench_command_with_the_flag_gives_one_sample(mode, extra, tmp_path, capsys):
-    """`python -m jaxdp.bench.deterministic --mode MODE` against `jaxdp.serve --mesh dp=8
-    --enable-deterministic-inference`: unique samples 1 for token ids AND logprobs, every prompt (slow: a server
-    start and compile, about 2 minutes on 2 cores)."""
-    server = Server(["--mesh", "dp=8", *SMALL], tmp_path / "server.log")
+MODES = [("single", ["--trials", "6"]), ("mixed", ["--trials", "4"]),
+         ("prefix", ["--trials", "3", "--prefix-lengths", "1,40,120"])]
+SAMPLING = [[], ["--temperature", "1", "--seed", "7"]]
+
+
+def bench_counts(server_args: list[str], tmp_path, modes=MODES, wait: float = 240) -> dict[str, list]:
+    """`python -m jaxdp.bench.deterministic` in each mode, greedy and seeded at temperature 1, against one live
+    `jaxdp.serve` started with `server_args`: {"mode, sampling": the per-prompt counts}."""
+    server = Server([*server_args, *SMALL], tmp_path / "server.log")
+    out = {}
     try:
-        url = server.wait().url
-        out = tmp_path / "d.json"
-        assert main(["--url", url, "--mode", mode, "--max-new-tokens", "24", "--max-batch", "8", "--warmup", "1",
-                     "--output", str(out), *extra]) == 0
+        url = server.wait(wait).url
+        for mode, extra in modes:
+            for sampling in SAMPLING:
+                path = tmp_path / f"{mode}{len(sampling)}.json"
+                assert main(["--url", url, "--mode", mode, "--max-new-tokens", "24", "--max-batch", "8",
+                             "--warmup", "1", "--output", str(path), *extra, *sampling]) == 0
+                out[f"{mode}, {' '.join(sampling) or 'greedy'}"] = json.loads(path.read_text())["counts"]
     finally:
         server.stop()
-    counts = json.loads(out.read_text())["counts"]
-    assert counts and all(c["unique_ids"] == 1 and c["unique_ids_logprobs"] == 1 for c in counts), counts
+    return out
+
+
+def assert_one_sample(counts: dict[str, list]) -> None:
+    assert all(c for c in counts.values())
+    bad = {k: [(c["text"][:24], c["unique_ids"], c["unique_ids_logprobs"]) for c in v
+               if (c["unique_ids"], c["unique_ids_logprobs"]) != (1, 1)] for k, v in counts.items()}
+    assert not any(bad.values()), bad
+
+
+@needs_model
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp=8", "dp=8,moe=ep", "tp=8"])
+def test_bench_command_with_the_flag_gives_one_sample(mesh, tmp_path):
+    """`python -m jaxdp.bench.deterministic --mode single|mixed|prefix`, greedy and seeded at temperature 1,
+    against `jaxdp.serve --mesh MESH --enable-deterministic-inference` with the default model: unique samples 1
+    for token ids AND logprobs, every prompt (slow: a server start and compile, then 6 runs of seconds each)."""
+    assert_one_sample(bench_counts(["--mesh", mesh], tmp_path))
+
+
+def words(n: int, seed: int) -> str:
+    """n random words of the peer checkpoint's word-level tokenizer ("w3" .. "w4095": one token each)."""
+    rng = np.random.default_rng(seed)
+    return " ".join(f"w{i}" for i in rng.integers(3, 4096, size=n))
+
+
+@pytest.mark.slow
+def test_bench_command_on_the_peer_checkpoint(tmp_path):
+    """The same under `--mesh dp=8` with the peer checkpoint (`jaxdp.bench.peer_model`: 230 M parameters,
+    DeepSeek-V3-shaped, hidden 1024, random weights; written once under jaxdp's cache, a minute or two), with
+    prompts of its word-level vocabulary: unique samples 1 in the three modes, greedy and seeded."""
+    from jaxdp.bench.peer_model import ensure_checkpoint
+
+    path = ensure_checkpoint()
+    modes = [("single", ["--trials", "6", "--prompt", words(40, 1)]),
+             ("mixed", ["--trials", "4", "--prompts", "|".join(words(n, s) for n, s in ((3, 2), (6, 3), (24, 4)))]),
+             ("prefix", ["--trials", "3", "--prompt", words(120, 6), "--prefix-lengths", "1,48,160,320"])]
+    # (--grammar-backend none: llguidance cannot read a word-level tokenizer without a decoder)
+    assert_one_sample(bench_counts(["--mesh", "dp=8", "--model-path", str(path), "--grammar-backend", "none"],
+                                   tmp_path, modes, wait=600))
