@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdp.batch import Piece, build_rank_batch, stack_ranks
 from jaxdp.eplb.distribution import RecorderError, check_recorder_mode
@@ -25,6 +27,7 @@ from jaxdp.model.mla import AttnBatch
 from jaxdp.model.sharded import shard_model
 from jaxdp.parallel.local import LocalComm
 from jaxdp.parallel.step import StepRunner, StepShape
+from jaxdp.parallel.totals import compiled_gather, read_whole
 
 PAGE, NPAGES, PAGES_PER_SEQ, T, B, SUM_ROWS = 8, 16, 2, 16, 4, 64
 
@@ -133,3 +136,14 @@ def test_recorder_mode_and_empty_recorder():
     dump = rec.dump()
     assert dump.steps == 2 and dump.logical_count.tolist() == [[6, 6, 6, 6]]
     assert dump.to_json()["logical_count"] == [[6, 6, 6, 6]]
+
+
+def test_the_gather_a_dump_across_nodes_reads_is_every_devices_counts():
+    """`compiled_gather` (the dump's read on a model spanning several nodes): the split counts whole on every device,
+    unchanged, read by `read_whole` (here one process: the cluster test in tests/test_eplb_nodes.py runs two)."""
+    mesh = jax.make_mesh((8,), ("dp",))
+    split = jax.ShapeDtypeStruct((8, 3, 5), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
+    counts = np.arange(8 * 3 * 5, dtype=np.int32).reshape(8, 3, 5) * 7 % 11
+    whole = compiled_gather(split)(jax.device_put(counts, split.sharding))
+    assert whole.is_fully_replicated and len(whole.sharding.device_set) == 8
+    np.testing.assert_array_equal(read_whole(whole), counts)
