@@ -12,7 +12,11 @@
   `expert_distribution_recorder_<unix time>.json` (a file `--init-expert-location` reads: its `logical_count`).
 
 Refused in one sentence (HTTP 400): any of them on a server started without the recorder's flag, a dump with
-nothing recorded, a model without MoE layers, a model spanning several nodes.
+nothing recorded, a model without MoE layers.
+
+On a model spanning several nodes (`--nnodes`) node 0's server serves them: node 0's engine carries the action to
+every node in its message of the step exchange, every node starts, stops or dumps between the same two steps, and a
+dump holds every device's counts (all nodes'), in the same JSON as on one node (`jaxdp.engine.nodes.link`).
 
 `/metrics` gains `jaxdp:eplb_balancedness{replica, layer}` (moe=ep, while a recording holds counts): each MoE layer's
 balancedness over the recording so far, read when Prometheus scrapes (one small read-back per scrape, none per step).

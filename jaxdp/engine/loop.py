@@ -224,8 +224,8 @@ class Engine(ClientBase):
             elif cmd == "flush":  # every node's ranks (the others' through the exchange)
                 self.nodes.flush(arg, self.busy)
             elif cmd == "experts":  # the expert-distribution recorder, between two steps (jaxdp.eplb.recorder)
-                action, fut = arg
-                fut.set_result(record(self.runner, action))
+                action, fut = arg  # (several nodes: every node, after the next exchange)
+                self.nodes.expert_record(action, fut)
             elif cmd == "kv":  # disaggregation's decode side: a request's KV arrived (or failed to)
                 req, fut = arg
                 self.disagg.arrived(self.schedulers[req.rank], req, fut, now)
@@ -385,6 +385,10 @@ class Engine(ClientBase):
         if outcome is None:
             raise EngineFailed("the engine's loop did not take the recorder's request within 30 s")
         return outcome
+
+    def record_experts(self, action: str) -> RecordOutcome:
+        """Carry out a recorder action on this engine's runner now (the nodes' link calls it between two steps)."""
+        return record(self.runner, action)
 
     @property
     def is_running(self) -> bool:

@@ -8,6 +8,13 @@ rows, so a sum over the devices counts every rank's rows once) and returns them 
 compiles anything); while a recording runs, `ExpertRecorder.add` adds each step's array to the running total with a
 small compiled add on the devices: no host round trip per step. `dump` brings the total to the host once.
 
+On a model spanning several nodes every process runs the same compiled step, so every process must add the same
+steps and gather at the same point: the actions reach the other nodes through node 0's message of the step exchange
+(`jaxdp.engine.nodes.link.NodeLink.expert_record`), and every node acts on them after that exchange, before the
+step it agreed on. The dump there gathers the total whole onto every device (`jaxdp.parallel.totals`, an
+all-gather across the processes, compiled ahead) and reads it from the process's first device: every device's
+counts, the same array as on one node.
+
 The totals are int32: a (device, layer, expert) cell wraps past 2**31 routed tokens (about 2 billion; a device's
 rows only). Speculative verify steps are not counted (their program returns no counts): a recording under
 `--speculative-algorithm` sees the plain steps only.
@@ -21,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxdp.eplb.distribution import RECORD_ACTIONS, ExpertDistribution, RecordOutcome, held_balancedness
+from jaxdp.parallel.totals import compiled_gather, read_whole
 
 __all__ = ["ExpertRecorder", "record"]
 
@@ -40,12 +48,15 @@ class ExpertRecorder:
     """One model copy's recorder (its StepRunner holds it): off until `start`; `add` takes each step's counts."""
 
     def __init__(self, counts: jax.ShapeDtypeStruct | None = None):
-        """counts: the steps' counts array (shape, dtype, sharding), for the add compiled ahead; None: no MoE layers."""
+        """counts: the steps' counts array (shape, dtype, sharding), for the add compiled ahead (and, when its mesh
+        spans several processes, the dump's gather); None: no MoE layers."""
         self.recording = False
         self._total: jax.Array | None = None
         self._steps = 0
         self._counts = counts
         self._add = compiled_add(counts) if counts is not None else None
+        spans = counts is not None and counts.sharding is not None and not counts.sharding.is_fully_addressable
+        self._gather = compiled_gather(counts) if spans else None  # (several processes: every device's counts)
 
     def start(self) -> None:
         """Start a recording from zero (a running one starts over, as SGLang's does)."""
@@ -63,26 +74,25 @@ class ExpertRecorder:
         self._total = self._add(total, counts_WLE)  # the add donates its first argument)
         self._steps += 1
 
-    def dump(self, read=np.asarray) -> ExpertDistribution | None:
+    def dump(self) -> ExpertDistribution | None:
         """The recording so far (running or stopped) on the host, or None when nothing was recorded since the last
-        `start` (or none ran). `read`: how a device array comes back (across processes, the runner's
-        `local_values`: this process's devices only)."""
+        `start` (or none ran). Across processes every process must dump at the same point (the gather is a program
+        over all of them); each gets every device's counts."""
         if self._total is None:
             return None
-        return ExpertDistribution(np.asarray(read(self._total), np.int64), self._steps)
+        whole = np.asarray(self._total) if self._gather is None else read_whole(self._gather(self._total))
+        return ExpertDistribution(whole.astype(np.int64), self._steps)
 
 
 def record(runner, action: str) -> RecordOutcome:
     """Run a recorder action ("start", "stop", "dump") on a step runner's recorder; the engine's loop calls it
-    between two steps. A dump carries each layer's balancedness under the placement the runner holds (EP only)."""
+    between two steps (on several nodes every node, between the same two steps). A dump carries each layer's
+    balancedness under the placement the runner holds (EP only)."""
     recorder = getattr(runner, "experts", None)
     if action not in RECORD_ACTIONS:
         return RecordOutcome(error=f"the recorder's actions are {', '.join(RECORD_ACTIONS)}, not {action!r}.")
     if recorder is None or runner.cfg.num_moe_layers == 0:
         return RecordOutcome(error="this engine's model has no MoE layers whose experts could be recorded.")
-    if getattr(runner, "multi_process", False):
-        return RecordOutcome(error="the expert-distribution recorder is not built for a model spanning several "
-                                   "nodes; record on a one-node server.")
     if action == "start":
         recorder.start()
     elif action == "stop":

@@ -129,6 +129,7 @@ class NodeMessage(msgspec.Struct, omit_defaults=True):
     abort: list[str] = []
     flush: list[int] = []
     stop: bool = False
+    experts: list[str] = []  # expert-distribution recorder actions, every node carrying them out after this exchange
     # the others -> node 0: their requests' progress, flush answers, their ranks' figures (now and then)
     updates: list[Update] = []
     flushed: list[tuple[int, NodeFlush]] = []

@@ -8,7 +8,11 @@ receives to its own schedulers, and its message carries back, per request, the t
 one (and the finish), plus its ranks' states a few times a second. Node 0 applies them to the stand-ins, so
 streaming, metrics and the controller see remote requests as local ones. An admin command (a prefix-cache
 flush) rides the same way: node 0 sends it, every node carries it out on its own ranks and answers, and
-node 0 answers the HTTP request once every node has (`NodeFlush`, one per node). `watchdog` bounds every
+node 0 answers the HTTP request once every node has (`NodeFlush`, one per node). The expert-distribution
+recorder's actions (start, stop, dump) ride in node 0's message too, and every node, node 0 included, carries them
+out right after the exchange that delivered them, before the step that exchange agreed on: the recording is part
+of the compiled step that every process runs, so every node starts, stops and gathers between the same two steps
+(a dump's gather is itself a program over every process). `watchdog` bounds every
 wait on another node that the exchange's own timeout does not cover (a step that never finishes).
 """
 
@@ -26,6 +30,7 @@ from jaxdp.engine.nodes.hosts import HostExchange, PeerFailure, PeerStopped, fir
 from jaxdp.engine.sched.request import Request
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.threads import start_thread
+from jaxdp.eplb.distribution import RecordOutcome
 from jaxdp.parallel.agreement import Proposal
 
 __all__ = ["NodeFlush", "NodeLink", "Nodes", "OneNode", "flush_ranks"]
@@ -51,6 +56,9 @@ class EngineSide(Protocol):
     def abort(self, rid: str) -> None: ...
 
     def fail(self, message: str) -> None: ...
+
+    def record_experts(self, action: str) -> RecordOutcome:
+        """Carry out an expert-distribution recorder action on this node's runner now (`jaxdp.eplb.recorder`)."""
 
 
 class Nodes(Protocol):
@@ -80,6 +88,10 @@ class Nodes(Protocol):
 
     def flush(self, result: Any, busy: bool) -> None:
         """/flush_cache on every node's ranks; `result.set_result` gets one NodeFlush per node."""
+
+    def expert_record(self, action: str, result: Any) -> None:
+        """An expert-distribution recorder action on every node, between the same two steps; `result.set_result`
+        gets the RecordOutcome (a dump: every device's counts)."""
 
     def rank_state(self, rank: int) -> dict | None:
         """Another node's rank's figures as of the last exchange (None: a rank of this node)."""
@@ -127,6 +139,9 @@ class OneNode:
     def flush(self, result: Any, busy: bool) -> None:
         result.set_result([flush_ranks(self.engine.schedulers, self.local_ranks, 0, busy)])
 
+    def expert_record(self, action: str, result: Any) -> None:
+        result.set_result(self.engine.record_experts(action))
+
     def rank_state(self, rank: int) -> dict | None:
         return None
 
@@ -161,6 +176,8 @@ class NodeLink:
         self._flush_ids = itertools.count(1)
         self._flushing: dict[int, tuple[Any, dict[int, NodeFlush]]] = {}  # node 0: id -> (result, answers)
         self._flush_answers: list[tuple[int, NodeFlush]] = []  # other nodes: answers for the next message
+        self._record_results: list[Any] = []  # node 0: the results of the recorder actions in `_outgoing`
+        self._recorded: list[Any] = []  # node 0: those of the message just sent, answered once it is delivered
 
     # ---- node 0 -------------------------------------------------------------------------------------
     def send_away(self, req: Request) -> bool:
@@ -202,6 +219,17 @@ class NodeLink:
         self._flushing[flush_id] = (result, {0: mine})
         self._outgoing.flush.append(flush_id)
 
+    def expert_record(self, action: str, result: Any) -> None:
+        """Node 0: the action goes out with the next message, and every node (this one too) carries it out after
+        that exchange; the result is this node's outcome (every node's is the same: they hold the same program's
+        arrays). Another node has no HTTP server; an action asked of it there is refused."""
+        if not self.is_node_0:
+            result.set_result(RecordOutcome(error="the expert-distribution recorder's actions go to node 0, whose "
+                                                  "server carries them to every node."))
+            return
+        self._outgoing.experts.append(action)
+        self._record_results.append(result)
+
     def rank_state(self, rank: int) -> dict | None:
         if rank in self.local_ranks:
             return None
@@ -226,6 +254,7 @@ class NodeLink:
         """What this node tells the others this iteration."""
         if self.is_node_0:
             out, self._outgoing = self._outgoing, NodeMessage()
+            self._recorded, self._record_results = self._record_results, []
             return out
         requests, updates = self.engine.requests, []
         flushed, self._flush_answers = self._flush_answers, []
@@ -253,6 +282,9 @@ class NodeLink:
         if not self.is_node_0:
             self._receive_from_node_0(messages[0])
             return
+        recorded, self._recorded = self._recorded, []
+        for action, result in zip(messages[0].experts, recorded, strict=True):  # (node 0's own message)
+            result.set_result(self.engine.record_experts(action))
         now = time.perf_counter()
         for msg in messages[1:]:
             self.remote_state.update(msg.states or {})
@@ -270,6 +302,8 @@ class NodeLink:
             self.node_0_stopped = True
             raise PeerStopped("node 0 shut down; this node ends too")
         engine = self.engine
+        for action in msg.experts:  # as node 0 does, between the same two steps (node 0 reads the outcome)
+            engine.record_experts(action)
         for flush_id in msg.flush:  # before this message's new requests, which came after it
             busy = any(engine.schedulers[r].running or engine.schedulers[r].waiting for r in self.local_ranks)
             answer = flush_ranks(engine.schedulers, self.local_ranks, self.hosts.node_rank, busy)
