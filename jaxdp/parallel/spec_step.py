@@ -98,6 +98,7 @@ def build_spec_step(runner, shape):
     lm_mode, tied = lm_head_mode(lay), cfg.tie_word_embeddings
     graphdef, draft_graphdef, decode_kernel = runner.graphdef, runner.draft_graphdef, runner.decode_kernel
     ep_ragged = ragged_a2a_on(runner.mesh.devices.flat[0].platform)
+    fixed_tree = getattr(decode_kernel, "batch_invariant", False)  # (--enable-deterministic-inference)
 
     def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R, controls, counts_PV, seen_PV):
         b = {k: v[0] for k, v in batch.items()}
@@ -107,7 +108,8 @@ def build_spec_step(runner, shape):
         counts_PV, seen_PV = counts_PV[0], seen_PV[0]
         cache = {k: v[0] for k, v in cache.items()}
         main, draft_kv = split_draft(cache)
-        comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged)
+        comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged,
+                        fixed_tree=fixed_tree)
         model = nnx.merge(graphdef, state)
         attn = AttnBatch(b["positions_T"], b["seq_T"], b["slots_T"], b["page_table_BN"], b["seq_lens_B"])
         first, last, n_draft = s["first_row_R"], s["last_row_R"], s["n_draft_R"]
@@ -145,7 +147,8 @@ def build_spec_step(runner, shape):
         drafts = [jnp.argmax(d_logits_RV, axis=-1).astype(jnp.int32)]
         h_RD = drafter.shared_norm(h_TD[at_R])
         # the chained one-row steps, at the positions after the last accepted one
-        chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged)
+        chain = MeshComm(chain_gather, lay.moe, lay.dense_replicated, lm_mode, R, seqs_R, tied, ep_ragged,
+                         fixed_tree=fixed_tree)
         pos_R = b["positions_T"][first] + accrow_R
         table_RN = b["page_table_BN"][first] if absorbed else b["page_table_BN"]  # (absorbed: a row's is its request's)
         reqs = jnp.arange(R, dtype=jnp.int32)
