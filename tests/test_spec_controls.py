@@ -21,6 +21,7 @@ from jaxdp.model.loader import default_model_path
 from jaxdp.tokenizer import Tokenizer
 from jaxdp.training.data import sample_problem
 from tests.test_sampling_controls import reference_logits
+from tests.test_spec_decode import check_same_greedy, prompts, rigged, runner_for
 
 V = 512
 
@@ -162,3 +163,19 @@ def test_controls_give_the_same_greedy_tokens_with_and_without_speculation(mesh_
 @pytest.mark.parametrize("mesh_spec", ["tp=8", "dp=2,tp=4", "dp=8,moe=ep"])
 def test_controls_give_the_same_greedy_tokens_with_and_without_speculation_under_tp_and_ep(mesh_spec):
     check_same_with_and_without_speculation(mesh_spec)
+
+
+@pytest.mark.slow
+def test_penalty_slots_carry_across_plain_stretches_into_verifies():
+    """--speculative-disable-by-batch-size 5 under dp=2 (the rigged tiny model of tests/test_spec_decode.py): the
+    penalised requests read speculatively decode in a plain stretch (the plain steps count their tokens) and then
+    verify again over the same penalty state; every request's greedy tokens are the plain engine's."""
+    def params(i: int) -> SamplingParams:
+        if i % 2 and i != 1:
+            return SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.0)
+        return SamplingParams(max_new_tokens=40 if i < 4 else 20, ignore_eos=True, temperature=0.0,
+                              frequency_penalty=1.5, repetition_penalty=1.3, logit_bias={5: 3.0}, min_new_tokens=4)
+
+    _, reqs = check_same_greedy(runner_for(rigged(), "dp=2"), [prompts(12, 6)], spec_off_above=5,
+                                extend_buckets=[16, 32], decode_buckets=[8], params=[params(i) for i in range(12)])
+    assert reqs[0].spec_verify_ct > 0 and reqs[1].spec_verify_ct > 0  # (penalised, verified after the stretch)
