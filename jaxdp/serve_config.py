@@ -90,7 +90,7 @@ def engine_config(args, num_pages: int | None = None):
                         enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
                         enable_mixed_chunk=args.enable_mixed_chunk, prefill_delayer=delayer, disaggregation=disagg,
                         overlap=not args.disable_overlap_schedule, tbo_threshold=tbo_threshold(args),
-                        grammar_backend=grammar_backend(args.grammar_backend, args.speculative_algorithm))
+                        grammar_backend=grammar_backend(args.grammar_backend))
 
 
 def tbo_threshold(args) -> float | None:
@@ -102,19 +102,15 @@ def tbo_threshold(args) -> float | None:
     return args.tbo_token_distribution_threshold if args.enable_two_batch_overlap else None
 
 
-def grammar_backend(flag: str | None, speculative: str | None) -> str:
-    """--grammar-backend (SGLang's names): the default is jaxdp's (llguidance), or none on a speculating server,
-    whose verify does not check drafts against a grammar yet; a backend named together with
-    --speculative-algorithm is refused before anything loads."""
+def grammar_backend(flag: str | None) -> str:
+    """--grammar-backend (SGLang's names): the default is jaxdp's (llguidance), with or without
+    --speculative-algorithm (a speculating server's verify checks each draft against the grammar,
+    `jaxdp.engine.step.spec.verify_bitmask`)."""
     if flag is None:
-        return "none" if speculative is not None else DEFAULT_BACKEND
+        return DEFAULT_BACKEND
     problem = backend_problem(flag)
     if problem is not None:
         raise UserError(problem)
-    if flag != "none" and speculative is not None:
-        raise UserError(f"--grammar-backend {flag} with --speculative-algorithm {speculative}: the verify step does "
-                        "not check drafts against a grammar yet; drop one of them (--grammar-backend none keeps "
-                        "speculation)")
     return flag
 
 

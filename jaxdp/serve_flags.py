@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(TOOL_CALL_PARSER_NAMES)}); docs/api.md")
     g.add_argument("--grammar-backend", default=None, metavar="NAME",
                    help="structured outputs' grammar library (SGLang's names): llguidance, xgrammar (pip install "
-                        "xgrammar) or none (default: llguidance; none on a speculating server)")
+                        "xgrammar) or none (default: llguidance)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the reasoning off chat outputs as reasoning_content (SGLang's names: "
                         f"{', '.join(REASONING_PARSER_NAMES)}); docs/api.md")

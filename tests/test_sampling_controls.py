@@ -383,9 +383,10 @@ def test_sampling_controls_give_the_same_greedy_tokens_under_dp8_ep_as_one_devic
     assert run_layout("dp=8,moe=ep") == run_layout("dp=1")
 
 
-def test_a_grammar_on_a_speculating_server_is_refused_in_one_sentence_and_the_other_controls_are_served():
+def test_a_speculating_server_takes_the_sampling_controls():
     """A speculating server's verify applies min_tokens, the penalties and logit_bias (tests/test_spec_controls.py)
-    but checks no draft against a grammar: a grammar is refused in one sentence, the others are taken."""
+    and a grammar (tests/test_spec_grammar.py): none is refused for the speculation; an engine without a grammar
+    backend refuses a grammar for that reason alone."""
     cfg = get_config("tiny")
     lay = parse_mesh_spec("dp=1")
     runner = StepRunner(DeepseekV3(cfg, nnx.Rngs(0)), lay, lay.make_mesh(jax.devices()[:1]), num_pages=32,
@@ -393,8 +394,7 @@ def test_a_grammar_on_a_speculating_server_is_refused_in_one_sentence_and_the_ot
     eng = Engine(runner, config=EngineConfig(max_running_requests=4, speculative=SpeculativeConfig(),
                                              disable_cuda_graph=True))
     try:
-        with pytest.raises(BadRequest, match=r"^this server decodes speculatively \(--speculative-algorithm\), whose "
-                                             r"verify does not apply a grammar .* yet; .*decoding$"):
+        with pytest.raises(BadRequest, match=r"^this server has no grammar backend \(--grammar-backend none\)"):
             eng.make_request([1, 2, 3], SamplingParams(grammar=GrammarSpec("regex", "a")))
         for params in (SamplingParams(min_new_tokens=2), SamplingParams(repetition_penalty=1.2, presence_penalty=1),
                        SamplingParams(logit_bias={1: 1.0})):

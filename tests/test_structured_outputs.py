@@ -216,8 +216,9 @@ def test_a_server_without_a_grammar_backend_refuses_grammars_in_one_sentence(eng
 @pytest.mark.parametrize("flags,expect", [
     ([], "llguidance"),
     (["--grammar-backend", "none"], "none"),
-    (["--speculative-algorithm", "EAGLE"], "none"),
-    (["--speculative-algorithm", "EAGLE", "--grammar-backend", "llguidance"], "drop one of them"),
+    (["--speculative-algorithm", "EAGLE"], "llguidance"),
+    (["--speculative-algorithm", "EAGLE", "--grammar-backend", "none"], "none"),
+    (["--speculative-algorithm", "EAGLE", "--grammar-backend", "llguidance"], "llguidance"),
     (["--grammar-backend", "outlines"], "use one of llguidance, xgrammar or none"),
 ])
 def test_the_grammar_backend_flag(flags, expect):

@@ -108,7 +108,8 @@ RESPONSE_FORMAT_TEST = f"{STRUCTURED}::test_response_format_json_schema_validate
 GRAMMAR_FIELDS_TEST = f"{STRUCTURED}::test_sglang_regex_ebnf_and_json_schema_on_every_endpoint"
 FORCED_TOOLS_TEST = f"{STRUCTURED}::test_tool_choice_required_and_named_return_valid_calls"
 _GRAMMAR = (", compiled by --grammar-backend (one grammar a request: two are refused; one that does not compile is "
-            "refused in one sentence)")
+            "refused in one sentence), applied in the step on the device (in the verify too when speculating: each "
+            "draft checked against it)")
 CONTROLS_TEST = "tests/test_sampling_controls.py::test_penalties_and_logit_bias_reach_the_sampling_params"
 _IN_STEP = ", applied in the step on the device (in the verify too when speculating)"
 STOPS_TEST = "tests/test_text_view.py::test_stop_regex_and_no_stop_trim_cut_where_the_whole_text_rule_does"

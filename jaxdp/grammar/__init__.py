@@ -11,9 +11,10 @@ from jaxdp.grammar.base import (
     GrammarError,
     Matcher,
     Vocabulary,
+    draft_bitmasks,
     vocabulary,
 )
 from jaxdp.grammar.service import Grammars
 
 __all__ = ["BACKENDS", "COMPILE_TIMEOUT_S", "DEFAULT_BACKEND", "KINDS", "MAX_GRAMMAR_CHARS", "GrammarError",
-           "Grammars", "Matcher", "Vocabulary", "backend_problem", "installed_backends", "vocabulary"]
+           "Grammars", "Matcher", "Vocabulary", "backend_problem", "draft_bitmasks", "installed_backends", "vocabulary"]

@@ -6,7 +6,8 @@ A grammar comes from a request in one of four kinds (SGLang's sampling parameter
 (GBNF, as SGLang and llama.cpp write it). A backend compiles it for one tokenizer and gives a `Matcher` per request:
 `fill` writes the next token's allowed set as a bitmask (bit j of word i allows token 32*i + j), `accept` moves on
 by a sampled token (False, and no move, when the grammar does not allow it), `terminated` says the grammar has
-ended (only the stop token is allowed after it), `reset` starts over.
+ended (only the stop token is allowed after it), `rollback` undoes the last n accepted tokens, `reset` starts over.
+A speculative verify's K + 1 positions each get the mask after the drafts before them (`draft_bitmasks`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Matcher(Protocol):
     def accept(self, token: int) -> bool: ...
 
     def terminated(self) -> bool: ...
+
+    def rollback(self, n: int) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -117,6 +120,33 @@ def sentence(error: object) -> str:
     lines = str(error).strip().splitlines()
     line = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else "unknown error"
     return line[:200].rstrip(".: ") or "unknown error"
+
+
+def allows(bitmask_W: np.ndarray, token: int) -> bool:
+    """Whether a bitmask allows `token`."""
+    return 0 <= token < 32 * bitmask_W.shape[-1] and bool((int(bitmask_W[token // 32]) >> (token % 32)) & 1)
+
+
+def draft_bitmasks(matcher: Matcher, drafts: list[int], stop_ids: tuple[int, ...], out_JW: np.ndarray) -> int:
+    """A speculative verify's masks for one request (`out_JW`: its D + 1 positions' bitmasks, written): position j
+    gets what the grammar allows after drafts[:j], the matcher advanced through them and rolled back to where it
+    was. The chain ends at the first draft the grammar does not allow (that position's mask leaves it out, so it
+    cannot be accepted and acceptance stops there), at a stop token or where the grammar ends; the positions after
+    it copy its mask (acceptance never reaches them). Returns the drafts the chain went through."""
+    matcher.fill(out_JW[0])
+    went = filled = 0
+    for j, token in enumerate(drafts[: len(out_JW) - 1], 1):
+        if token in stop_ids or not allows(out_JW[j - 1], token) or not matcher.accept(token):
+            break
+        went += 1
+        if matcher.terminated():  # (the request ends at this draft if it is accepted)
+            break
+        matcher.fill(out_JW[j])
+        filled = j
+    out_JW[filled + 1:] = out_JW[filled]
+    if went:
+        matcher.rollback(went)
+    return went
 
 
 def vocabulary(tokenizer: Any, vocab_size: int) -> Vocabulary | None:

@@ -46,6 +46,10 @@ class LLGuidanceMatcher:
     def terminated(self) -> bool:
         return self.inner.is_stopped()
 
+    def rollback(self, n: int) -> None:
+        if not self.inner.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.inner.get_error()}")
+
     def reset(self) -> None:
         self.inner.reset()
 

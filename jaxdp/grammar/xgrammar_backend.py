@@ -57,6 +57,9 @@ class XGrammarMatcher:
         self.fill(self._scratch_W)
         return bool(((self._scratch_W & ~self._stops_W) == 0).all())
 
+    def rollback(self, n: int) -> None:
+        self.inner.rollback(n)
+
     def reset(self) -> None:
         self.inner.reset()
 

@@ -45,7 +45,7 @@ from jaxdp.batch import (
     spec_sizes,
     step_sizes,
 )
-from jaxdp.engine.step.controls import counted_verify, prepare_verify
+from jaxdp.engine.step.controls import allowed_tokens, bitmask_words, counted_verify, prepare_verify
 from jaxdp.engine.step.sampling import filtered_probs
 from jaxdp.engine.step.spec_sampling import verify_row
 from jaxdp.model.mla import AttnBatch
@@ -100,12 +100,13 @@ def build_spec_step(runner, shape):
     ep_ragged = ragged_a2a_on(runner.mesh.devices.flat[0].platform)
     fixed_tree = getattr(decode_kernel, "batch_invariant", False)  # (--enable-deterministic-inference)
 
-    def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R, controls, counts_PV, seen_PV):
+    def per_device(state, draft_state, cache, batch, spec, sampling, rows_R, seqs_R, controls, counts_PV, seen_PV,
+                   bitmask_RJW):
         b = {k: v[0] for k, v in batch.items()}
         s = {k: v[0] for k, v in spec.items()}
         smp = {k: v[0] for k, v in sampling.items()}
         ctl = {k: v[0] for k, v in controls.items()}
-        counts_PV, seen_PV = counts_PV[0], seen_PV[0]
+        counts_PV, seen_PV, bitmask_RJW = counts_PV[0], seen_PV[0], bitmask_RJW[0]
         cache = {k: v[0] for k, v in cache.items()}
         main, draft_kv = split_draft(cache)
         comm = MeshComm(gather, lay.moe, lay.dense_replicated, lm_mode, T, rows_R, tied, ep_ragged,
@@ -125,6 +126,10 @@ def build_spec_step(runner, shape):
         # each position's logits as plain decoding would see them (the drafts before it accepted): the controls
         choose_RJV = prepare_verify(logits_RJV, drafts_RD, n_draft, smp["keys"][:, 1].astype(jnp.int32),
                                     smp["min_tokens"], smp["ban"], *(ctl[k] for k in CONTROL_KEYS), counts_PV, seen_PV)
+        # a grammar's masks: position j allows what the grammar allows after drafts 0..j-1 (a draft it does not
+        # allow is left out of its own position, so it is never accepted); padding (all ones) pays the cond only
+        masked = lambda: jnp.where(allowed_tokens(bitmask_RJW, choose_RJV.shape[-1]), choose_RJV, -jnp.inf)  # noqa: E731
+        choose_RJV = jax.lax.cond(jnp.any(bitmask_RJW != -1), masked, lambda: choose_RJV)
         tokens_RJ, accepted_R, logprobs_RJ = _accept(logits_RJV, choose_RJV, drafts_RD, n_draft, smp["temperature"],
                                                      smp["top_p"], smp["top_k"], smp["min_p"], smp["keys"])
         counts_PV = counted_verify(counts_PV, ctl["pen_slot"], s["live_R"], tokens_RJ)  # (only what it gets)
@@ -169,16 +174,17 @@ def build_spec_step(runner, shape):
         in_specs=(runner.state_specs, runner.draft_specs, {k: dp_spec for k in runner.cache},
                   {k: dp_spec for k in STEP_FIELDS}, {a.name: dp_spec for a in SPEC_SPEC},
                   {a.name: dp_spec for a in SAMPLING_SPEC}, P(), P(), {k: dp_spec for k in CONTROL_KEYS}, dp_spec,
-                  dp_spec),
+                  dp_spec, dp_spec),
         out_specs=(dp_spec, dp_spec, dp_spec, dp_spec, {k: dp_spec for k in runner.cache}, P(ALL), dp_spec),
         check_vma=False)
     layout = packed_layout(shape)
 
-    def step(state, draft_state, cache, packed_RW, counts_2R, controls, pen_counts_RPV, seen_RPV):
+    def step(state, draft_state, cache, packed_RW, counts_2R, controls, pen_counts_RPV, seen_RPV, bitmask_RRJW):
         arrays = unpack(packed_RW, layout)
         groups = ({k: arrays[k] for k in STEP_FIELDS}, {a.name: arrays[a.name] for a in SPEC_SPEC},
                   {a.name: arrays[a.name] for a in SAMPLING_SPEC})
-        return fn(state, draft_state, cache, *groups, counts_2R[0], counts_2R[1], controls, pen_counts_RPV, seen_RPV)
+        return fn(state, draft_state, cache, *groups, counts_2R[0], counts_2R[1], controls, pen_counts_RPV, seen_RPV,
+                  bitmask_RRJW)
 
     return jax.jit(step, donate_argnums=(2, 6))
 
@@ -197,8 +203,9 @@ def packed_layout(shape) -> Layout:
 
 def spec_abstract_args(runner, shape):
     """The speculative step's arguments as ShapeDtypeStructs (to compile it ahead of time): the weights, the pool,
-    the packed inputs, rows and live requests per rank, the sampling controls of its requests and the penalty
-    state (`runner.penalty_slots` slots a rank, `jaxdp.engine.step.controls`)."""
+    the packed inputs, rows and live requests per rank, the sampling controls of its requests, the penalty
+    state (`runner.penalty_slots` slots a rank, `jaxdp.engine.step.controls`) and the grammar's bitmasks
+    [dp, R, D + 1, ceil(V/32)] (`spec_bitmask_shape`)."""
     dp, sh = runner.layout.dp, NamedSharding(runner.mesh, P("dp"))
     packed = jax.ShapeDtypeStruct((dp, packing.width(packed_layout(shape))), jnp.int32, sharding=sh)
     counts = jax.ShapeDtypeStruct((2, dp), jnp.int32, sharding=NamedSharding(runner.mesh, P()))
@@ -206,16 +213,24 @@ def spec_abstract_args(runner, shape):
     controls = {a.name: jax.ShapeDtypeStruct(a.shape(dp, sizes), a.dtype, sharding=sh) for a in CONTROL_SPEC}
     state = (dp, runner.penalty_slots, runner.cfg.vocab_size)
     return (runner.state, runner.draft_state, runner.cache, packed, counts, controls,
-            jax.ShapeDtypeStruct(state, jnp.int32, sharding=sh), jax.ShapeDtypeStruct(state, jnp.bool_, sharding=sh))
+            jax.ShapeDtypeStruct(state, jnp.int32, sharding=sh), jax.ShapeDtypeStruct(state, jnp.bool_, sharding=sh),
+            jax.ShapeDtypeStruct(spec_bitmask_shape(runner, shape), jnp.int32, sharding=sh))
 
 
-def run_spec_step(runner, shape, arrays: dict[str, np.ndarray], controls=None, bits: int = 0):
+def spec_bitmask_shape(runner, shape) -> tuple[int, int, int, int]:
+    """A speculative step's grammar bitmasks: [dp, R, D + 1, ceil(V/32)] (all ones: no grammar)."""
+    return (runner.layout.dp, shape.num_requests, shape.draft_tokens + 1, bitmask_words(runner.cfg.vocab_size))
+
+
+def run_spec_step(runner, shape, arrays: dict[str, np.ndarray], controls=None, bits: int = 0,
+                  bitmask: np.ndarray | None = None):
     """Queue one speculative step: returns device arrays (tokens [dp, R, D + 1], tokens per request [dp, R],
     their log-probabilities [dp, R, D + 1], the next drafts [dp, R, D], rows per expert). Two host-to-device
     transfers: the packed per-rank inputs, and rows and live requests per rank; a third of the requests' logit
     biases and penalties when `bits` (the agreement's `controls`) says a row has them. `controls`: the engine's
     `SamplingControls`, whose penalty counts the step reads and replaces; None (start-up's idle runs) passes a
-    state of zeros."""
+    state of zeros. `bitmask`: the grammar's masks [dp, R, D + 1, W] (a fourth transfer), None for none (padding
+    kept on the device)."""
     runner.compile(shape)
     packed = runner.put(pack(arrays, packed_layout(shape)))
     counts = runner.put(np.stack([np.asarray(arrays["rows_R"], np.int32), np.asarray(arrays["seqs_R"], np.int32)]),
@@ -226,11 +241,13 @@ def run_spec_step(runner, shape, arrays: dict[str, np.ndarray], controls=None, b
         idle = empty_step(dp, 1, R, 1, 0)
         rows = dict(zip(CONTROL_KEYS, (runner.put(idle[k]) for k in CONTROL_KEYS), strict=True))
         pen = runner.put(np.zeros(state, np.int32)), runner.put(np.zeros(state, np.bool_))
+        mask = runner.put(np.full(spec_bitmask_shape(runner, shape), -1, np.int32) if bitmask is None else bitmask)
     else:
         rows = dict(zip(CONTROL_KEYS, controls.spec_inputs(arrays, bits, R), strict=True))
         pen = controls.counts, controls.seen
+        mask = controls.spec_padding(spec_bitmask_shape(runner, shape)) if bitmask is None else runner.put(bitmask)
     *out, runner.cache, rows_E, pen_counts = runner.executable(shape)(runner.state, runner.draft_state, runner.cache,
-                                                                      packed, counts, rows, *pen)
+                                                                      packed, counts, rows, *pen, mask)
     if controls is not None:
         controls.counts = pen_counts
     runner.last_account = runner.account(shape, arrays["rows_R"])

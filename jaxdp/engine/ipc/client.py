@@ -115,7 +115,7 @@ class ClientBase:
                              "top logprobs or prompt logprobs; ask for return_logprob alone, or use a server "
                              "without speculative decoding")
         if params is not None:
-            check_controls(params, f.cfg.speculative is not None, self.accepts_grammars)
+            check_controls(params, self.accepts_grammars)
         req = new_request(rid, prompt_ids, params, tokenizer=self.tokenizer, vocab_size=f.model_cfg.vocab_size,
                           check=lambda r: check_admission(f.sched_cfg, f.num_pages, f.page_size, r))
         req.bootstrap = bootstrap
@@ -125,16 +125,12 @@ class ClientBase:
         return req
 
 
-def check_controls(params: SamplingParams, speculative: bool, grammars: bool) -> None:
+def check_controls(params: SamplingParams, grammars: bool) -> None:
     """The sampling controls a request asks for against what the server serves them with; BadRequest in one
-    sentence. A speculating server's verify applies min_tokens, the penalties and logit_bias as plain decoding does
-    (`jaxdp.engine.step.controls.prepare_verify`), but checks no draft against a grammar.
+    sentence. A speculating server's verify applies min_tokens, the penalties, logit_bias and a grammar as plain
+    decoding does (`jaxdp.engine.step.controls.prepare_verify`, `jaxdp.engine.step.spec.verify_bitmask`).
     Disaggregation takes them all: the prefill server samples the first token with them, the decode server starts
     each request's penalty slot and matcher from its prompt and that token."""
-    if speculative and params.grammar is not None:
-        raise BadRequest("this server decodes speculatively (--speculative-algorithm), whose verify does not apply "
-                         "a grammar (response_format, json_schema, regex, ebnf) yet; leave it out, or use a server "
-                         "without speculative decoding")
     if params.grammar is not None and not grammars:
         raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
                          "json_schema, regex and ebnf out, or start it with --grammar-backend llguidance (the default) "

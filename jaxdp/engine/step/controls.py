@@ -202,6 +202,7 @@ class SamplingControls:
         self.counts = runner.put(np.zeros((dp, self.slots, vocab_size), np.int32))
         self.seen = runner.put(np.zeros((dp, self.slots, vocab_size), np.bool_))
         self._padding: dict[int, list[jax.Array]] = {}  # by batch size: a step's controls and bitmask, all padding
+        self._spec_padding: dict[tuple, jax.Array] = {}  # by shape: a speculative step's bitmasks, all ones
 
     def fill(self, plans: list[RankPlan | None]) -> None:
         """Fill the slots this step's plans gave (their requests' prompt and output so far), before it samples."""
@@ -242,6 +243,12 @@ class SamplingControls:
         if bits & BIAS_OR_PENALTY:
             return [self.runner.put(np.ascontiguousarray(host[k][:, :R])) for k in CONTROL_KEYS]
         return self.padding(R)[:-1]
+
+    def spec_padding(self, shape: tuple[int, ...]) -> jax.Array:
+        """A speculative step's grammar bitmasks [dp, R, D + 1, W] allowing everything, on the device (put once)."""
+        if shape not in self._spec_padding:
+            self._spec_padding[shape] = self.runner.put(np.full(shape, -1, np.int32))
+        return self._spec_padding[shape]
 
     def padding(self, B: int) -> list:
         """A step of B sequences' controls and bitmask with nothing in them, on the device (put once)."""

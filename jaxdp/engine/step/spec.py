@@ -32,10 +32,11 @@ from jaxdp.engine.sched.request import State
 from jaxdp.engine.sched.rows import RowArrays, fill_sampling, sampling_row
 from jaxdp.engine.sched.scheduler import Scheduler
 from jaxdp.engine.step.buckets import Buckets
-from jaxdp.engine.step.controls import BIAS_OR_PENALTY, SamplingControls
+from jaxdp.engine.step.controls import BIAS_OR_PENALTY, GRAMMAR, SamplingControls
 from jaxdp.engine.step.step_stats import Launched
+from jaxdp.grammar.base import draft_bitmasks
 from jaxdp.parallel.agreement import Agreement, Proposal
-from jaxdp.parallel.spec_step import run_spec_step
+from jaxdp.parallel.spec_step import run_spec_step, spec_bitmask_shape
 from jaxdp.parallel.step import StepShape
 
 log = logging.getLogger("jaxdp.engine")
@@ -174,6 +175,9 @@ class SpecScheduler(Scheduler):
                 req.output_logprobs.append(lp)
             if req.first_token_at is None:
                 req.first_token_at = now
+            if req.matcher is not None and not req.matcher.accept(tok):  # (the masks allow only what it accepts)
+                req.error = f"token {tok} does not follow the request's grammar; the request ends there"
+                return "abort"
             if (reason := finish_reason(req, tok, len(req.output_ids), self.limit(req), self.eos_token_ids)):
                 return reason
         return None
@@ -225,15 +229,21 @@ class VerifyStep:
     never overlapped (the next verify needs this one's accepted tokens). Its sampling controls (logit bias,
     penalties, min_tokens) apply inside the step, each verify position seeing what plain decoding would
     (`jaxdp.engine.step.controls.prepare_verify`), over the penalty state it shares with the plain steps
-    (`controls`, whose slots are filled here before the step that first samples a request)."""
+    (`controls`, whose slots are filled here before the step that first samples a request). A request with a
+    grammar gets a bitmask at each of its D + 1 positions (`verify_bitmask`), applied in the step too; its matcher
+    moves on by the tokens booked."""
 
     overlaps = False
 
     def __init__(self, runner, buckets: Buckets, rows: RowArrays, controls: SamplingControls | None = None):
         self.runner, self.buckets, self.rows, self.controls = runner, buckets, rows, controls
+        self._grammar = False  # a plan of this node's ranks has a request with a grammar (its proposals said)
+        self._stops: frozenset[int] = frozenset()
 
     def proposals(self, schedulers: list[Scheduler], plans: list[RankPlan | None]) -> list[Proposal]:
         controls = [s.controls(p) for s, p in zip(schedulers, plans, strict=True)]
+        self._grammar = any(c & GRAMMAR for c in controls)
+        self._stops = schedulers[0].eos_token_ids if schedulers else frozenset()
         return rank_proposals(plans, self.buckets.largest_decode_rows, self.rows.num_pages,
                               largest_decode_requests=self.buckets.decode[-1], controls_R=controls)
 
@@ -245,6 +255,8 @@ class VerifyStep:
         out = spec_arrays(plans, shape, runner.page_size, runner.num_pages * runner.page_size)
         out["rows_R"] = np.asarray(rows, np.int32)
         out["seqs_R"] = np.asarray([len(p.reqs) if p else 0 for p in plans], np.int32)  # (the chain's gather)
+        if self._grammar:
+            out["bitmask"] = verify_bitmask(plans, spec_bitmask_shape(runner, shape), self._stops)
         return out
 
     def launch(self, shape: StepShape, host: dict[str, np.ndarray], plans: list[RankPlan | None],
@@ -252,10 +264,31 @@ class VerifyStep:
         bits = agreement.controls if self.controls is not None else 0
         if bits & BIAS_OR_PENALTY:
             self.controls.fill(plans)
-        tokens, counts, logprobs, drafts, _ = run_spec_step(self.runner, shape, host, self.controls, bits)
+        tokens, counts, logprobs, drafts, _ = run_spec_step(self.runner, shape, host, self.controls, bits,
+                                                            host.get("bitmask"))
         return Launched(tokens, logprobs, {"spec": (counts, drafts)})
 
     def book(self, schedulers: list[Scheduler], plans: list[RankPlan | None], out: Launched, now: float) -> int:
         counts, drafts = out.extra["spec"]
         return sum(schedulers[r].book_spec(plan, out.tokens[r], counts[r], out.logprobs[r], drafts[r], now)
                    for r, plan in enumerate(plans) if plan)
+
+
+def verify_bitmask(plans: list[RankPlan | None], shape: tuple[int, ...], stops) -> np.ndarray | None:
+    """A speculative step's grammar bitmasks [dp, R, D + 1, W]: a constrained request that samples gets, at verify
+    position j, what its grammar allows after its drafts 0..j-1 (`jaxdp.grammar.base.draft_bitmasks`: its matcher
+    walked through them and rolled back); a prompt chunk's first token, its matcher's mask now at every position;
+    every other row allows everything. None when no request of the plans has a grammar."""
+    rows = [(r, b, plan, req) for r, plan in enumerate(plans) if plan for b, req in enumerate(plan.reqs)
+            if req.matcher is not None]
+    if not rows:
+        return None
+    mask = np.full(shape, -1, np.int32)
+    for r, b, plan, req in rows:
+        piece = plan.pieces[b]
+        if plan.kind == "verify":
+            draft_bitmasks(req.matcher, list(piece.tokens[1:]), tuple(stops), mask[r, b])
+        elif piece.start + len(piece.tokens) == req.num_tokens:  # a prompt's last chunk: its first token
+            req.matcher.fill(mask[r, b, 0])
+            mask[r, b, 1:] = mask[r, b, 0]
+    return mask
