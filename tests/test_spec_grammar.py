@@ -2,11 +2,12 @@
 each of a constrained request's D + 1 verify positions gets the bitmask its grammar allows after the drafts before
 it (its matcher walked through them and rolled back), a draft the grammar rejects is left out of its own position
 so it is never accepted, and the matcher moves on by the tokens booked. Checked: the masks against a fresh matcher
-walked by hand; on the embedded default model (whose MTP layer drafts for real) constrained greedy outputs
-(json_schema, regex) of a speculating dp=8 engine equal the plain engine's tokens and validate (jsonschema,
-re.fullmatch); the same engine with the masks left out of the verify (`verify_bitmask` returning None) does not
-give valid outputs, so the comparison would fail if the verify ignored them. The engine tests are `-m slow` (two
-dp=8 engines start and compile: 278 s and 101 s at load average 15 on the 2-core machine); 32 requests: also slow."""
+walked by hand (llguidance and xgrammar); on the embedded default model (whose MTP layer drafts for real)
+constrained greedy outputs (json_schema, regex) of a speculating dp=8 engine equal the plain engine's tokens and
+validate (jsonschema, re.fullmatch); the same engine with the masks left out of the verify (`verify_bitmask`
+returning None) does not give valid outputs, so the comparison would fail if the verify ignored them. The engine
+tests are `-m slow` (two dp=8 engines start and compile: 278 s and 101 s at load average 15 on the 2-core
+machine); 32 requests: also slow."""
 
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ PATTERN = r"[a-z]{2,6}-\d{1,3}"
 MAX_NEW = 40
 
 
-def test_the_verify_positions_masks_are_the_matchers_after_each_draft():
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_the_verify_positions_masks_are_the_matchers_after_each_draft(backend):
     """`draft_bitmasks` against a fresh matcher walked by hand: position j is the mask after drafts[:j] while the
     grammar accepts them; a draft it rejects is not allowed at its own position and the positions after copy that
     mask; the request's matcher ends where it started (rolled back)."""
     tok = Tokenizer.from_dir(default_model_path())
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar")
     vocab = vocabulary(tok, tok.vocab_size)
-    grammars = Grammars.create("llguidance", vocab)
+    grammars = Grammars.create(backend, vocab)
     matcher = lambda: grammars.start(GrammarSpec("regex", PATTERN)).result(10)  # noqa: E731  (at its start)
     ids = lambda text: e if isinstance(e := tok.encode(text), list) else e.ids  # noqa: E731
     W = vocab.bitmask_words
