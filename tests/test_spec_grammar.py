@@ -5,9 +5,8 @@ so it is never accepted, and the matcher moves on by the tokens booked. Checked:
 walked by hand (llguidance and xgrammar); on the embedded default model (whose MTP layer drafts for real)
 constrained greedy outputs (json_schema, regex) of a speculating dp=8 engine equal the plain engine's tokens and
 validate (jsonschema, re.fullmatch); the same engine with the masks left out of the verify (`verify_bitmask`
-returning None) does not give valid outputs, so the comparison would fail if the verify ignored them. The engine
-tests are `-m slow` (two dp=8 engines start and compile: 278 s and 101 s at load average 15 on the 2-core
-machine); 32 requests: also slow."""
+returning None) does not give valid outputs, so the comparison would fail if the verify ignored them. 32 requests:
+`-m slow`."""
 
 from __future__ import annotations
 
@@ -140,7 +139,6 @@ def check(mesh_spec: str, n: int) -> None:
     assert accepted > n  # (drafts were accepted under the grammar)
 
 
-@pytest.mark.slow
 def test_constrained_greedy_outputs_are_the_same_with_and_without_speculation_dp8():
     check("dp=8", 8)
 
@@ -150,7 +148,6 @@ def test_constrained_greedy_outputs_are_the_same_with_and_without_speculation_dp
     check("dp=8", 32)
 
 
-@pytest.mark.slow
 def test_a_verify_without_the_masks_gives_invalid_outputs(monkeypatch):
     """The same speculating engine with the verify's masks left out (padding instead): some answer breaks its
     grammar (the matcher refuses a token it booked, or the text does not validate), so the tests above would fail
