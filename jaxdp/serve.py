@@ -112,6 +112,19 @@ def load_tokenizer(config: ServeConfig) -> Tokenizer | None:
     return tokenizer
 
 
+def with_readable_grammars(config: ServeConfig, tokenizer: Tokenizer | None) -> ServeConfig:
+    """The config with no grammar backend where its library cannot read the model's tokenizer: the server still
+    serves, without structured outputs (their requests get a 400), and says why once in its log."""
+    vocab = vocabulary(tokenizer, tokenizer.tok.get_vocab_size()) if tokenizer is not None else None
+    problem = Grammars.reading_problem(config.engine.grammar_backend, vocab)
+    if problem is None:
+        return config
+    log.warning("--grammar-backend %s cannot read this model's tokenizer (%s): serving without structured outputs "
+                "(response_format, json_schema, regex and ebnf requests get a 400); --grammar-backend xgrammar may "
+                "read it", config.engine.grammar_backend, problem)
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, grammar_backend="none"))
+
+
 def start_xla_flags(config: ServeConfig, environ=os.environ, platform: str | None = None) -> None:
     """The XLA_FLAGS the engines need, set before JAX's backends start (when XLA reads them): with two-batch
     overlap on a GPU, XLA:GPU's latency-hiding scheduler (analytical estimator) and no combining of collectives
@@ -138,7 +151,7 @@ def start_engines(config: ServeConfig) -> tuple[ReplicaSet, Tokenizer | None]:
     keep_freed_host_memory()  # a CPU's steps reuse their temporaries' pages
     layout.validate(len(jax.devices()))
     tokenizer = load_tokenizer(config)
-    return build_backend(config, tokenizer), tokenizer
+    return build_backend(with_readable_grammars(config, tokenizer), tokenizer), tokenizer
 
 
 def build_backend(config: ServeConfig, tokenizer) -> ReplicaSet:
@@ -201,6 +214,7 @@ def run_server(config: ServeConfig) -> int:
     nodes) behind the HTTP API, until SIGTERM."""
     with one_line_errors():
         check_port(config.http.host, config.http.port)
+        config = with_readable_grammars(config, load_tokenizer(config))
         if config.engine_process:  # the devices are the child's: JAX starts there, not here
             tokenizer = load_tokenizer(config)
             backend = start_engine_process(config, tokenizer)

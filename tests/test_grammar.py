@@ -291,3 +291,26 @@ def test_terminated_means_nothing_but_the_stop_token_is_left(backend):
     more, done = backend.matcher(backend.compile("regex", "a+")), backend.matcher(backend.compile("regex", "ab"))
     assert more.accept(ids("a")[0]) and not more.terminated()
     assert all(done.accept(t) for t in ids("ab")) and done.terminated()
+
+
+def test_a_backend_that_cannot_read_the_tokenizer_leaves_the_server_serving_without_grammars(tmp_path, caplog):
+    """llguidance takes no tokenizer.json without a decoder (the peer checkpoint's bare word-level one): the server
+    starts without structured outputs and says why in one log line, rather than dying at start-up; a backend that
+    reads it (xgrammar) is kept, and so is llguidance with a tokenizer it reads."""
+    from jaxdp.bench.peer_model import write_tokenizer
+    from jaxdp.serve import build_parser, serve_config, with_readable_grammars
+    from jaxdp.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path, 4096)
+    words = Tokenizer.from_dir(tmp_path)
+    default = serve_config(build_parser().parse_args([]))
+    assert default.engine.grammar_backend == "llguidance"
+    with caplog.at_level("WARNING", logger="jaxdp.serve"):
+        served = with_readable_grammars(default, words)
+    assert served.engine.grammar_backend == "none"
+    assert "--grammar-backend llguidance cannot read this model's tokenizer" in caplog.text
+    assert with_readable_grammars(default, Tokenizer.from_dir(default.tokenizer_path)) is default
+    assert with_readable_grammars(default, None) is default
+    if "xgrammar" in installed_backends():
+        given = serve_config(build_parser().parse_args(["--grammar-backend", "xgrammar"]))
+        assert with_readable_grammars(given, words) is given

@@ -178,7 +178,7 @@ def test_penalties_bias_and_grammars_are_checked_and_refused_in_one_sentence():
     try:
         with pytest.raises(BadRequest, match=r"^logit_bias holds token id 512, outside the vocabulary \(0..511\)$"):
             eng.make_request([1, 2], SamplingParams(logit_bias={512: 1.0}))
-        with pytest.raises(BadRequest, match=r"^this server has no grammar backend \(--grammar-backend none\); "):
+        with pytest.raises(BadRequest, match=r"^this server serves no grammars \(--grammar-backend none, "):
             eng.make_request([1, 2], SamplingParams(grammar=GrammarSpec("regex", "a+")))
     finally:
         eng.shutdown()
@@ -394,7 +394,7 @@ def test_a_speculating_server_takes_the_sampling_controls():
     eng = Engine(runner, config=EngineConfig(max_running_requests=4, speculative=SpeculativeConfig(),
                                              disable_cuda_graph=True))
     try:
-        with pytest.raises(BadRequest, match=r"^this server has no grammar backend \(--grammar-backend none\)"):
+        with pytest.raises(BadRequest, match=r"^this server serves no grammars \(--grammar-backend none"):
             eng.make_request([1, 2, 3], SamplingParams(grammar=GrammarSpec("regex", "a")))
         for params in (SamplingParams(min_new_tokens=2), SamplingParams(repetition_penalty=1.2, presence_penalty=1),
                        SamplingParams(logit_bias={1: 1.0})):

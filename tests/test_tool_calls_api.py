@@ -383,7 +383,7 @@ def test_forced_tool_choice_without_a_grammar_backend_and_bad_tool_fields_are_re
     tests/test_structured_outputs.py.)"""
     app = app_over(CannedEngines(deepseek_tokenizer, ["85"]), ChatParsing(tool_call_parser="deepseekv3"))
     named = {"type": "function", "function": {"name": "add"}}
-    grammar = "tool_choice needs constrained decoding, and this server runs with --grammar-backend none"
+    grammar = "tool_choice needs constrained decoding, and this server serves no grammars (--grammar-backend none"
     cases = [
         ({"tools": [ADD], "tool_choice": "required"}, grammar),
         ({"tools": [ADD], "tool_choice": named}, grammar),

@@ -84,9 +84,10 @@ async def checked(grammars: Grammars | None, spec: GrammarSpec | None, param: st
     if spec is None:
         return None
     if grammars is None:
-        raise ApiError(f"{param} needs constrained decoding, and this server runs with --grammar-backend none "
-                       "(the default on a speculating server); leave it out, or start the server with a grammar "
-                       "backend", param=param)
+        raise ApiError(f"{param} needs constrained decoding, and this server serves no grammars (--grammar-backend "
+                       "none, or a backend that cannot read its tokenizer: its start-up log says which); leave it "
+                       "out, or start the server with a grammar backend that reads the model's tokenizer",
+                       param=param)
     try:
         await asyncio.wrap_future(grammars.check(spec))
     except GrammarError as e:

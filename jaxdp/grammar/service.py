@@ -34,6 +34,18 @@ class Grammars:
         self._cache_entries = cache_entries
         self._overdue = 0  # workers held by a compile past its time limit
 
+    @staticmethod
+    def reading_problem(backend: str, vocab: Vocabulary | None) -> str | None:
+        """Why the `backend` library cannot read `vocab`'s tokenizer (llguidance takes no tokenizer.json without a
+        decoder, such as a bare word-level one), or None where it can, or where no grammar is served anyway."""
+        if backend == "none" or vocab is None:
+            return None
+        try:
+            BACKENDS[backend](vocab)
+        except Exception as e:  # (each library raises its own error for a tokenizer it cannot read)
+            return str(e) or type(e).__name__
+        return None
+
     @classmethod
     def create(cls, backend: str, vocab: Vocabulary | None, **kwargs: Any) -> Grammars | None:
         """The service for `--grammar-backend backend` over `vocab` (None for "none", or without a tokenizer)."""

@@ -132,9 +132,9 @@ def check_controls(params: SamplingParams, grammars: bool) -> None:
     Disaggregation takes them all: the prefill server samples the first token with them, the decode server starts
     each request's penalty slot and matcher from its prompt and that token."""
     if params.grammar is not None and not grammars:
-        raise BadRequest("this server has no grammar backend (--grammar-backend none); leave response_format, "
-                         "json_schema, regex and ebnf out, or start it with --grammar-backend llguidance (the default) "
-                         "or xgrammar")
+        raise BadRequest("this server serves no grammars (--grammar-backend none, or a backend that cannot read its "
+                         "tokenizer: its start-up log says which); leave response_format, json_schema, regex and ebnf "
+                         "out, or start it with --grammar-backend llguidance (the default) or xgrammar")
 
 
 def check_bootstrap(mode: str | None, bootstrap: Bootstrap | None) -> None:

@@ -50,6 +50,9 @@ class Matcher(Protocol):
     def reset(self) -> None:
         """Back to the grammar's start."""
 
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a verify walks a request's drafts and back)."""
+
 
 class Grammars(Protocol):
     """A grammar backend as the engine is given it: compiling happens off the engine's loop."""
