@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from jaxdp.api.app import create_app
 from jaxdp.api.parsers.forced_calls import ToolCallArrayReader
 from jaxdp.engine import Engine
-from jaxdp.engine.options import EngineConfig
+from jaxdp.engine.options import EngineConfig, SpeculativeConfig
 from jaxdp.grammar import Grammars, vocabulary
 from jaxdp.serve import build_parser
 from jaxdp.serve_config import UserError, serve_config
@@ -245,12 +245,15 @@ def test_a_forced_answer_reads_the_same_streamed_in_any_pieces_as_whole():
 
 
 @pytest.mark.slow
-def test_200_sampled_constrained_outputs_at_dp8_all_validate():
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_200_sampled_constrained_outputs_at_dp8_all_validate(speculative):
     """Issue 46's validity goal: 200 constrained answers of the default model, sampled (temperature 1, a seed each)
     on a dp=8 engine through the API, a third each a JSON schema, a regex and a forced tool call, all validate
-    (jsonschema, re.fullmatch, the tool's schema). Bounded strings and numbers: the model is small (README)."""
+    (jsonschema, re.fullmatch, the tool's schema), without and with speculative decoding (MTP drafts checked
+    against the grammar in the verify). Bounded strings and numbers: the model is small (README)."""
     config = EngineConfig(page_size=16, num_pages=32, max_running_requests=64, chunked_prefill_size=1024,
-                          decode_buckets=[8], extend_buckets=[256])
+                          decode_buckets=[8], extend_buckets=[256],
+                          speculative=SpeculativeConfig() if speculative else None)
     eng = Engine("default", "dp=8", config)
     eng.grammars = Grammars.create("llguidance", vocabulary(eng.tokenizer, eng.runner.cfg.vocab_size))
     eng.accepts_grammars = True
