@@ -188,3 +188,17 @@ def test_bench_command_on_the_peer_checkpoint(tmp_path):
     # (--grammar-backend none: llguidance cannot read a word-level tokenizer without a decoder)
     assert_one_sample(bench_counts(["--mesh", "dp=8", "--model-path", str(path), "--grammar-backend", "none"],
                                    tmp_path, modes, wait=600))
+
+
+def test_an_engine_built_in_python_refuses_such_a_model_too():
+    """The library path (`jaxdp.Engine`, `build_runners`) keeps the server's promise: a model the native kernels do
+    not take is refused with the same sentence, after its config is known, rather than served non-deterministically."""
+    import jax
+
+    from jaxdp.engine.setup import build_runners
+    from jaxdp.layout import parse_mesh_spec
+
+    layout = parse_mesh_spec("dp=1")
+    with pytest.raises(ValueError, match=r"^--enable-deterministic-inference needs widths the native kernels take"):
+        build_runners("tiny", layout, [layout.make_mesh(jax.devices()[:1])], num_pages=4, page_size=16,
+                      deterministic=True)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
@@ -25,10 +26,11 @@ from jaxdp.eplb.slots import initial_placement, with_expert_slots
 from jaxdp.layout import ensure_host_devices, parse_mesh_spec
 from jaxdp.model.checkpoint import stored_float_dtype
 from jaxdp.model.loader import build_model, build_mtp, default_model_path
+from jaxdp.model.modelopt import read_quant_config
 from jaxdp.model.sharded import ShardedModel, describe_weight_bytes
 from jaxdp.ops.attention import decode_kernels
 from jaxdp.ops.platform import default_dtype
-from jaxdp.ops.registry import fp8_gemm_backend, moe_runner_backend
+from jaxdp.ops.registry import deterministic_model_refusal, fp8_gemm_backend, moe_runner_backend
 from jaxdp.parallel.dcp import check_dcp_pool
 from jaxdp.parallel.spec_step import run_spec_step
 from jaxdp.parallel.step import StepOptions, StepRunner
@@ -135,6 +137,9 @@ def build_runners(model: str | None | ModelOptions, layout, meshes: list, *, num
     check_dcp_pool(o.dcp_size, layout.tp, page_size)  # (before the weights load)
     first = build_model(o.path, layout, meshes[0], o.dtype, seed=o.seed, quantization=o.quantization,
                         num_layers=o.num_layers, tiny_width=o.tiny_width, fp8_gemm_backend=gemm)
+    if o.deterministic and (why := deterministic_model_refusal(  # (the server refused it before loading)
+            first.cfg, o.quantization, bool(o.path and Path(o.path).is_dir() and read_quant_config(o.path)))):
+        raise ValueError(why)
     if o.ep_num_redundant_experts or o.init_expert_location:  # redundant experts: E + R slots and the map
         placement = initial_placement(first.cfg, layout, o.ep_num_redundant_experts, o.init_expert_location)
         first = with_expert_slots(first, placement, layout, meshes[0], o.ep_dispatch_algorithm)
