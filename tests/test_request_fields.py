@@ -287,5 +287,5 @@ def test_the_openai_client_gets_a_400_naming_the_field():
                                                "repetition_penalty", "presence_penalty"]
     assert all(" must be numbers in " in s or " must be a number in " in s for s in [said[0], *said[3:]])  # (honoured)
     for s in said[1:3]:  # (honoured: this app has no grammar backend, as a server with --grammar-backend none)
-        assert s.split(" ", 1)[1].startswith("needs constrained decoding, and this server runs with --grammar-backend "
-                                             "none"), s
+        assert s.split(" ", 1)[1].startswith("needs constrained decoding, and this server serves no grammars "
+                                             "(--grammar-backend none"), s
