@@ -139,6 +139,7 @@ def check(mesh_spec: str, n: int) -> None:
     assert accepted > n  # (drafts were accepted under the grammar)
 
 
+@pytest.mark.slow  # (two dp=8 engines: about 4 minutes of compiles on a fresh cache; the masks' test below stays)
 def test_constrained_greedy_outputs_are_the_same_with_and_without_speculation_dp8():
     check("dp=8", 8)
 
