@@ -120,9 +120,13 @@ def prepare_verify(logits_BJV, drafts_BD, n_draft_B, n_out_B, min_tokens_B, ban_
     def penalise():
         at = jnp.where(has, pen_slot_B, 0)
         offered = jnp.arange(J - 1) < n_draft_B[:, None]
-        drafted = jax.nn.one_hot(jnp.where(offered, drafts_BD, -1), V, dtype=jnp.int32)  # [B, D, V] (-1: none)
-        before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(drafted, axis=1)], axis=1)
-        counts = counts_PV[at][:, None] + before  # [B, J, V]
+        # draft i counts at every later position j > i: one scatter into the slot's counts broadcast over the
+        # positions (no [B, D, V] one-hot or running sum beside the [B, J, V] logits)
+        later = jnp.arange(J)[None, :] > jnp.arange(J - 1)[:, None]  # [D, J]
+        token = jnp.where(later[None] & offered[..., None], drafts_BD[..., None], V)  # [B, D, J] (V: dropped)
+        position = jnp.broadcast_to(jnp.arange(J), token.shape)
+        counts = jnp.broadcast_to(counts_PV[at][:, None], (B, J, V)).at[
+            jnp.arange(B)[:, None, None], position, token].add(1, mode="drop")  # [B, J, V]
         seen = jnp.broadcast_to(seen_PV[at][:, None], counts.shape)
         per = lambda x: jnp.broadcast_to(x[:, None], (B, J))  # noqa: E731
         return penalised(out, counts, seen, per(has), per(frequency_B), per(presence_B), per(repetition_B))
